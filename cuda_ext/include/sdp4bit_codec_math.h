@@ -1,0 +1,109 @@
+// Per-element arithmetic of the SDP4Bit quantizer contract, shared by the CPU and CUDA ops.
+//
+// deepspeed_sdp4bit/codec/reference.py is the definition; every function here is the scalar form of one step
+// there, in the same order, with fp32 IEEE round-to-nearest-even operations and no contraction (both builders
+// compile with FMA contraction off), so all backends produce the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SDP4BIT_HD __host__ __device__ __forceinline__
+#else
+#define SDP4BIT_HD inline
+#endif
+
+namespace sdp4bit {
+
+constexpr int kHadamard = 32;
+constexpr float kFltMin = 1.17549435082228750797e-38f;  // smallest normal fp32; smaller scales encode as zero
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+constexpr float kU24 = 5.9604644775390625e-08f;  // 2^-24
+
+// Wellons' lowbias32 integer hash.
+SDP4BIT_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Uniform fp32 in [0, 1) for the 64-bit counter offset + index under a per-call key (spec.seed_key).
+SDP4BIT_HD float uniform(uint32_t key, uint64_t offset, uint64_t index) {
+  const uint64_t c = offset + index;
+  const uint32_t inner = mix32(static_cast<uint32_t>(c >> 32) ^ key);
+  const uint32_t h = mix32(static_cast<uint32_t>(c) ^ inner);
+  return static_cast<float>(h >> 8) * kU24;
+}
+
+// True for NaN and +-Inf; written as one compare so loops over it vectorise.
+SDP4BIT_HD bool nonfinite(float x) { return !(fabsf(x) <= kFltMax); }
+
+// Group scale from its abs-max: NaN for a group holding NaN/Inf, 0 when absmax/qmax is below FLT_MIN.
+SDP4BIT_HD float group_scale(float absmax, bool has_nonfinite, int qmax) {
+  if (has_nonfinite) return NAN;
+  const float s = absmax / static_cast<float>(qmax);
+  return s < kFltMin ? 0.0f : s;
+}
+
+// Whether a group's values are encoded (finite, non-negligible scale); other groups get all-zero codes.
+SDP4BIT_HD bool usable(float scale) { return scale >= kFltMin; }
+
+// Reciprocal of a usable scale (one fp32 division per group).
+SDP4BIT_HD float inverse_scale(float scale) { return usable(scale) ? 1.0f / scale : 0.0f; }
+
+// Integer level (as fp32) for v = x * inverse_scale: nearest-even, or floor(v) + (u < v - floor(v)); clamped.
+SDP4BIT_HD float level(float v, bool stochastic, float u, float qmax) {
+  float q;
+  if (stochastic) {
+    const float fl = floorf(v);
+    q = fl + ((u < (v - fl)) ? 1.0f : 0.0f);
+  } else {
+    q = rintf(v);
+  }
+  return fminf(fmaxf(q, -qmax), qmax);
+}
+
+// Two 4-bit levels into one byte, even element in the high nibble (two's complement nibbles).
+SDP4BIT_HD uint8_t pack4(int even, int odd) {
+  return static_cast<uint8_t>(((even & 0xF) << 4) | (odd & 0xF));
+}
+
+// An 8-bit level as its two's-complement byte.
+SDP4BIT_HD uint8_t pack8(int q) { return static_cast<uint8_t>(q & 0xFF); }
+
+// Signed level of element `i` from packed codes.
+SDP4BIT_HD int unpack(const uint8_t* codes, int bits, int64_t i) {
+  if (bits == 8) return static_cast<int>(static_cast<int8_t>(codes[i]));
+  const int byte = codes[i >> 1];
+  const int nib = (i & 1) ? (byte & 0xF) : (byte >> 4);
+  return nib >= 8 ? nib - 16 : nib;
+}
+
+// Dequantized value: fp32(q) * scale, one rounding.
+SDP4BIT_HD float dequant(int q, float scale) { return static_cast<float>(q) * scale; }
+
+// In-place butterfly of one 32-block: strides 1, 2, 4, 8, 16; (a, b) -> (a + b, a - b). Unnormalised.
+SDP4BIT_HD void hadamard32(float* v) {
+  for (int h = 1; h < kHadamard; h <<= 1) {
+    for (int i = 0; i < kHadamard; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = v[j];
+        const float b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+    }
+  }
+}
+
+// Swizzled block index: input block (partition z, slice y) goes to output position [y][z % D][z / D].
+SDP4BIT_HD int64_t swizzled_block(int64_t z, int64_t y, int64_t nodes, int64_t ranks_per_node) {
+  const int64_t world = nodes * ranks_per_node;
+  return y * world + (z % ranks_per_node) * nodes + z / ranks_per_node;
+}
+
+}  // namespace sdp4bit

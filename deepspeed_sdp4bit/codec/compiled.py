@@ -1,0 +1,115 @@
+"""Adapter giving a compiled codec op (CPU or CUDA, same bindings) the reference's Python signatures.
+
+The adapter validates arguments with the same checks as the reference, allocates the outputs the caller asked
+for, and passes the stochastic-rounding key and counter offset as computed once in Python (spec.seed_key), so the
+kernels implement only the per-element arithmetic.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .reference import check_swizzle_args
+from .spec import FLOAT_DTYPES, check_codes, check_group_args, codes_nbytes, num_groups, pieces_numel, seed_key
+
+_I64 = 1 << 63
+
+
+def _signed64(value: int) -> int:
+    """A uint64 as the int64 with the same bits (pybind passes int64_t)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= _I64 else value
+
+
+def _outputs(x: torch.Tensor, numel: int, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(codes_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_groups(numel, group_size), dtype=torch.float32, device=x.device)
+    return codes, scales
+
+
+class CompiledBackend:
+    """The reference API over a compiled extension module `op` of kind 'cpu' or 'cuda'."""
+
+    def __init__(self, op: ModuleType, kind: str) -> None:
+        self.op = op
+        self.kind = kind
+
+    def quantize(self, x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
+                 offset: int = 0, valid: int | None = None,
+                 hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        check_group_args(x, bits, group_size, valid, hadamard)
+        codes, scales = _outputs(x, x.numel(), bits, group_size)
+        self.op.quantize(x, codes, scales, bits, group_size, stochastic, seed_key(seed), _signed64(offset),
+                         x.numel() if valid is None else valid, hadamard)
+        return codes, scales
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        check_codes(codes, scales, numel, bits, group_size)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dequantize: dtype {dtype} is not one of float32, bfloat16, float16")
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+        self.op.dequantize(codes, scales, out, bits, group_size)
+        return out
+
+    def hadamard32(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        check_group_args(x, 8, 32, None, True)
+        out = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        self.op.hadamard32(x, out, inverse)
+        return out
+
+    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int,
+                      stochastic: bool = False, seed: int = 0, offset: int = 0,
+                      valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if new.numel() != ref.numel():
+            raise ValueError(f"diff_quantize: new has {new.numel()} elements, ref has {ref.numel()}")
+        check_group_args(new, bits, group_size, valid, False)
+        check_group_args(ref, bits, group_size, valid, False)
+        codes, scales = _outputs(new, new.numel(), bits, group_size)
+        self.op.diff_quantize(new, ref, codes, scales, bits, group_size, stochastic, seed_key(seed),
+                              _signed64(offset), new.numel() if valid is None else valid)
+        return codes, scales
+
+    def dequantize_add_(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                        group_size: int) -> torch.Tensor:
+        check_group_args(ref, bits, group_size, None, False)
+        check_codes(codes, scales, ref.numel(), bits, group_size)
+        self.op.dequantize_add(ref, codes, scales, bits, group_size)
+        return ref
+
+    def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
+                         slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
+                         hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        check_swizzle_args(x, bits, group_size, nodes * ranks_per_node, slices)
+        codes, scales = _outputs(x, x.numel(), bits, group_size)
+        self.op.swizzle_quantize(x, codes, scales, bits, group_size, nodes, ranks_per_node, slices, stochastic,
+                                 seed_key(seed), _signed64(offset), hadamard)
+        return codes, scales
+
+    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
+                                   in_group: int, out_bits: int, out_group: int, stochastic: bool = False,
+                                   seed: int = 0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = pieces_numel(codes, scales, pieces, in_bits, in_group)
+        probe = torch.empty(numel, dtype=torch.float32, device="meta")
+        check_group_args(probe, out_bits, out_group, None, False)
+        if numel % out_group:
+            raise ValueError(f"piece of {numel} elements is not a multiple of out_group {out_group}")
+        out_codes, out_scales = _outputs(codes, numel, out_bits, out_group)
+        self.op.dequantize_reduce_quantize(codes, scales, pieces, in_bits, in_group, out_codes, out_scales, out_bits,
+                                           out_group, stochastic, seed_key(seed), _signed64(offset))
+        return out_codes, out_scales
+
+    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
+                          group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
+                          mul: float = 1.0) -> torch.Tensor:
+        numel = pieces_numel(codes, scales, pieces, bits, group_size)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dequantize_reduce: dtype {dtype} is not one of float32, bfloat16, float16")
+        if hadamard and numel % 32:
+            raise ValueError(f"hadamard needs a multiple of 32 elements, got {numel}")
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+        self.op.dequantize_reduce(codes, scales, pieces, bits, group_size, out, hadamard, float(mul))
+        return out
+

@@ -1,0 +1,79 @@
+"""Backend selection for the codec: compiled op by tensor device, the reference as the one-warning fall-back."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from . import reference
+
+BACKENDS = ("auto", "reference", "cpu", "cuda")
+ENV_VAR = "SDP4BIT_CODEC_BACKEND"
+
+_forced: str = "auto"
+_loaded: dict[str, Any] = {}
+_failed: dict[str, str] = {}
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} / set_backend: backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Force a codec backend for every call ('auto' restores per-device selection)."""
+    global _forced
+    _forced = _check_name(name)
+
+
+def _wanted(device: torch.device) -> str:
+    """The backend a tensor on `device` should use under the current forcing."""
+    forced = _check_name(os.environ.get(ENV_VAR, _forced) or "auto")
+    if forced == "auto":
+        return device.type if device.type in ("cpu", "cuda") else "reference"
+    if forced not in ("reference", device.type):
+        raise ValueError(f"codec backend {forced!r} is forced but the tensor is on {device.type}")
+    return forced
+
+
+def _load(kind: str) -> Any | None:
+    """The compiled backend for `kind`, building it on first use; None (and one warning) if it cannot build."""
+    if kind in _loaded:
+        return _loaded[kind]
+    if kind in _failed:
+        return None
+    from ..ops import load_codec_op
+    from .compiled import CompiledBackend
+
+    try:
+        _loaded[kind] = CompiledBackend(load_codec_op(kind), kind)
+    except Exception as exc:  # any build or import failure means: fall back to the reference, loudly
+        _failed[kind] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"deepspeed_sdp4bit: the {kind} codec op could not be built ({_failed[kind]}); "
+                      f"using the plain-torch reference codec instead", RuntimeWarning, stacklevel=3)
+        return None
+    return _loaded[kind]
+
+
+def backend_for(tensor: torch.Tensor) -> ModuleType | Any:
+    """The backend object whose functions run on `tensor`'s device."""
+    kind = _wanted(tensor.device)
+    if kind == "reference":
+        return reference
+    backend = _load(kind)
+    if backend is not None:
+        return backend
+    if _forced == kind or os.environ.get(ENV_VAR) == kind:
+        raise RuntimeError(f"codec backend {kind!r} is forced but could not be built: {_failed[kind]}")
+    return reference
+
+
+def backend_name(tensor: torch.Tensor) -> str:
+    """Name of the backend a call on `tensor` would use: 'reference', 'cpu' or 'cuda'."""
+    backend = backend_for(tensor)
+    return "reference" if backend is reference else backend.kind

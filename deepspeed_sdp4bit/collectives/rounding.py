@@ -1,0 +1,42 @@
+"""Seeds and counter offsets for stochastic rounding: reproducible, distinct per rank and per stage.
+
+A stream hands out disjoint counter ranges (offset, offset + numel) under one seed derived from the base seed,
+the rank and the stage, so no two quantizations on any rank reuse random numbers, and a checkpointed counter
+resumes the exact same draws.
+"""
+
+from __future__ import annotations
+
+from ..codec.spec import mix32_int
+
+_M64 = (1 << 64) - 1
+
+
+def derive_seed(base_seed: int, rank: int, stage: int) -> int:
+    """A 64-bit seed for (base seed, rank, stage), mixing each part so nearby inputs give unrelated seeds."""
+    lo = mix32_int(mix32_int(base_seed & 0xFFFFFFFF) ^ mix32_int(rank + 0x632BE5AB))
+    hi = mix32_int(mix32_int((base_seed >> 32) ^ 0x85EBCA6B) ^ mix32_int(stage + 0x27D4EB2F))
+    return ((hi << 32) | lo) & _M64
+
+
+class RoundingStream:
+    """Disjoint counter ranges under one seed; `take(n)` returns (seed, offset) for an n-element quantization."""
+
+    def __init__(self, base_seed: int, rank: int, stage: int) -> None:
+        self.seed = derive_seed(base_seed, rank, stage)
+        self.counter = 0
+
+    def take(self, numel: int) -> tuple[int, int]:
+        """(seed, offset) for the next `numel` elements."""
+        offset = self.counter
+        self.counter = (self.counter + int(numel)) & _M64
+        return self.seed, offset
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "counter": self.counter}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"rounding stream seed {state['seed']} in the checkpoint differs from {self.seed}: "
+                             "the checkpoint was written with another sdp4bit.seed or on another rank")
+        self.counter = int(state["counter"])

@@ -1,0 +1,124 @@
+"""Nodes and local ranks of the job, and the process groups the two-level collectives run on.
+
+Rank r is (node r // D, local r % D) for D ranks per node. D comes from, in order, an explicit setting (which
+lets one machine act as several nodes), LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (deepspeed launcher), or the
+hostnames of all ranks. Whatever the source, ranks must be numbered node by node with equal nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+ENV_SOURCES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+class TopologyError(RuntimeError):
+    """The ranks cannot be arranged as equal nodes numbered node by node."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in a world of `nodes` x `ranks_per_node` ranks, with its process groups.
+
+    `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node.
+    """
+
+    world: int
+    rank: int
+    ranks_per_node: int
+    source: str
+    intra: ProcessGroup | None
+    inter: ProcessGroup | None
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    def global_rank(self, node: int, local: int) -> int:
+        """The world rank of (node, local)."""
+        return node * self.ranks_per_node + local
+
+
+def _gather(value: object) -> list:
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _from_hostnames(hosts: list[str]) -> int:
+    """Ranks per node from the hostname of every rank; each host's ranks must be one contiguous equal run."""
+    runs: list[tuple[str, int]] = []
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1] = (host, runs[-1][1] + 1)
+        else:
+            runs.append((host, 1))
+    names = [host for host, _ in runs]
+    if len(set(names)) != len(names):
+        raise TopologyError(f"ranks are not numbered node by node: hosts in rank order are {hosts}")
+    sizes = {count for _, count in runs}
+    if len(sizes) != 1:
+        raise TopologyError(f"nodes have different numbers of ranks: {dict(runs)}")
+    return sizes.pop()
+
+
+def _detect(explicit: int | str, world: int) -> tuple[int, str, list[str]]:
+    """(ranks per node, where it came from, hostnames); collective over the default group."""
+    hosts = _gather(socket.gethostname())
+    if explicit != "auto":
+        return int(explicit), "ranks_per_node setting", hosts
+    for name in ENV_SOURCES:
+        values = _gather(os.environ.get(name))
+        if values[0] is not None:
+            if len(set(values)) != 1:
+                raise TopologyError(f"{name} differs between ranks: {values}")
+            try:
+                return int(values[0]), name, hosts
+            except ValueError:
+                raise TopologyError(f"{name} = {values[0]!r} is not an integer") from None
+    return _from_hostnames(hosts), "hostnames", hosts
+
+
+def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> None:
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise TopologyError(f"ranks per node = {ranks_per_node} (from {source}) must be >= 1 and divide the world "
+                            f"size {world}")
+    for node in range(world // ranks_per_node):
+        block = hosts[node * ranks_per_node:(node + 1) * ranks_per_node]
+        if len(set(block)) != 1:
+            raise TopologyError(f"ranks per node = {ranks_per_node} (from {source}) puts ranks of different hosts "
+                                f"{sorted(set(block))} on node {node}: ranks must be numbered node by node")
+
+
+def _my_group(groups: list[list[int]], rank: int) -> ProcessGroup | None:
+    """Create every group (all ranks must take part in each creation) and return the one holding `rank`."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def build_topology(ranks_per_node: int | str = "auto") -> Topology:
+    """Detect and check the node layout and create the intra- and inter-node groups (collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_node, source, hosts = _detect(ranks_per_node, world)
+    _check(per_node, source, world, hosts)
+    nodes = world // per_node
+    intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
+    inter = _my_group([list(range(l, world, per_node)) for l in range(per_node)], rank)
+    return Topology(world=world, rank=rank, ranks_per_node=per_node, source=source, intra=intra, inter=inter)

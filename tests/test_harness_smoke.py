@@ -1,0 +1,27 @@
+"""The spawn harness itself: real gloo ranks, results in rank order, worker failures surface."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_distributed
+
+
+def _sum_of_ranks() -> float:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+
+
+def test_all_ranks_run_and_reduce():
+    assert run_distributed(3, _sum_of_ranks) == [3.0, 3.0, 3.0]
+
+
+def test_worker_failure_is_reported():
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        run_distributed(2, _fail_on_rank_one, timeout=120)
