@@ -1,3 +1,14 @@
-"""SDP4Bit 4-bit communication for DeepSpeed ZeRO stage 3."""
+"""SDP4Bit 4-bit communication for DeepSpeed ZeRO stage 3.
+
+Importing this package makes `deepspeed.initialize` honour a top-level "sdp4bit" block in the DeepSpeed config;
+`deepspeed_sdp4bit.initialize` does the same explicitly. Engines without an enabled block are untouched.
+"""
+
+from .config import SDP4BitConfig, SDP4BitConfigError, parse_config
+from .zero3 import SDP4BitCompatError, SDP4BitRuntime, initialize, install_initialize_hook
 
 __version__ = "0.1.0"
+__all__ = ["SDP4BitCompatError", "SDP4BitConfig", "SDP4BitConfigError", "SDP4BitRuntime", "initialize",
+           "parse_config"]
+
+install_initialize_hook()

@@ -1,0 +1,76 @@
+"""The DeepSpeed versions this package was tested with, and a check that every symbol it patches still exists.
+
+A monkeypatch on a moved or renamed internal would silently do nothing; instead, activation fails with the list
+of what changed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import deepspeed
+from packaging.version import Version
+
+TESTED_RANGE = (Version("0.19.8"), Version("0.19.9"))  # [low, high)
+
+# (module, attribute path, parameter names the patched callable must have, or None for "any attribute").
+PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("deepspeed", "initialize", ("args", "model", "config", "config_params")),
+    ("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", ("tensors", "group")),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._post_step", ("self", "timer_names")),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+     ("self", "params_to_reduce", "communication_data_type")),
+    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters.__exit__", ("self", )),
+    ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus", None),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", ("self", "save_dir", "tag", "client_state")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", ("self", "load_dir", "tag")),
+)
+
+
+class SDP4BitCompatError(RuntimeError):
+    """The installed DeepSpeed is outside the tested range or lacks a symbol this package patches."""
+
+
+def _resolve(module: str, path: str) -> object:
+    obj: object = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parameter_names(obj: object) -> list[str]:
+    """Parameter names of a callable, looking through decorators (DeepSpeed's nvtx wrapper keeps no __wrapped__)."""
+    params = inspect.signature(obj).parameters.values()
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        for cell in getattr(obj, "__closure__", None) or ():
+            inner = cell.cell_contents
+            if callable(inner) and not inspect.isclass(inner):
+                return _parameter_names(inner)
+    return [p.name for p in params]
+
+
+def _symbol_problem(module: str, path: str, params: tuple[str, ...] | None) -> str | None:
+    """A description of what is wrong with one patched symbol, or None if it is as expected."""
+    try:
+        obj = _resolve(module, path)
+    except (ImportError, AttributeError):
+        return f"{module}.{path} is missing"
+    if params is None:
+        return None
+    have = _parameter_names(obj)
+    if not set(params) <= set(have):
+        return f"{module}.{path} has parameters {have}, expected {list(params)}"
+    return None
+
+
+def check_deepspeed() -> None:
+    """Raise SDP4BitCompatError unless DeepSpeed's version is tested and every patched symbol is as expected."""
+    version = Version(deepspeed.__version__.split("+")[0])
+    problems = []
+    low, high = TESTED_RANGE
+    if not low <= version < high:
+        problems.append(f"deepspeed {deepspeed.__version__} is outside the tested range >={low},<{high}")
+    problems += [p for p in (_symbol_problem(*entry) for entry in PATCHED_SYMBOLS) if p]
+    if problems:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely:\n  " + "\n  ".join(problems))

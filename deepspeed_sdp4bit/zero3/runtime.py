@@ -1,0 +1,262 @@
+"""What an engine gains from an enabled "sdp4bit" block: the collectives, their state, lifecycle and telemetry.
+
+`engine.sdp4bit` is an `SDP4BitRuntime`. It owns the weight store (qWD) or the direct gather (qW ablation), the
+TLq reducer, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to the model weights w~ on
+every shard. The patches in `patches.py` call into it; it never patches anything itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import logger
+
+from ..collectives.accounting import KINDS, CommStats
+from ..config import SDP4BitConfig
+from ..topology import Topology
+
+STATE_VERSION = 1
+
+
+class ParamGatherHandle:
+    """DeepSpeed's gather-handle contract for parameters served by SDP4Bit: wait() leaves them full and AVAILABLE."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], inner: Any) -> None:
+        self.params = list(params)
+        self.inner = inner
+        self.complete = False
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self.complete:
+            return
+        for param, full in zip(self.params, self.inner.wait()):
+            param.data = full.view(param.ds_shape)
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        self.complete = True
+
+
+class MultipleHandles:
+    """Waits on several gather handles (SDP4Bit's and DeepSpeed's own for the parameters it keeps)."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
+class SDP4BitRuntime:
+    """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`)."""
+
+    def __init__(self, engine: Any, config: SDP4BitConfig, topology: Topology) -> None:
+        self.engine = engine
+        self.config = config
+        self.topology = topology
+        self.comm_stats = CommStats()
+        self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
+        if config.quantized_weights and not self.params:
+            logger.warning("sdp4bit: quantized_weights is on but every trainable parameter is persistent "
+                           "(numel <= stage3_param_persistence_threshold); DeepSpeed gathers them in full precision")
+            config = config.model_copy(update={"quantized_weights": False})
+            self.config = config
+        self.store = self._make_store() if config.quantized_weights and config.weight_quantization == "difference" \
+            else None
+        self.direct = self._make_direct() if config.quantized_weights and config.weight_quantization == "direct" \
+            else None
+        self.reducer = self._make_reducer() if config.quantized_gradients else None
+        self.optimizer_steps = 0
+        self.last_step_bytes: dict[str, dict[str, float]] = {}
+        self._at_last_step = self.comm_stats.snapshot()
+
+    def _make_store(self) -> Any:
+        from ..collectives.weight_store import WeightStore
+
+        cfg, first = self.config, next(iter(self.params.values()))
+        store = WeightStore(self.topology, replica=cfg.weight_replica, bits=cfg.weight_quantization_bits,
+                            group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
+                            stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size, dtype=first.dtype,
+                            device=first.ds_tensor.device)
+        for key, param in self.params.items():
+            store.add(key, param.ds_numel)
+        store.finalize()
+        return store
+
+    def _make_direct(self) -> Any:
+        from ..collectives.weight_direct import DirectQuantGather
+
+        cfg = self.config
+        return DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
+                                 stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
+
+    def _make_reducer(self) -> Any:
+        from ..collectives.grad_reduce import TLqReducer
+
+        cfg = self.config
+        return TLqReducer(self.topology, bits_intra=cfg.gradient_quantization_bits_intra,
+                          group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,
+                          group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,
+                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
+                          stats=self.comm_stats)
+
+    # ----- when quantization applies
+    def quantizing(self) -> bool:
+        """True from `quantization_start_step` on (engine.global_steps counts optimizer steps, skipped ones too)."""
+        return self.engine.global_steps >= self.config.quantization_start_step
+
+    def manages(self, param: torch.nn.Parameter) -> bool:
+        """Whether this parameter's gathers are served by SDP4Bit."""
+        return getattr(param, "ds_id", None) in self.params and (self.store is not None or self.direct_active())
+
+    # ----- weights
+    def _write_ds_tensors(self, keys: Sequence[int]) -> None:
+        """ds_tensor <- w~ on this rank's shard, keeping DeepSpeed's view of the weights equal to the model's."""
+        for key in keys:
+            self.params[key].ds_tensor.data.copy_(self.store.own_shard(key))
+
+    def resync(self, keys: Sequence[int] | None = None) -> None:
+        """Full-precision rebuild of the replicas from every rank's ds_tensor (collective)."""
+        if self.store is None:
+            return
+        keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
+        if keys:
+            self.store.resync({k: self.params[k].ds_tensor for k in keys})
+            self._write_ds_tensors(keys)
+
+    def refresh(self) -> None:
+        """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
+        if self.store is None:
+            return
+        self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
+        self._write_ds_tensors(list(self.params))
+
+    def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
+        """Start the gather of parameters this runtime manages (collective over the same params on all ranks)."""
+        params = sorted(params, key=lambda p: p.ds_id)
+        for param in params:
+            param.ds_status = ZeroParamStatus.INFLIGHT
+        if self.store is not None:
+            inner = self.store.gather([p.ds_id for p in params])
+        else:
+            inner = self.direct.gather([p.ds_tensor for p in params], [p.ds_numel for p in params])
+        return ParamGatherHandle(params, inner)
+
+    def direct_active(self) -> bool:
+        """Whether direct weight quantization serves gathers now (full precision before the start step)."""
+        return self.direct is not None and self.quantizing()
+
+    # ----- gradients
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor] | None:
+        """TLq reduce-scatter, or None when DeepSpeed's own should run (before the start step)."""
+        if self.reducer is None or not self.quantizing():
+            return None
+        return self.reducer.reduce_scatter_coalesced(tensors, group)
+
+    # ----- lifecycle
+    def after_step(self) -> None:
+        """Called once per successful optimizer step, before DeepSpeed's own post-step work."""
+        self.refresh()
+        self.optimizer_steps += 1
+        interval = self.config.verify_interval
+        if interval and self.store is not None and self.optimizer_steps % interval == 0:
+            self.verify()
+        self._record_step()
+
+    def verify(self) -> bool:
+        """Checksum every replica region across holders; on a mismatch log it and resync in full precision."""
+        report = self.store.checksum()
+        if not report.ok:
+            logger.warning(f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
+                           f"(param ds_id, shard) regions {report.mismatches[:8]}; resyncing in full precision")
+            self.resync()
+        return report.ok
+
+    # ----- telemetry
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Logical and wire bytes per kind (and 'total') since the last reset_stats(), for this rank."""
+        return self.comm_stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self.comm_stats.reset()
+        self._at_last_step = self.comm_stats.snapshot()
+
+    def _record_step(self) -> None:
+        """Per-step byte deltas, kept in last_step_bytes and written to DeepSpeed's monitor when enabled."""
+        now = self.comm_stats.snapshot()
+        self.last_step_bytes = {kind: {key: now[kind][key] - self._at_last_step[kind][key]
+                                       for key in ("logical_bytes", "wire_bytes")}
+                                for kind in (*KINDS, "total")}
+        self._at_last_step = now
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and monitor.enabled and self.engine.global_rank == 0:
+            monitor.write_events(self._events())
+
+    def _events(self) -> list[tuple[str, float, int]]:
+        samples = self.engine.global_samples
+        events = []
+        for kind, values in self.last_step_bytes.items():
+            for key, value in values.items():
+                events.append((f"Train/Samples/sdp4bit/{kind}/{key}", float(value), samples))
+        total = self.last_step_bytes["total"]
+        if total["logical_bytes"]:
+            events.append(("Train/Samples/sdp4bit/compression_ratio",
+                           total["logical_bytes"] / max(total["wire_bytes"], 1), samples))
+        return events
+
+    # ----- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond DeepSpeed's checkpoint: w~ on this shard and the rounding counters."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "world": self.topology.world,
+                                 "ranks_per_node": self.topology.ranks_per_node,
+                                 "config": self.config.model_dump(), "optimizer_steps": self.optimizer_steps}
+        if self.store is not None:
+            state["own_shards"] = {k: self.store.own_shard(k).detach().cpu().clone() for k in self.params}
+            state["store"] = self.store.state_dict()
+        if self.direct is not None:
+            state["direct"] = self.direct.state_dict()
+        if self.reducer is not None:
+            state["reducer"] = self.reducer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore after DeepSpeed loaded a checkpoint (which rewrote ds_tensor from the fp32 masters); resync."""
+        if state is None:
+            logger.warning("sdp4bit: the checkpoint has no sdp4bit state (written without sdp4bit?); starting the "
+                           "replicas from the loaded weights")
+            self.resync()
+            return
+        self._check_state(state)
+        self.optimizer_steps = state["optimizer_steps"]
+        if self.store is not None:
+            for key, shard in state["own_shards"].items():
+                self.params[key].ds_tensor.data.copy_(shard)
+            self.store.load_state_dict(state["store"])
+        if self.direct is not None:
+            self.direct.load_state_dict(state["direct"])
+        if self.reducer is not None:
+            self.reducer.load_state_dict(state["reducer"])
+        self.resync()
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise RuntimeError(f"sdp4bit checkpoint state version {state.get('version')} is not {STATE_VERSION}")
+        saved = (state["world"], state["ranks_per_node"])
+        if saved != (self.topology.world, self.topology.ranks_per_node):
+            raise RuntimeError(f"sdp4bit checkpoint was written with world {saved[0]} and {saved[1]} ranks per node; "
+                               f"this run has {self.topology.world} and {self.topology.ranks_per_node}")
+        weights_saved = "own_shards" in state
+        if weights_saved != (self.store is not None):
+            raise RuntimeError("sdp4bit checkpoint and this run disagree on quantized_weights with weight "
+                               "differences; load with the same sdp4bit block")
+
+
+def _weight_params(engine: Any) -> list[torch.nn.Parameter]:
+    """Trainable, non-persistent ZeRO-3 parameters in ds_id order: the ones whose gathers SDP4Bit serves.
+
+    Persistent parameters (numel <= stage3_param_persistence_threshold) stay gathered and are refreshed by DeepSpeed
+    itself in full precision; frozen parameters never change and keep DeepSpeed's gathers.
+    """
+    params = [p for group in engine.optimizer.fp16_groups for p in group if not p.ds_persist]
+    return sorted(params, key=lambda p: p.ds_id)

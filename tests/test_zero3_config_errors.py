@@ -1,0 +1,91 @@
+"""Issue 4 f: every invalid "sdp4bit" block or conflicting DeepSpeed setting fails at initialize, naming its key.
+
+Block errors are raised by deepspeed.initialize before DeepSpeed builds anything, so they run in this process.
+Conflicts with DeepSpeed settings need a real engine (they are checked right after DeepSpeed builds it, before any
+step) and run on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero3_harness as H
+from dist_harness import run_distributed
+
+QW = {"quantized_weights": True}
+QG = {"quantized_gradients": True}
+
+BLOCK_ERRORS = [
+    ({"foo": 1}, "sdp4bit.foo"),
+    ({"weight_quantization_bits": 3, **QW}, "sdp4bit.weight_quantization_bits"),
+    ({"wq_group_size": 100, **QW}, "sdp4bit.wq_group_size"),
+    ({"wq_group_size": 16384, **QW}, "sdp4bit.wq_group_size"),
+    ({"gq_group_size_intra": 0, **QG}, "sdp4bit.gq_group_size_intra"),
+    ({"gq_group_size_inter": 48, **QG}, "sdp4bit.gq_group_size_inter"),
+    ({"gradient_quantization_bits_intra": 16, **QG}, "sdp4bit.gradient_quantization_bits_intra"),
+    ({"gradient_quantization_bits_inter": 2, **QG}, "sdp4bit.gradient_quantization_bits_inter"),
+    ({"gradient_alltoall_pipeline": 0, **QG}, "sdp4bit.gradient_alltoall_pipeline"),
+    ({"gradient_alltoall_pipeline": "8", **QG}, "sdp4bit.gradient_alltoall_pipeline"),
+    ({"ranks_per_node": 0, **QG}, "sdp4bit.ranks_per_node"),
+    ({"ranks_per_node": "two", **QG}, "sdp4bit.ranks_per_node"),
+    ({"weight_replica": "all", **QW}, "sdp4bit.weight_replica"),
+    ({"weight_quantization": "sign", **QW}, "sdp4bit.weight_quantization"),
+    ({"stochastic_rounding": "yes", **QW}, "sdp4bit.stochastic_rounding"),
+    ({"seed": -1, **QW}, "sdp4bit.seed"),
+    ({"quantization_start_step": -5, **QW}, "sdp4bit.quantization_start_step"),
+    ({"verify_interval": -1, **QW}, "sdp4bit.verify_interval"),
+    ({"refresh_bucket_size": 0, **QW}, "sdp4bit.refresh_bucket_size"),
+    ({"enabled": "true", **QW}, "sdp4bit.enabled"),
+    ({"hadamard_transform": True}, "hadamard_transform"),
+    ({"gradient_alltoall_pipeline": 4}, "gradient_alltoall_pipeline"),
+    ({"weight_replica": "off", **QW}, "weight_replica"),
+]
+
+
+@pytest.mark.parametrize("block, key", BLOCK_ERRORS, ids=[key for _, key in BLOCK_ERRORS])
+def test_block_error_names_key_before_deepspeed_builds(block: dict, key: str) -> None:
+    import deepspeed
+
+    import deepspeed_sdp4bit
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(deepspeed_sdp4bit.SDP4BitConfigError, match=key.replace(".", r"\.")):
+        deepspeed.initialize(model=model, config=H.ds_config(sdp4bit=block))
+
+
+def test_block_that_is_not_an_object_is_rejected() -> None:
+    import deepspeed_sdp4bit
+
+    with pytest.raises(deepspeed_sdp4bit.SDP4BitConfigError, match="sdp4bit must be a JSON object"):
+        deepspeed_sdp4bit.initialize(model=torch.nn.Linear(4, 4), config={**H.ds_config(), "sdp4bit": True})
+
+
+ENGINE_ERRORS = [
+    ("stage 2", {"stage": 2}, QG, "zero_optimization.stage"),
+    ("reduce_scatter off", {"reduce_scatter": False}, QG, "zero_optimization.reduce_scatter"),
+    ("ZeRO++ qgZ", {"zero_quantized_gradients": True}, QG, "zero_optimization.zero_quantized_gradients"),
+    ("ZeRO++ qwZ", {"zero_quantized_weights": True}, QW, "zero_optimization.zero_quantized_weights"),
+    ("hpZ with qWD", {"zero_hpz_partition_size": 2}, QW, "zero_optimization.zero_hpz_partition_size"),
+    ("param offload", {"offload_param": {"device": "cpu"}}, QW, "zero_optimization.offload_param"),
+    ("ranks per node", {}, {"ranks_per_node": 3, **QG}, "ranks_per_node"),
+]
+
+
+def _engine_error(zero: dict, block: dict) -> str:
+    """The error message deepspeed.initialize raises for this config on a real rank ('' if none)."""
+    try:
+        H.make_engine(H.ds_config(sdp4bit=block, **zero))
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _all_engine_errors() -> list[str]:
+    return [_engine_error(zero, block) for _, zero, block, _ in ENGINE_ERRORS]
+
+
+def test_deepspeed_conflicts_fail_at_initialize_naming_the_key() -> None:
+    messages = run_distributed(2, _all_engine_errors)[0]
+    for (name, _, _, key), message in zip(ENGINE_ERRORS, messages):
+        assert key in message, f"{name}: expected an error naming {key}, got {message!r}"
