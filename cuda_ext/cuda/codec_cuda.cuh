@@ -1,0 +1,70 @@
+// Launchers of the CUDA codec kernels: plain pointers, sizes and a stream, no torch types.
+//
+// binding.cpp validates the tensors and calls these; codec_cuda.cu implements them. Keeping torch out of the
+// .cu file keeps the nvcc part of the build short. Every launcher enqueues its kernels on `stream` and returns
+// without synchronising; the caller checks the launch (C10_CUDA_KERNEL_LAUNCH_CHECK).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace sdp4bit::gpu {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// A contiguous float input of one of the three codec dtypes.
+struct FloatInput {
+  const void* data;
+  DType dtype;
+};
+
+// Packed codes and their fp32 group scales.
+struct CodesInput {
+  const uint8_t* codes;
+  const float* scales;
+  int bits;
+  int group_size;
+};
+
+// Where and how a quantizing kernel writes its groups. With block_groups > 0 the output is the swizzled layout:
+// input groups come in blocks of block_groups groups, block z * slices + y going to output block
+// sdp4bit::swizzled_block(z, y, nodes, ranks_per_node); with block_groups == 0 the order is unchanged.
+struct QuantTarget {
+  uint8_t* codes;
+  float* scales;
+  int64_t numel;  // encoded elements; codes holds codes_nbytes(numel, bits) bytes
+  int bits;
+  int group_size;
+  bool stochastic;
+  uint32_t key;
+  uint64_t offset;
+  int64_t block_groups;
+  int64_t nodes;
+  int64_t ranks_per_node;
+  int64_t slices;
+};
+
+// Quantize x[0, t.numel) (elements at index >= valid read as zero), optionally Hadamard-transformed first.
+void launch_quantize(FloatInput x, int64_t valid, bool hadamard, const QuantTarget& t, cudaStream_t stream);
+
+// Quantize fp32(new) - fp32(ref) over t.numel elements; elements at index >= valid read neither input.
+void launch_diff_quantize(FloatInput next, FloatInput ref, int64_t valid, const QuantTarget& t, cudaStream_t stream);
+
+// Sum `pieces` consecutive pieces of t.numel elements each (in fp32, piece 0 first) and quantize the sum into t.
+void launch_dequantize_reduce_quantize(CodesInput in, int64_t pieces, const QuantTarget& t, cudaStream_t stream);
+
+// out[i] = dtype(fp32(q_i) * scale) for i < numel.
+void launch_dequantize(CodesInput in, int64_t numel, void* out, DType out_dtype, cudaStream_t stream);
+
+// ref[i] = dtype(fp32(q_i) * scale + fp32(ref[i])) for i < numel, in place.
+void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dtype, cudaStream_t stream);
+
+// out = dtype(H?(sum of pieces) * factor) over piece_numel elements (a multiple of 32).
+void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel, void* out, DType out_dtype,
+                              bool hadamard, float factor, cudaStream_t stream);
+
+// out = fp32 Walsh-Hadamard transform of every 32-block of x (numel a multiple of 32), times 1/32 if inverse.
+void launch_hadamard32(FloatInput x, int64_t numel, float* out, bool inverse, cudaStream_t stream);
+
+}  // namespace sdp4bit::gpu
