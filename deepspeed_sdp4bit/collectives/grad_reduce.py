@@ -1,0 +1,283 @@
+"""TLq: the two-level quantized gradient reduce-scatter, a drop-in for DeepSpeed's `reduce_scatter_coalesced`.
+
+Every rank ends with the mean over all W ranks of its DeepSpeed partition of every tensor (ceil(n/W) elements per
+rank, the last ones shorter or empty), in the input dtype. The path (W = N nodes x D ranks per node):
+
+1. Lay the tensors out rank-major (destination rank r: the r-th chunk of every tensor, zero-padded to `part`
+   elements, a multiple of lcm(group_intra, group_inter, 32) x pipeline) and quantize it once in the swizzled
+   order [slice][destination local rank][destination node] (8 bits, optional fused Hadamard smoothing).
+2. Per pipeline slice: all-to-all inside the node; sum the D received pieces in fp32 and requantize (4 bits,
+   group_inter); all-to-all among the ranks with the same local index; sum the N pieces in fp32, undo the
+   Hadamard transform, multiply by 1/W and round once to the output dtype.
+
+One node (N = 1) runs only the intra level, one rank per node (D = 1) only the inter level (inter bits and inter
+group), and W = 1 copies. Slices overlap: slice y+1's intra-node exchange is in flight while slice y is
+requantized and while its inter-node exchange runs, and slice y-1 is finished after slice y's inter-node exchange
+has been issued.
+
+Streams (NCCL): every codec kernel runs on the current stream. An async collective enqueues on its process
+group's own stream after waiting on the current stream, so it sees the buffers the kernels wrote; `Work.wait()`
+makes the current stream wait on that collective before the next kernel reads its output. The intra and inter
+groups are separate communicators with separate streams, which is what lets their exchanges overlap. Send and
+receive buffers stay referenced by `_Exchange` until it is waited on. On gloo each group has its own worker
+threads, so the same issue order overlaps there too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import codec
+from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK, check_group_size, qmax_for
+from ..topology import Topology
+from . import comm
+from .accounting import CommStats
+from .rounding import RoundingStream
+
+STAGE_QUANTIZE = 0x67520001
+STAGE_REQUANTIZE = 0x67520002
+
+
+@dataclass(frozen=True)
+class Level:
+    """One quantization level: bits per code and elements per scale."""
+
+    bits: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor's partitions live in the rank-major buffer of `world` parts of `part` elements."""
+
+    world: int
+    numels: tuple[int, ...]
+    chunks: tuple[int, ...]
+    offsets: tuple[int, ...]
+    used: int
+    part: int
+    slices: int
+
+    @property
+    def slice_len(self) -> int:
+        return self.part // self.slices
+
+    def length(self, index: int, rank: int) -> int:
+        """Real elements of tensor `index` in `rank`'s partition (DeepSpeed's partitioning)."""
+        return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index]))
+
+
+def plan_layout(numels: Sequence[int], world: int, unit: int, slices: int) -> Layout:
+    """Chunk sizes ceil(n/W), their offsets in a rank's part, and the part padded up to a multiple of `unit`."""
+    chunks = tuple(-(-n // world) for n in numels)
+    offsets = tuple(sum(chunks[:i]) for i in range(len(chunks)))
+    used = sum(chunks)
+    part = max(1, -(-used // unit)) * unit
+    return Layout(world=world, numels=tuple(numels), chunks=chunks, offsets=offsets, used=used, part=part,
+                  slices=slices)
+
+
+def rank_major(tensors: Sequence[torch.Tensor], layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """The flat buffer [rank][part] holding every tensor's rank chunks, zero elsewhere (views are read as-is)."""
+    buf = torch.zeros(layout.world, layout.part, dtype=dtype, device=tensors[0].device)
+    for tensor, chunk, offset in zip(tensors, layout.chunks, layout.offsets):
+        if chunk == 0:
+            continue
+        flat = tensor.reshape(-1)
+        full = flat.numel() // chunk
+        buf[:full, offset:offset + chunk] = flat[:full * chunk].view(full, chunk)
+        rest = flat.numel() - full * chunk
+        if rest:
+            buf[full, offset:offset + rest] = flat[full * chunk:]
+    return buf.view(-1)
+
+
+def partitions(part: torch.Tensor, layout: Layout, rank: int) -> list[torch.Tensor]:
+    """Views of this rank's reduced part, one per tensor, trimmed to its real partition length."""
+    return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]
+
+
+def _code_bytes(numel: int, bits: int) -> int:
+    return numel * bits // 8
+
+
+def _slice(codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int,
+           index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of the `index`-th run of `numel` elements in a buffer quantized at `level`."""
+    nbytes, nscales = _code_bytes(numel, level.bits), numel // level.group
+    return codes[index * nbytes:(index + 1) * nbytes], scales[index * nscales:(index + 1) * nscales]
+
+
+class _Exchange:
+    """An async all-to-all of codes and scales over `group`; `wait()` returns what this rank received."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, stats: CommStats,
+                 kind: str) -> None:
+        self._sent = (codes, scales)
+        self.codes, self.scales = torch.empty_like(codes), torch.empty_like(scales)
+        self._works = [comm.all_to_all_single(self.codes, codes, group, stats, kind, "codes", async_op=True),
+                       comm.all_to_all_single(self.scales, scales, group, stats, kind, "scales", async_op=True)]
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._sent = None
+        return self.codes, self.scales
+
+
+def _check_level(name: str, bits: int, group: int) -> Level:
+    """Validate one level's constructor arguments, naming them in the error."""
+    try:
+        qmax_for(bits)
+        check_group_size(group)
+    except ValueError as exc:
+        raise ValueError(f"TLqReducer: bits_{name} = {bits}, group_{name} = {group}: {exc}") from None
+    return Level(bits, group)
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """All tensors share one float dtype and one device; returns the dtype."""
+    dtypes = {t.dtype for t in tensors}
+    devices = {t.device for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= FLOAT_DTYPES:
+        raise TypeError(f"reduce_scatter_coalesced: tensors must share one dtype among float32, bfloat16, float16; "
+                        f"got {sorted(map(str, dtypes))}")
+    if len(devices) != 1:
+        raise ValueError(f"reduce_scatter_coalesced: tensors must be on one device, got {sorted(map(str, devices))}")
+    return dtypes.pop()
+
+
+def _check_group(group: object, world: int) -> None:
+    """Only the world group (or None) is allowed: the topology's node groups are built over the world."""
+    if group is None or group is dist.group.WORLD:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"reduce_scatter_coalesced: group must be the world group or None; this rank is not a "
+                         f"member of the group passed ({group!r})")
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != list(range(world)):
+        raise ValueError(f"reduce_scatter_coalesced: group must be the world group (ranks 0..{world - 1}) or None; "
+                         f"got a group of ranks {ranks}")
+
+
+class TLqReducer:
+    """Quantized mean reduce-scatter over the world group on `topo`'s nodes, with exact-resume rounding streams."""
+
+    def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
+                 hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
+        if not isinstance(pipeline, int) or pipeline < 1:
+            raise ValueError(f"TLqReducer: pipeline must be an integer >= 1, got {pipeline!r}")
+        self.topo = topo
+        self.intra = _check_level("intra", bits_intra, group_intra)
+        self.inter = _check_level("inter", bits_inter, group_inter)
+        self.hadamard = bool(hadamard)
+        self.pipeline = pipeline
+        self.stochastic = bool(stochastic)
+        self.stats = stats
+        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * pipeline
+        self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
+        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
+
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], group=None) -> list[torch.Tensor]:
+        """Per tensor, this rank's DeepSpeed partition of the mean over all ranks, in the input dtype."""
+        _check_group(group, self.topo.world)
+        if not tensors:
+            return []
+        dtype = _check_tensors(tensors)
+        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.unit, self.pipeline)
+        if self.topo.world == 1:
+            return [t.reshape(-1).clone() for t in tensors]
+        part = self._reduce(rank_major(tensors, layout, dtype), layout, dtype)
+        return partitions(part, layout, self.topo.rank)
+
+    def _reduce(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's reduced part (layout.part elements) of the rank-major buffer `flat`."""
+        topo = self.topo
+        if topo.nodes > 1 and topo.ranks_per_node > 1:
+            self._account(layout, flat.element_size(), ("grad_intra", layout.world), ("grad_inter", topo.nodes))
+            slices = self._two_level(flat, layout, dtype)
+        elif topo.nodes == 1:
+            self._account(layout, flat.element_size(), ("grad_intra", layout.world))
+            slices = self._one_level(flat, layout, dtype, self.intra, topo.intra, "grad_intra")
+        else:
+            self._account(layout, flat.element_size(), ("grad_inter", layout.world))
+            slices = self._one_level(flat, layout, dtype, self.inter, topo.inter, "grad_inter")
+        return slices[0] if len(slices) == 1 else torch.cat(slices)
+
+    def _account(self, layout: Layout, elem_size: int, *exchanges: tuple[str, int]) -> None:
+        """Logical bytes: each exchange unquantized, `dests` partitions of the real (unpadded) chunks."""
+        for kind, dests in exchanges:
+            self.stats.add_logical(kind, dests * layout.used * elem_size)
+
+    def _quantize(self, flat: torch.Tensor, level: Level, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1: the whole buffer, swizzled so each slice's exchange sends every peer one contiguous run."""
+        seed, offset = self.quant_stream.take(flat.numel())
+        return codec.swizzle_quantize(flat, bits=level.bits, group_size=level.group, nodes=self.topo.nodes,
+                                      ranks_per_node=self.topo.ranks_per_node, slices=layout.slices,
+                                      stochastic=self.stochastic, seed=seed, offset=offset, hadamard=self.hadamard)
+
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 3: sum the D intra-node pieces in fp32 and quantize the sum at the inter level."""
+        seed, offset = self.requant_stream.take(codes.numel() * 8 // self.intra.bits // self.topo.ranks_per_node)
+        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,
+                                                in_bits=self.intra.bits, in_group=self.intra.group,
+                                                out_bits=self.inter.bits, out_group=self.inter.group,
+                                                stochastic=self.stochastic, seed=seed, offset=offset)
+
+    def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype) -> torch.Tensor:
+        """Step 5: sum the received pieces in fp32, undo the Hadamard transform, take the mean, cast."""
+        codes, scales = exchange.wait()
+        return codec.dequantize_reduce(codes, scales, pieces=pieces, bits=level.bits, group_size=level.group,
+                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world)
+
+    def _one_level(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype, level: Level,
+                   group: dist.ProcessGroup, kind: str) -> list[torch.Tensor]:
+        """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""
+        codes, scales = self._quantize(flat, level, layout)
+        run = layout.world * layout.slice_len
+
+        def issue(y: int) -> _Exchange:
+            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)
+
+        pending, out = issue(0), []
+        for y in range(layout.slices):
+            following = issue(y + 1) if y + 1 < layout.slices else None
+            out.append(self._finish(pending, level, layout.world, dtype))
+            pending = following
+        return out
+
+    def _two_level(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
+        codes, scales = self._quantize(flat, self.intra, layout)
+        run = layout.world * layout.slice_len
+
+        def issue_intra(y: int) -> _Exchange:
+            return _Exchange(*_slice(codes, scales, self.intra, run, y), self.topo.intra, self.stats, "grad_intra")
+
+        intra, inter, out = issue_intra(0), None, []
+        for y in range(layout.slices):
+            following = issue_intra(y + 1) if y + 1 < layout.slices else None
+            requantized = self._requantize(*intra.wait())
+            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")
+            if previous is not None:
+                out.append(self._finish(previous, self.inter, self.topo.nodes, dtype))
+            intra = following
+        out.append(self._finish(inter, self.inter, self.topo.nodes, dtype))
+        return out
+
+    def state_dict(self) -> dict:
+        """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
+        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters written by `state_dict` (same seed and rank required)."""
+        missing = {"quantize", "requantize"} - set(state)
+        if missing:
+            raise KeyError(f"TLqReducer.load_state_dict: state lacks {sorted(missing)}; it has {sorted(state)}")
+        self.quant_stream.load_state_dict(state["quantize"])
+        self.requant_stream.load_state_dict(state["requantize"])
