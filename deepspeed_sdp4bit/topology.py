@@ -79,16 +79,19 @@ def _detect(explicit: int | str, world: int) -> tuple[int, str, list[str]]:
     """(ranks per node, where it came from, hostnames); collective over the default group."""
     hosts = _gather(socket.gethostname())
     if explicit != "auto":
-        return int(explicit), "ranks_per_node setting", hosts
+        if type(explicit) is not int:
+            raise TopologyError(f"ranks_per_node = {explicit!r} must be 'auto' or an integer >= 1")
+        return explicit, "ranks_per_node setting", hosts
     for name in ENV_SOURCES:
         values = _gather(os.environ.get(name))
-        if values[0] is not None:
-            if len(set(values)) != 1:
-                raise TopologyError(f"{name} differs between ranks: {values}")
-            try:
-                return int(values[0]), name, hosts
-            except ValueError:
-                raise TopologyError(f"{name} = {values[0]!r} is not an integer") from None
+        if all(value is None for value in values):
+            continue
+        if len(set(values)) != 1:
+            raise TopologyError(f"{name} differs between ranks (None = unset): {values}")
+        try:
+            return int(values[0]), name, hosts
+        except ValueError:
+            raise TopologyError(f"{name} = {values[0]!r} is not an integer") from None
     return _from_hostnames(hosts), "hostnames", hosts
 
 

@@ -1,0 +1,100 @@
+"""Topology detection on real gloo ranks: explicit setting, LOCAL_WORLD_SIZE / LOCAL_SIZE, hostnames, and clear
+errors for layouts that are not equal nodes numbered node by node.
+
+Hostnames are set per rank by replacing socket.gethostname inside the workers (one machine plays several hosts);
+torch.distributed itself is real.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+from deepspeed_sdp4bit.topology import TopologyError, build_topology
+from dist_harness import run_distributed
+
+WORLD = 4
+ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for name in ENV_NAMES:
+        os.environ.pop(name, None)
+    for name, value in values.items():
+        if value is not None:
+            os.environ[name] = value
+
+
+def _set_hosts(hosts: list[str]) -> None:
+    name = hosts[dist.get_rank()]
+    socket.gethostname = lambda: name
+
+
+def _attempt(ranks_per_node: int | str = "auto") -> dict:
+    """build_topology's layout and group members, or its error message."""
+    try:
+        topo = build_topology(ranks_per_node)
+    except TopologyError as exc:
+        return {"error": str(exc)}
+    return {"rpn": topo.ranks_per_node, "source": topo.source, "nodes": topo.nodes, "node": topo.node,
+            "local": topo.local, "intra": dist.get_process_group_ranks(topo.intra),
+            "inter": dist.get_process_group_ranks(topo.inter)}
+
+
+def _scenarios() -> dict[str, dict]:
+    """Every scenario on this rank, in the same order on all ranks (detection is collective)."""
+    rank = dist.get_rank()
+    real_gethostname = socket.gethostname
+    out = {}
+    same = ["box"] * WORLD
+    plans = [
+        ("explicit2", {}, same, 2), ("explicit1", {}, same, 1), ("explicit3", {}, same, 3),
+        ("explicit0", {}, same, 0), ("explicit_str", {}, same, "2"),
+        ("lws", {"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, same, "auto"),
+        ("local_size", {"LOCAL_SIZE": "4"}, same, "auto"),
+        ("lws_differs", {"LOCAL_WORLD_SIZE": str(1 + rank % 2)}, same, "auto"),
+        ("lws_unset_on_rank0", {"LOCAL_WORLD_SIZE": None if rank == 0 else "2"}, same, "auto"),
+        ("lws_not_int", {"LOCAL_WORLD_SIZE": "two"}, same, "auto"),
+        ("hosts_pairs", {}, ["a", "a", "b", "b"], "auto"),
+        ("hosts_one", {}, same, "auto"),
+        ("hosts_interleaved", {}, ["a", "b", "a", "b"], "auto"),
+        ("hosts_unequal", {}, ["a", "a", "a", "b"], "auto"),
+        ("explicit_spans_hosts", {}, ["a", "a", "a", "b"], 2),
+        ("lws_spans_hosts", {"LOCAL_WORLD_SIZE": "2"}, ["a", "b", "a", "b"], "auto"),
+    ]
+    try:
+        for name, env, hosts, setting in plans:
+            _set_env(env)
+            _set_hosts(hosts)
+            out[name] = _attempt(setting)
+    finally:
+        socket.gethostname = real_gethostname
+        _set_env({})
+    return out
+
+
+def test_topology_detection_and_errors():
+    ranks = run_distributed(WORLD, _scenarios)
+    for rank, res in enumerate(ranks):
+        two = {"rpn": 2, "nodes": 2, "node": rank // 2, "local": rank % 2,
+               "intra": [2 * (rank // 2), 2 * (rank // 2) + 1], "inter": [rank % 2, rank % 2 + 2]}
+        assert res["explicit2"] == {**two, "source": "ranks_per_node setting"}
+        assert res["explicit1"]["nodes"] == 4 and res["explicit1"]["intra"] == [rank]
+        assert res["explicit1"]["inter"] == [0, 1, 2, 3]
+        assert "ranks per node = 3 (from ranks_per_node setting) must be >= 1 and divide the world size 4" in \
+            res["explicit3"]["error"]
+        assert "ranks per node = 0" in res["explicit0"]["error"]
+        assert "ranks_per_node = '2' must be 'auto' or an integer >= 1" in res["explicit_str"]["error"]
+        assert res["lws"] == {**two, "source": "LOCAL_WORLD_SIZE"}
+        assert res["local_size"]["source"] == "LOCAL_SIZE" and res["local_size"]["intra"] == [0, 1, 2, 3]
+        assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_differs"]["error"]
+        assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_unset_on_rank0"]["error"]
+        assert "LOCAL_WORLD_SIZE = 'two' is not an integer" in res["lws_not_int"]["error"]
+        assert res["hosts_pairs"] == {**two, "source": "hostnames"}
+        assert res["hosts_one"]["rpn"] == 4 and res["hosts_one"]["inter"] == [rank]
+        assert "not numbered node by node" in res["hosts_interleaved"]["error"]
+        assert "different numbers of ranks" in res["hosts_unequal"]["error"]
+        assert "puts ranks of different hosts ['a', 'b'] on node 1" in res["explicit_spans_hosts"]["error"]
+        assert "(from LOCAL_WORLD_SIZE) puts ranks of different hosts" in res["lws_spans_hosts"]["error"]
