@@ -31,12 +31,19 @@ SDP4BIT_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// Hash of a counter's high 32 bits under the per-call key: constant over counters sharing a high word, so a
+// kernel may compute it once per run of counters that does not cross a 2^32 boundary.
+SDP4BIT_HD uint32_t counter_key(uint32_t key, uint32_t hi) { return mix32(hi ^ key); }
+
+// Uniform fp32 in [0, 1) for the counter whose high word hashed to `inner` and whose low word is `lo`.
+SDP4BIT_HD float uniform_lo(uint32_t inner, uint32_t lo) {
+  return static_cast<float>(mix32(lo ^ inner) >> 8) * kU24;
+}
+
 // Uniform fp32 in [0, 1) for the 64-bit counter offset + index under a per-call key (spec.seed_key).
 SDP4BIT_HD float uniform(uint32_t key, uint64_t offset, uint64_t index) {
   const uint64_t c = offset + index;
-  const uint32_t inner = mix32(static_cast<uint32_t>(c >> 32) ^ key);
-  const uint32_t h = mix32(static_cast<uint32_t>(c) ^ inner);
-  return static_cast<float>(h >> 8) * kU24;
+  return uniform_lo(counter_key(key, static_cast<uint32_t>(c >> 32)), static_cast<uint32_t>(c));
 }
 
 // True for NaN and +-Inf; written as one compare so loops over it vectorise.
@@ -55,7 +62,8 @@ SDP4BIT_HD bool usable(float scale) { return scale >= kFltMin; }
 // Reciprocal of a usable scale (one fp32 division per group).
 SDP4BIT_HD float inverse_scale(float scale) { return usable(scale) ? 1.0f / scale : 0.0f; }
 
-// Integer level (as fp32) for v = x * inverse_scale: nearest-even, or floor(v) + (u < v - floor(v)); clamped.
+// Integer level (as fp32) for v = x * inverse_scale: nearest-even, or floor(v) + (u < v - floor(v)); clamped to
+// [-qmax, qmax] with compares (like torch.clamp, a NaN stays NaN; unlike fminf/fmaxf, it vectorises on CPUs).
 SDP4BIT_HD float level(float v, bool stochastic, float u, float qmax) {
   float q;
   if (stochastic) {
@@ -64,7 +72,8 @@ SDP4BIT_HD float level(float v, bool stochastic, float u, float qmax) {
   } else {
     q = rintf(v);
   }
-  return fminf(fmaxf(q, -qmax), qmax);
+  q = q < -qmax ? -qmax : q;
+  return q > qmax ? qmax : q;
 }
 
 // Two 4-bit levels into one byte, even element in the high nibble (two's complement nibbles).
@@ -86,18 +95,27 @@ SDP4BIT_HD int unpack(const uint8_t* codes, int bits, int64_t i) {
 // Dequantized value: fp32(q) * scale, one rounding.
 SDP4BIT_HD float dequant(int q, float scale) { return static_cast<float>(q) * scale; }
 
-// In-place butterfly of one 32-block: strides 1, 2, 4, 8, 16; (a, b) -> (a + b, a - b). Unnormalised.
-SDP4BIT_HD void hadamard32(float* v) {
-  for (int h = 1; h < kHadamard; h <<= 1) {
-    for (int i = 0; i < kHadamard; i += 2 * h) {
-      for (int j = i; j < i + h; ++j) {
-        const float a = v[j];
-        const float b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
+// One butterfly stage of stride H on a 32-block: (a, b) -> (a + b, a - b) for every pair (j, j + H). The stride is
+// a template argument so every loop has a constant trip count (CPU compilers vectorise it, nvcc unrolls it).
+template <int H>
+SDP4BIT_HD void butterfly(float* v) {
+  for (int i = 0; i < kHadamard; i += 2 * H) {
+    for (int j = i; j < i + H; ++j) {
+      const float a = v[j];
+      const float b = v[j + H];
+      v[j] = a + b;
+      v[j + H] = a - b;
     }
   }
+}
+
+// In-place butterfly of one 32-block: strides 1, 2, 4, 8, 16 in that order. Unnormalised.
+SDP4BIT_HD void hadamard32(float* v) {
+  butterfly<1>(v);
+  butterfly<2>(v);
+  butterfly<4>(v);
+  butterfly<8>(v);
+  butterfly<16>(v);
 }
 
 // Swizzled block index: input block (partition z, slice y) goes to output position [y][z % D][z / D].
