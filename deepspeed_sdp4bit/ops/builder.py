@@ -59,9 +59,10 @@ class CodecCPUBuilder(OpBuilder):
 
     def cxx_args(self) -> list[str]:
         """Vectorised for this CPU, IEEE values kept: no FMA contraction, no fast-math; -fno-trapping-math only lets
-        floorf vectorise (it changes which FP exception flags may be raised, never a value)."""
-        return ["-O3", "-std=c++20", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-fast-math",
-                "-fno-trapping-math", "-Wno-reorder"]
+        floorf vectorise (it changes which FP exception flags may be raised, never a value). The C++ standard is
+        torch's own choice (C++20 for torch >= 2.12, whose headers require it)."""
+        return ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
+                "-Wno-reorder"]
 
     def extra_ldflags(self) -> list[str]:
         return ["-fopenmp"]
