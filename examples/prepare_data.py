@@ -11,8 +11,9 @@ The seed's preprocessing step (Megatron's preprocess_data.py with --append-eod a
   # offline default: the Python documentation shipped in the standard library, no download at all
   python examples/prepare_data.py --output_prefix data/pydoc/tokens
 
-Offline default. `pydoc_data.topics` is real English prose (the language reference and library topics behind
-`help()`, about 0.5 MB) that ships with every CPython, so the quick start needs no network. Its tokenizer is a
+Offline default ("pydoc"): the documentation every CPython ships with, so the quick start needs no network:
+the `pydoc_data.topics` pages (the language reference behind `help()`, about 0.5 MB of English prose) and the
+docstrings of the standard-library modules (about 1.2 MB more; tests and IDLE left out). Its tokenizer is a
 byte-level BPE trained on that same text with the `tokenizers` library (a few seconds): byte-level, so every
 input is encodable with no unknown token, exactly like GPT-2's tokenizer; trained here, so nothing is
 downloaded; and small (--bpe_vocab_size, 2048 by default), so a tiny model's embedding stays small and a short
@@ -27,9 +28,11 @@ is described in token_dataset.py.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import random
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -39,6 +42,7 @@ from tqdm import tqdm
 from token_dataset import paths, token_dtype, write_index
 
 EOD_TOKEN = "<|endoftext|>"
+MIN_DOCSTRING_CHARS = 200
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
 Encoder = Callable[[list[str]], list[list[int]]]
@@ -72,11 +76,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _module_docstrings(path: Path) -> str:
+    """The module, class and function docstrings of one source file, in source order, separated by blank lines."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return ""
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                                          ast.AsyncFunctionDef))]
+    docs = [ast.get_docstring(n) for n in sorted(nodes, key=lambda n: getattr(n, "lineno", 0))]
+    return "\n\n".join(d.strip() for d in docs if d and len(d) >= MIN_DOCSTRING_CHARS)
+
+
 def pydoc_documents(seed: int) -> list[str]:
-    """The topics of the standard library's pydoc_data, in a seeded order so validation is not one subject."""
+    """The interpreter's own documentation, in a seeded order so validation is not one subject.
+
+    One document per pydoc_data topic (the language reference behind help()) and one per standard-library
+    module (its docstrings); test suites and IDLE are left out.
+    """
     from pydoc_data.topics import topics
 
     docs = [topics[name].strip() for name in sorted(topics)]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    for path in sorted(stdlib.rglob("*.py")):
+        if skip.isdisjoint(path.relative_to(stdlib).parts):
+            docs.append(_module_docstrings(path))
+    docs = [d for d in docs if d]
     random.Random(seed).shuffle(docs)
     return docs
 

@@ -14,9 +14,9 @@ iterations, precision; every one can be overridden by its flag. The trainer owns
 the matching DeepSpeed keys (batch sizes, gradient clipping, bf16/fp16) into the config it hands DeepSpeed;
 a config file that sets one of them must agree with the trainer, or the run stops and says which flag to use.
 
-Output in --out: log.csv (one row per step: loss, lr, validation loss, tokens/s and this rank-0's bytes per
-step, from DeepSpeed's comms logger and, when SDP4Bit is active, per SDP4Bit kind), summary.json (also
-printed as one `SUMMARY {...}` line), and a progress bar on rank 0.
+Output in --out: log.csv (one row per step: loss, lr, validation loss, tokens/s and the bytes per
+step on rank 0, from DeepSpeed's comms logger and, when SDP4Bit is active, per SDP4Bit kind), summary.json
+(also printed as one `SUMMARY {...}` line), and a progress bar on rank 0.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 import deepspeed
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,10 +41,10 @@ from tqdm import tqdm
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
+from comm_meter import FIELDS, CommMeter, comm_saved, steady_means
 from gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from token_dataset import SampleOrder, Split, TokenFile
 
-KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter", "total")
 TRAINER_KEYS = {"train_batch_size": "--global_batch", "train_micro_batch_size_per_gpu": "--micro_batch",
                 "gradient_accumulation_steps": "--global_batch / (--micro_batch x ranks)",
                 "gradient_clipping": "--clip_grad"}
@@ -131,8 +132,10 @@ def resolve(args: argparse.Namespace, world: int) -> Settings:
     """Fill card defaults into unset flags and derive gradient accumulation for `world` ranks."""
     card = CARDS[args.model]
     micro = _flag_or(args, "micro_batch", card.micro_batch)
-    values = {"micro_batch": micro, "global_batch": _flag_or(args, "global_batch", card.global_batch or micro * world),
-              "lr": _flag_or(args, "lr", card.lr), "lr_decay_iters": _flag_or(args, "lr_decay_iters", card.lr_decay_iters),
+    values = {"micro_batch": micro,
+              "global_batch": _flag_or(args, "global_batch", card.global_batch or micro * world),
+              "lr": _flag_or(args, "lr", card.lr),
+              "lr_decay_iters": _flag_or(args, "lr_decay_iters", card.lr_decay_iters),
               "seq_len": _flag_or(args, "seq_len", card.seq_len),
               "train_iters": _flag_or(args, "train_iters", card.train_iters)}
     for name, value in values.items():
@@ -293,64 +296,6 @@ def sequence_loss(engine, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-# ----------------------------------------------------------------------------------------------- communication
-def comms_logger_bytes() -> dict[str, int]:
-    """Cumulative input bytes per collective name recorded by DeepSpeed's comms logger on this rank."""
-    logger = deepspeed.comm.comms_logger
-    if not logger.enabled:
-        return {}
-    return {name: sum(size * entry[0] for size, entry in sizes.items()) for name, sizes in logger.comms_dict.items()}
-
-
-def sdp4bit_bytes(engine) -> dict[str, float]:
-    """Cumulative SDP4Bit wire and logical bytes per kind on this rank ({} when SDP4Bit is not attached)."""
-    if not hasattr(engine, "sdp4bit"):
-        return {}
-    stats = engine.sdp4bit.stats()
-    return {f"{kind}_{field}": float(stats[kind][f"{field}_bytes"]) for kind in KINDS for field in ("wire", "logical")}
-
-
-class CommMeter:
-    """Per-step byte deltas of the training steps only (evaluation traffic is left out)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self._last: dict[str, float] = {}
-
-    def _now(self) -> dict[str, float]:
-        ops = comms_logger_bytes()
-        now = {f"op:{name}": float(value) for name, value in ops.items()}
-        if ops:
-            now["comm_bytes"] = float(sum(ops.values()))
-        now.update(sdp4bit_bytes(self.engine))
-        return now
-
-    def start(self) -> None:
-        """Mark the beginning of a training step."""
-        self._last = self._now()
-
-    def stop(self) -> dict[str, float]:
-        """Bytes since start(), per counter."""
-        now = self._now()
-        return {key: value - self._last.get(key, 0.0) for key, value in now.items()}
-
-
-def comm_saved(delta: dict[str, float]) -> float | None:
-    """Fraction of this step's bytes saved versus the same collectives unquantized (None when not measurable).
-
-    With the comms logger: 1 - all bytes / (all bytes - SDP4Bit wire + SDP4Bit logical); without it, the
-    SDP4Bit collectives alone.
-    """
-    wire, logical = delta.get("total_wire"), delta.get("total_logical")
-    if wire is None:
-        return 0.0 if "comm_bytes" in delta else None
-    if not logical:
-        return None
-    if "comm_bytes" in delta:
-        return 1.0 - delta["comm_bytes"] / (delta["comm_bytes"] - wire + logical)
-    return 1.0 - wire / logical
-
-
 # ----------------------------------------------------------------------------------------------- training
 class Trainer:
     """The training loop: steps, evaluation, logging, checkpoints."""
@@ -382,11 +327,13 @@ class Trainer:
 
     def all_mean(self, value: float) -> float:
         """Mean of a float over ranks (torch.distributed directly, so the comms logger counts only training)."""
-        tensor = torch.tensor([value], dtype=torch.float64, device=self._reduce_device())
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.reduce_device)
         dist.all_reduce(tensor)
         return tensor.item() / self.world
 
-    def _reduce_device(self) -> torch.device:
+    @property
+    def reduce_device(self) -> torch.device:
+        """Where the trainer's own all-reduces run: CPU for gloo, the accelerator otherwise."""
         return torch.device("cpu") if dist.get_backend() == "gloo" else self.engine.device
 
     @torch.no_grad()
@@ -400,10 +347,9 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64)
         for begin in range(0, count, self.settings.micro_batch):
             chunk = mine[begin:begin + self.settings.micro_batch]
-            sums[0] += sequence_loss(self.engine, stack(self.data, self.data.valid, chunk, self.engine.device)).item() \
-                * len(chunk)
-            sums[1] += len(chunk)
-        sums = sums.to(self._reduce_device())
+            loss = sequence_loss(self.engine, stack(self.data, self.data.valid, chunk, self.engine.device))
+            sums += torch.tensor([loss.item() * len(chunk), len(chunk)], dtype=torch.float64)
+        sums = sums.to(self.reduce_device)
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).item()
 
@@ -412,16 +358,17 @@ class Trainer:
         tokens_per_step = self.settings.global_batch * self.settings.seq_len
         after_eval = False
         for step in range(start, self.settings.train_iters):
+            lr = self.engine.get_lr()[0]
             self.meter.start()
             began = time.perf_counter()
             loss = self.train_step(step)
             seconds = time.perf_counter() - began
             delta = self.meter.stop()
-            last = step == self.settings.train_iters - 1
-            val = self.evaluate() if last or (step + 1) % self.args.eval_interval == 0 else None
             if not math.isfinite(loss):
                 raise FloatingPointError(f"step {step}: training loss is {loss}")
-            row = {"step": step, "loss": loss, "lr": self.engine.get_lr()[0], "val_loss": val,
+            last = step == self.settings.train_iters - 1
+            val = self.evaluate() if last or (step + 1) % self.args.eval_interval == 0 else None
+            row = {"step": step, "loss": loss, "lr": lr, "val_loss": val,
                    "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds, "after_eval": after_eval,
                    **delta}
             after_eval = val is not None
@@ -443,60 +390,58 @@ class Trainer:
         bar.update(1)
 
     def maybe_save(self, step: int, last: bool) -> None:
-        """DeepSpeed checkpoint every save_interval steps and at the end, with the next step as client state."""
+        """With --save_dir, a DeepSpeed checkpoint every save_interval steps and at the end (next step in it)."""
         interval = self.args.save_interval
-        if self.args.save_dir and interval and ((step + 1) % interval == 0 or last):
+        if self.args.save_dir and (last or (interval and (step + 1) % interval == 0)):
             self.engine.save_checkpoint(self.args.save_dir, client_state={"next_step": step + 1})
 
 
-CSV_FIELDS = ["step", "loss", "lr", "val_loss", "tokens_per_s", "step_time_s", "comm_bytes"] + \
-    [f"{kind}_{field}" for kind in KINDS for field in ("wire", "logical")]
+CSV_FIELDS = ["step", "loss", "lr", "val_loss", "tokens_per_s", "step_time_s", "comm_bytes", *FIELDS]
+
+
+def _csv_value(value: Any) -> str:
+    """Empty for missing values, 6 significant digits for floats."""
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def write_csv_row(path: Path, row: dict[str, Any]) -> None:
-    """Append one row (header first); missing values are empty."""
+    """Append one row (header first, when the file is new)."""
     new = not path.exists()
     with path.open("a") as f:
         if new:
             f.write(",".join(CSV_FIELDS) + "\n")
-        f.write(",".join("" if row.get(k) is None else f"{row[k]:.6g}" if isinstance(row[k], float) else str(row[k])
-                         for k in CSV_FIELDS) + "\n")
+        f.write(",".join(_csv_value(row.get(k)) for k in CSV_FIELDS) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------- summary
-def steady_means(rows: list[dict[str, Any]], steady_from: int) -> dict[str, float]:
-    """Mean per step of every byte counter over the steady-state steps.
-
-    Steady means from `steady_from` on, leaving out each step right after an evaluation: ZeRO-3 may reuse
-    parameters the evaluation gathered, so that step's traffic is partly counted in the evaluation.
-    """
-    steady = [row for row in rows if row["step"] >= steady_from and not row["after_eval"]]
-    keys = sorted({k for row in steady for k in row if k.startswith("op:") or k in CSV_FIELDS[6:]})
-    return {k: sum(row.get(k, 0.0) for row in steady) / len(steady) for k in keys} if steady else {}
+def mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    """Average per-rank dicts over all ranks (a key missing on a rank counts as 0 there)."""
+    gathered: list[dict[str, float] | None] = [None] * world
+    dist.all_gather_object(gathered, values)
+    keys = sorted({k for d in gathered for k in d})
+    return {k: sum(d.get(k, 0.0) for d in gathered) / world for k in keys}
 
 
 def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, extra: dict[str, Any]) -> dict:
     """Final numbers; byte counts per step are means over steady-state steps and over ranks."""
     rows = trainer.rows
     steady_from = args.steady_from if args.steady_from is not None else max(1, settings.train_iters // 10)
-    means = steady_means(rows, steady_from)
-    names = sorted(means)
-    values = torch.tensor([means[k] for k in names], dtype=torch.float64, device=trainer._reduce_device())
-    dist.all_reduce(values)
-    means = {k: v / trainer.world for k, v in zip(names, values.tolist())}
-    timed = [r["tokens_per_s"] for r in rows if r["step"] >= steady_from]
-    summary = {
+    means = mean_over_ranks(steady_means(rows, steady_from), trainer.world)
+    timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
+    tokens_per_step = settings.global_batch * settings.seq_len
+    return {
         **extra, "settings": asdict(settings), "steps": len(rows),
         "initial_loss": rows[0]["loss"] if rows and rows[0]["step"] == 0 else None,
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None),
-        "tokens_per_s": sum(timed) / len(timed) if timed else None,
+        "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed else None,
         "steady_from": steady_from,
         "comm_bytes_per_step": means.get("comm_bytes"),
         "comm_bytes_per_step_by_op": {k[3:]: v for k, v in means.items() if k.startswith("op:")},
         "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k.endswith(("_wire", "_logical"))} or None,
     }
-    return summary
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -536,12 +481,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if rank == 0 and block is not None and block.active and not hasattr(engine, "sdp4bit"):
         print("WARNING: the config enables SDP4Bit but the engine has no SDP4Bit attached: communication is NOT "
               "quantized", file=sys.stderr)
+    start = resume_step(engine, args.load_dir)
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "log.csv").unlink(missing_ok=True)
+        if start == 0:
+            (out / "log.csv").unlink(missing_ok=True)
     trainer = Trainer(args, settings, engine, data, world, rank)
-    start = resume_step(engine, args.load_dir)
+    startup_s = time.time() - psutil.Process().create_time()
     began = time.perf_counter()
     bar = tqdm(total=settings.train_iters, initial=start, desc=f"{settings.model} x{world}", dynamic_ncols=True,
                mininterval=1.0) if rank == 0 else None
@@ -550,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         bar.close()
     extra = {"model": args.model, "config": args.deepspeed_config, "world_size": world, "parameters": n_params,
              "vocab_size": vocab, "ln_vocab": expected_initial_loss(vocab), "sdp4bit": hasattr(engine, "sdp4bit"),
-             "wall_s": time.perf_counter() - began}
+             "startup_s": startup_s, "train_s": time.perf_counter() - began}
     summary = summarise(trainer, settings, args, extra)
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment (.venv in the repository) if absent and install the project with its
+# example and test extras into it. Idempotent: when everything is installed and pyproject.toml has not changed
+# since, it returns in a second.
+#   PYTHON          interpreter for a new venv (default python3, >= 3.10)
+#   SDP4BIT_VENV    venv location (default <repo>/.venv)
+#   SDP4BIT_TORCH   torch requirement installed when the venv has no torch (default torch==2.14.1: on CPU-only
+#                   machines of this project's kind it is a CUDA 13.0 build that runs on the CPU and lets the CUDA
+#                   op be compile-checked; set e.g. "torch" to take what pip picks for your machine)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SDP4BIT_VENV:-$root/.venv}"
+py="$venv/bin/python"
+stamp="$venv/.sdp4bit-installed"
+
+if [ ! -x "$py" ]; then
+  echo "install: creating $venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+fi
+
+have_all() {
+  "$py" - <<'PY'
+import importlib.util, sys
+mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "transformers", "datasets", "tokenizers", "matplotlib",
+        "pytest", "hypothesis", "ninja"]
+sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
+PY
+}
+
+if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && have_all; then
+  echo "install: $venv is up to date"
+  exit 0
+fi
+if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
+  echo "install: ${SDP4BIT_TORCH:-torch==2.14.1} (a minute or two)"
+  "$py" -m pip install -q "${SDP4BIT_TORCH:-torch==2.14.1}"
+fi
+echo "install: the project and its [test] extras (editable)"
+"$py" -m pip install -q -e "$root[test]"
+touch "$stamp"
+echo "install: done ($("$py" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1))"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's second command: install what is needed, then run the whole test suite and print its summary.
+# Compiled ops are JIT-built into TORCH_EXTENSIONS_DIR: a fresh temporary folder (removed afterwards) unless one
+# is set, so a run proves the ops build from scratch. TORCH_CUDA_ARCH_LIST defaults to 9.0 (H100/H200) for the
+# CUDA compile check. Extra arguments go to pytest (e.g. bash scripts/test.sh -k configs).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/install.sh
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+  TORCH_EXTENSIONS_DIR="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-torch-extensions.XXXXXX")"
+  trap 'rm -rf "$TORCH_EXTENSIONS_DIR"' EXIT
+fi
+export TORCH_EXTENSIONS_DIR
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export TOKENIZERS_PARALLELISM=false
+echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+"${SDP4BIT_VENV:-$root/.venv}/bin/python" -m pytest -q -rfEs tests "$@"
