@@ -67,19 +67,23 @@ python examples/plot_runs.py "$out/baseline" "$out/sdp4bit" --labels baseline SD
 python - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
-runs = {name: json.load(open(f"{out}/{name}/summary.json")) for name in ("baseline", "sdp4bit")}
-b, s = runs["baseline"], runs["sdp4bit"]
+b, s = (json.load(open(f"{out}/{name}/summary.json")) for name in ("baseline", "sdp4bit"))
 print(f"final validation loss: baseline {b['final_val_loss']:.4f}, SDP4Bit {s['final_val_loss']:.4f} "
       f"({s['final_val_loss'] / b['final_val_loss'] - 1:+.2%})")
+mb_b, mb_s = b["comm_bytes_per_step"] or 0.0, s["comm_bytes_per_step"] or 0.0
+ratio = f"reduction {mb_b / mb_s:.2f}x" if mb_b and mb_s else "no collectives with a single rank"
 print(f"bytes per rank per step, all collectives (DeepSpeed comms logger, steady state): "
-      f"baseline {b['comm_bytes_per_step'] / 1e6:.3f} MB, SDP4Bit {s['comm_bytes_per_step'] / 1e6:.3f} MB "
-      f"(reduction {b['comm_bytes_per_step'] / s['comm_bytes_per_step']:.2f}x)")
+      f"baseline {mb_b / 1e6:.3f} MB, SDP4Bit {mb_s / 1e6:.3f} MB ({ratio})")
 kinds = s.get("sdp4bit_bytes_per_step") or {}
 for kind in ("weight_refresh", "weight_gather", "grad_intra", "grad_inter", "total"):
-    wire, logical = kinds.get(f"{kind}_wire"), kinds.get(f"{kind}_logical")
+    wire, logical = kinds.get(f"{kind}_wire", 0.0), kinds.get(f"{kind}_logical", 0.0)
     if logical:
-        print(f"  SDP4Bit {kind:<14} {wire / 1e6:8.3f} MB on the wire for {logical / 1e6:8.3f} MB unquantized "
+        print(f"  SDP4Bit {kind:<14} {wire / 1e6:8.3f} MB passed for {logical / 1e6:8.3f} MB unquantized "
               f"({wire / logical:.1%})")
+cross = [kinds.get(f"{k}_{f}", 0.0) for f in ("wire", "logical") for k in ("weight_refresh", "grad_inter")]
+if cross[2] + cross[3]:
+    print(f"  crossing nodes (weight_refresh + grad_inter): {(cross[0] + cross[1]) / 1e6:.3f} MB for "
+          f"{(cross[2] + cross[3]) / 1e6:.3f} MB unquantized")
 if not s.get("sdp4bit"):
     print("WARNING: SDP4Bit was not attached to the engine in the SDP4Bit run")
 PY
