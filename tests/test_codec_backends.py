@@ -351,3 +351,28 @@ def test_dequantize_reduce(backend, case, pieces, bits, group, dtype, hadamard, 
     kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul)
     want = R.dequantize_reduce(codes, scales, **kw)
     assert_bits_equal(op.dequantize_reduce(codes.to(dev), scales.to(dev), **kw), want, "dequantize_reduce")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_NAMES.get)
+def test_reference_gives_the_same_bits_on_cuda(dtype):
+    """The definition must not depend on the device it runs on (torch's CUDA kernels may differ from its CPU
+    kernels, e.g. by turning a division by a Python scalar into a multiply by a reciprocal)."""
+    cuda = torch.device("cuda")
+    x = values(100003 // 32 * 32, dtype, 99)
+    x[77] = float("inf")
+    kw = dict(bits=4, group_size=128, stochastic=True, seed=SEED, offset=OFFSETS[1], hadamard=True)
+    want = R.quantize(x, **kw)
+    got = R.quantize(x.to(cuda), **kw)
+    assert_codes_equal(got, want)
+    assert_bits_equal(R.dequantize(*[t.to(cuda) for t in want], numel=x.numel(), bits=4, group_size=128,
+                                   dtype=dtype), R.dequantize(*want, numel=x.numel(), bits=4, group_size=128,
+                                                              dtype=dtype), "dequantize")
+    codes, scales = piece_codes(4, 4096, 8, 128, 3)
+    drq = dict(pieces=4, in_bits=8, in_group=128, out_bits=4, out_group=2048, stochastic=True, seed=SEED)
+    assert_codes_equal(R.dequantize_reduce_quantize(codes.to(cuda), scales.to(cuda), **drq),
+                       R.dequantize_reduce_quantize(codes, scales, **drq))
+    dr = dict(pieces=4, bits=8, group_size=128, dtype=dtype, hadamard=True, mul=1.0 / 3.0)
+    assert_bits_equal(R.dequantize_reduce(codes.to(cuda), scales.to(cuda), **dr),
+                      R.dequantize_reduce(codes, scales, **dr), "dequantize_reduce")

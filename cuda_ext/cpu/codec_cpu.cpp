@@ -24,6 +24,7 @@ using sdp4bit::kHadamard;
 constexpr int64_t kMinGroup = 32;
 constexpr int64_t kMaxGroup = 8192;
 constexpr int64_t kLevelChunk = 1024;  // levels computed per pass before packing (stays in L1)
+constexpr int64_t kMinElementsPerThread = 1 << 15;
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 
@@ -116,8 +117,11 @@ int64_t piece_numel(const at::Tensor& codes, int64_t pieces, int64_t bits, int64
   return total / pieces;
 }
 
-int threads_for(int64_t tasks) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+// OpenMP threads for `tasks` independent tasks over `elements` elements: torch's thread count, but no more threads
+// than tasks, and none woken for less than kMinElementsPerThread elements each (waking costs more than it saves).
+int threads_for(int64_t tasks, int64_t elements) {
+  const int64_t useful = std::min(tasks, elements / kMinElementsPerThread);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), useful)));
 }
 
 // ---------------------------------------------------------------------------------------------- group kernels
@@ -295,7 +299,7 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   with_float_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* src = reinterpret_cast<const T*>(x.data_ptr());
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
     for (int64_t g = 0; g < groups; ++g) {
       alignas(64) float buf[kMaxGroup];
       const int64_t start = g * group;
@@ -327,7 +331,7 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
       using TR = decltype(ref_tag);
       const TN* a = reinterpret_cast<const TN*>(new_values.data_ptr());
       const TR* b = reinterpret_cast<const TR*>(ref.data_ptr());
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
       for (int64_t g = 0; g < groups; ++g) {
         alignas(64) float buf[kMaxGroup];
         const int64_t start = g * group;
@@ -355,7 +359,7 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Ten
     T* dst = reinterpret_cast<T*>(out.data_ptr());
     with_bits(static_cast<int>(bits), [&](auto b) {
       constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t start = g * group;
         const float s = sc[g];
@@ -381,7 +385,7 @@ void dequantize_add(const at::Tensor& ref, const at::Tensor& codes, const at::Te
     T* dst = reinterpret_cast<T*>(ref.data_ptr());
     with_bits(static_cast<int>(bits), [&](auto b) {
       constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t start = g * group;
         const float s = sc[g];
@@ -406,7 +410,7 @@ void hadamard32(const at::Tensor& x, const at::Tensor& out, bool inverse) {
   with_float_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* src = reinterpret_cast<const T*>(x.data_ptr());
-#pragma omp parallel for schedule(static) num_threads(threads_for(chunks))
+#pragma omp parallel for schedule(static) num_threads(threads_for(chunks, n))
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t start = c * kMaxGroup;
       const int64_t len = std::min(kMaxGroup, n - start);
@@ -443,7 +447,7 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   with_float_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* src = reinterpret_cast<const T*>(x.data_ptr());
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
     for (int64_t g = 0; g < groups; ++g) {
       alignas(64) float buf[kMaxGroup];
       const int64_t in_block = g / per_block;
@@ -474,7 +478,7 @@ void dequantize_reduce_quantize(const at::Tensor& codes, const at::Tensor& scale
   const int64_t groups = piece / out_group;
   with_bits(static_cast<int>(in_bits), [&](auto b) {
     constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, piece * pieces))
     for (int64_t g = 0; g < groups; ++g) {
       alignas(64) float buf[kMaxGroup];
       const int64_t start = g * out_group;
@@ -501,7 +505,7 @@ void dequantize_reduce(const at::Tensor& codes, const at::Tensor& scales, int64_
     T* dst = reinterpret_cast<T*>(out.data_ptr());
     with_bits(static_cast<int>(bits), [&](auto b) {
       constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups))
+#pragma omp parallel for schedule(static) num_threads(threads_for(groups, piece * pieces))
       for (int64_t g = 0; g < groups; ++g) {
         alignas(64) float buf[kMaxGroup];
         const int64_t start = g * group;

@@ -82,7 +82,8 @@ def _masked_fp32(x: torch.Tensor, valid: int | None, padded: int) -> torch.Tenso
 def _scales(groups: torch.Tensor, qmax: int) -> torch.Tensor:
     """Per-group scale: absmax/qmax; NaN if the group holds NaN/Inf; 0 if it would be below FLT_MIN."""
     absmax = groups.abs().amax(dim=1)
-    scale = absmax / float(qmax)
+    # A tensor divisor: torch's CUDA kernels turn division by a Python scalar into a multiply by its reciprocal.
+    scale = absmax / torch.full_like(absmax, float(qmax))
     nonfinite = ~torch.isfinite(groups).all(dim=1)
     scale = torch.where(scale < _FLT_MIN, torch.zeros_like(scale), scale)
     return torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
