@@ -25,13 +25,30 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16:
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory: pytest.TempPathFactory) -> CompiledBackend:
-    """The emulated CUDA op behind the compiled-backend adapter (the same adapter the real CUDA op uses)."""
+def emulated_op(tmp_path_factory: pytest.TempPathFactory) -> EmulatedCudaOp:
+    """codec_cuda.cu compiled for the host (skipped only where g++ or the CUDA toolkit's headers are missing)."""
     try:
-        library = build(Path(tmp_path_factory.mktemp("cuda_emulation")))
-    except RuntimeError as err:  # no g++ or no CUDA toolkit headers on this machine
+        return EmulatedCudaOp(build(Path(tmp_path_factory.mktemp("cuda_emulation"))))
+    except RuntimeError as err:
         pytest.skip(f"cannot build the host-emulated CUDA codec: {err}")
-    return CompiledBackend(EmulatedCudaOp(library), "cuda")
+
+
+@pytest.fixture(scope="module")
+def emu(emulated_op: EmulatedCudaOp) -> CompiledBackend:
+    """The emulated CUDA op behind the compiled-backend adapter (the same adapter the real CUDA op uses)."""
+    return CompiledBackend(emulated_op, "cuda")
+
+
+def test_fast_division_is_exact(emulated_op: EmulatedCudaOp) -> None:
+    """The precomputed 32-bit division behind swizzled addressing and non-power-of-two group indices."""
+    divisors = list(range(1, 300)) + [1000, 4095, 4097, 65535, 65537, 1_000_003, (1 << 31) - 1, 1 << 31,
+                                      (1 << 31) + 1, (1 << 32) - 1]
+    for d in divisors:
+        assert emulated_op.fastdiv_mismatches(d, 0, 1 << 16, 1) == 0, d  # small dividends, every one
+        assert emulated_op.fastdiv_mismatches(d, (1 << 32) - (1 << 16), 1 << 16, 1) == 0, d  # the top of the range
+        assert emulated_op.fastdiv_mismatches(d, 12345, 1 << 16, 65521) == 0, d  # spread over the whole range
+        assert emulated_op.fastdiv_mismatches(d, 0, 1 << 12, d) == 0, d  # exact multiples
+        assert emulated_op.fastdiv_mismatches(d, d - 1, 1 << 12, d) == 0, d  # one below each multiple
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -138,7 +155,7 @@ def test_swizzle_quantize_matches_reference(emu: CompiledBackend, dtype: torch.d
 
 
 @pytest.mark.parametrize("shape", ((8, 512, 4, 128), (8, 128, 4, 2048), (4, 128, 8, 32), (8, 32, 8, 8192),
-                                   (4, 2048, 4, 512)))
+                                   (4, 2048, 4, 512), (8, 96, 4, 160)))
 def test_dequantize_reduce_quantize_matches_reference(emu: CompiledBackend, shape: tuple[int, int, int, int]) -> None:
     in_bits, in_group, out_bits, out_group = shape
     piece = math.lcm(in_group, out_group) * 2

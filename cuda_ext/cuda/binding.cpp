@@ -19,6 +19,7 @@ namespace gpu = sdp4bit::gpu;
 constexpr int64_t kMinGroup = 32;
 constexpr int64_t kMaxGroup = 8192;
 constexpr int64_t kHadamard = 32;
+constexpr int64_t kMaxSwizzleNumel = int64_t{1} << 37;
 
 int64_t codes_nbytes(int64_t numel, int64_t bits) { return bits == 8 ? numel : (numel + 1) / 2; }
 
@@ -145,6 +146,8 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(nodes >= 1 && ranks_per_node >= 1 && slices >= 1, "swizzle_quantize: nodes ", nodes,
               ", ranks_per_node ", ranks_per_node, " and slices ", slices, " must be >= 1");
   const int64_t numel = x.numel();
+  TORCH_CHECK(numel < kMaxSwizzleNumel, "swizzle_quantize: at most 2^37 - 1 elements (32-bit group indices), got ",
+              numel);
   const int64_t blocks = nodes * ranks_per_node * slices;
   TORCH_CHECK(numel % blocks == 0, "swizzle_quantize: ", numel, " elements do not split into ",
               nodes * ranks_per_node, " partitions x ", slices, " slices");

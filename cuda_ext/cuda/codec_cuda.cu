@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "codec_cuda.cuh"
+#include "fast_div.cuh"
 #include "sdp4bit_codec_math.h"
 
 namespace sdp4bit::gpu {
@@ -29,7 +30,7 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: kMagic + n holds the integer n (|n| < 2^22) in its mantissa
 constexpr uint32_t kMagicBits = 0x4B400000u;
 constexpr int kEwThreads = 256;  // element-wise kernels: threads per block
-constexpr int kEwChunks = 4;     // element-wise kernels: chunks per thread, block-strided (coalesced, 4 loads in flight)
+constexpr int kEwChunks = 4;     // element-wise kernels: chunks per thread, block-strided (4 loads in flight)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -269,20 +270,28 @@ __device__ __forceinline__ void hadamard_lanes(float (&v)[8]) {
   }
 }
 
-// Group index of element e: a shift for power-of-two group sizes, else a division.
+// Group index of element e (a multiple of 8): a shift for power-of-two group sizes, else a precomputed 32-bit
+// division of the chunk index (a 64-bit division only past 2^35 elements).
 struct GroupIndex {
   int size;
-  int shift;  // log2(size), or -1
-  __device__ __forceinline__ int64_t operator()(int64_t e) const { return shift >= 0 ? e >> shift : e / size; }
+  int shift;       // log2(size), or -1
+  bool small;      // every chunk index fits 32 bits
+  FastDiv chunks;  // chunks per group
+
+  __device__ __forceinline__ int64_t operator()(int64_t e) const {
+    if (shift >= 0) return e >> shift;
+    if (small) return chunks.div(static_cast<uint32_t>(e / kChunk));
+    return e / size;
+  }
 };
 
-GroupIndex group_index(int size) {
+GroupIndex group_index(int size, int64_t numel) {
   int shift = -1;
   if ((size & (size - 1)) == 0) {
     shift = 0;
     while ((1 << shift) < size) ++shift;
   }
-  return {size, shift};
+  return {size, shift, numel / kChunk < (int64_t{1} << 32), FastDiv::make(static_cast<uint32_t>(size / kChunk))};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -309,13 +318,38 @@ __device__ __forceinline__ float team_max(float m) {
   return m;
 }
 
-// Output group of input group g (the swizzled layout, or g itself).
-__device__ __forceinline__ int64_t out_group(int64_t g, const QuantTarget& t) {
-  if (t.block_groups == 0) return g;
-  const int64_t block = g / t.block_groups;
-  const int64_t z = block / t.slices;
-  const int64_t y = block % t.slices;
-  return swizzled_block(z, y, t.nodes, t.ranks_per_node) * t.block_groups + g % t.block_groups;
+// Output position of input group g: g itself, or its place in the swizzled layout, i.e. block b = z * slices + y
+// (partition z, slice y) moved to sdp4bit::swizzled_block(z, y, nodes, ranks_per_node) = y * W + (z % D) * N + z / D,
+// computed with divisors precomputed for the launch (group indices fit 32 bits: the binding limits numel to 2^37).
+struct GroupOrder {
+  bool swizzled;
+  FastDiv block_groups;
+  FastDiv slices;
+  FastDiv ranks_per_node;
+  uint32_t nodes;
+  uint32_t world;
+
+  __device__ __forceinline__ int64_t operator()(int64_t group) const {
+    if (!swizzled) return group;
+    const uint32_t g = static_cast<uint32_t>(group);
+    const uint32_t block = block_groups.div(g);
+    const uint32_t z = slices.div(block);
+    const uint32_t y = block - z * slices.divisor;
+    const uint32_t n = ranks_per_node.div(z);
+    const uint32_t l = z - n * ranks_per_node.divisor;
+    const uint32_t out_block = y * world + l * nodes + n;
+    return int64_t(out_block) * block_groups.divisor + (g - block * block_groups.divisor);
+  }
+};
+
+GroupOrder group_order(const QuantTarget& t) {
+  if (t.block_groups == 0) return {false, FastDiv::make(1), FastDiv::make(1), FastDiv::make(1), 1, 1};
+  return {true,
+          FastDiv::make(static_cast<uint32_t>(t.block_groups)),
+          FastDiv::make(static_cast<uint32_t>(t.slices)),
+          FastDiv::make(static_cast<uint32_t>(t.ranks_per_node)),
+          static_cast<uint32_t>(t.nodes),
+          static_cast<uint32_t>(t.nodes * t.ranks_per_node)};
 }
 
 // A plain float input (any codec dtype), masked at `limit`, optionally Hadamard-transformed.
@@ -460,7 +494,8 @@ __device__ __forceinline__ void encode_store(const float (&v)[S][8], int64_t bas
 
 template <int TT, int S, class Source>
 __global__ void __launch_bounds__(team_block_threads<TT>())
-    quantize_groups_kernel(const Source src, const QuantTarget t, int64_t num_groups, bool vec_codes) {
+    quantize_groups_kernel(const Source src, const QuantTarget t, const GroupOrder order, int64_t num_groups,
+                           bool vec_codes) {
   constexpr int kTeams = team_block_threads<TT>() / TT;
   const int lane = static_cast<int>(threadIdx.x % TT);
   const int64_t g = int64_t(blockIdx.x) * kTeams + threadIdx.x / TT;
@@ -481,7 +516,7 @@ __global__ void __launch_bounds__(team_block_threads<TT>())
   const float scale = group_scale(m, nonfinite(m), (1 << (t.bits - 1)) - 1);
   const float inv = inverse_scale(scale);
   const bool ok = usable(scale);
-  const int64_t og = live ? out_group(g, t) : 0;
+  const int64_t og = live ? order(g) : 0;
   if (live && lane == 0) t.scales[og] = scale;
   if (t.stochastic) {
     encode_store<true, TT, S>(v, base, lane, chunks, live, og, inv, ok, t, vec_codes);
@@ -496,7 +531,8 @@ void run_groups(const Source& src, const QuantTarget& t, int64_t num_groups, cud
   constexpr int64_t kTeams = kThreads / TT;
   const int64_t blocks = (num_groups + kTeams - 1) / kTeams;
   quantize_groups_kernel<TT, S, Source>
-      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(src, t, num_groups, aligned16(t.codes));
+      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(src, t, group_order(t), num_groups,
+                                                               aligned16(t.codes));
 }
 
 // Pick the team shape for the group size: the smallest team (power of two) or slot count holding G / 8 chunks.
@@ -693,16 +729,16 @@ void dispatch_dtype(DType dtype, Args&&... args) {
 template <DType D>
 struct Dequantize {
   static void run(const CodesInput& in, int64_t numel, void* out, cudaStream_t stream) {
-    dequantize_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(in, group_index(in.group_size), numel, out,
-                                                                       aligned16(in.codes), aligned16(out));
+    dequantize_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(
+        in, group_index(in.group_size, numel), numel, out, aligned16(in.codes), aligned16(out));
   }
 };
 
 template <DType D>
 struct DequantizeAdd {
   static void run(const CodesInput& in, int64_t numel, void* ref, cudaStream_t stream) {
-    dequantize_add_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(in, group_index(in.group_size), numel, ref,
-                                                                           aligned16(in.codes), aligned16(ref));
+    dequantize_add_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(
+        in, group_index(in.group_size, numel), numel, ref, aligned16(in.codes), aligned16(ref));
   }
 };
 
@@ -711,8 +747,8 @@ struct DequantizeReduce {
   static void run(const CodesInput& in, int64_t pieces, int64_t piece_numel, void* out, bool hadamard, float factor,
                   cudaStream_t stream) {
     dequantize_reduce_kernel<D><<<ew_blocks(piece_numel), kEwThreads, 0, stream>>>(
-        in, group_index(in.group_size), pieces, piece_numel, piece_numel / in.group_size, out, hadamard, factor,
-        aligned16(in.codes), aligned16(out));
+        in, group_index(in.group_size, pieces * piece_numel), pieces, piece_numel, piece_numel / in.group_size, out,
+        hadamard, factor, aligned16(in.codes), aligned16(out));
   }
 };
 
@@ -740,8 +776,8 @@ void launch_diff_quantize(FloatInput next, FloatInput ref, int64_t valid, const 
 }
 
 void launch_dequantize_reduce_quantize(CodesInput in, int64_t pieces, const QuantTarget& t, cudaStream_t stream) {
-  const ReduceSource src{in, group_index(in.group_size), pieces, t.numel, t.numel / in.group_size,
-                         aligned16(in.codes)};
+  const ReduceSource src{in, group_index(in.group_size, pieces * t.numel), pieces, t.numel,
+                         t.numel / in.group_size, aligned16(in.codes)};
   launch_groups(src, t, groups_of(t.numel, t.group_size), stream);
 }
 

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "codec_cuda.cuh"
+#include "fast_div.cuh"
 
 namespace {
 
@@ -74,6 +75,17 @@ void emu_dequantize_reduce(const uint8_t* codes, const float* scales, int bits, 
 
 void emu_hadamard32(const void* x, int dtype, int64_t numel, float* out, bool inverse) {
   sdp4bit::gpu::launch_hadamard32({x, static_cast<DType>(dtype)}, numel, out, inverse, nullptr);
+}
+
+// Count of n in [first, first + count * stride) (step stride, wrapping at 2^32) where FastDiv(d) differs from n / d.
+uint64_t emu_fastdiv_mismatches(uint32_t d, uint32_t first, uint64_t count, uint32_t stride) {
+  const sdp4bit::gpu::FastDiv fd = sdp4bit::gpu::FastDiv::make(d);
+  uint64_t bad = 0;
+  uint32_t n = first;
+  for (uint64_t i = 0; i < count; ++i, n += stride) {
+    bad += (fd.div(n) != n / d) || (fd.mod(n) != n % d);
+  }
+  return bad;
 }
 
 }  // extern "C"

@@ -31,6 +31,7 @@ _SIGNATURES = {
     "emu_dequantize_add": [_P, _P, _I, _I, _I64, _P, _I],
     "emu_dequantize_reduce": [_P, _P, _I, _I, _I64, _I64, _P, _I, _B, _D],
     "emu_hadamard32": [_P, _I, _I64, _P, _B],
+    "emu_fastdiv_mismatches": [_U32, _U32, _U64, _U32],
 }
 
 
@@ -58,6 +59,11 @@ class EmulatedCudaOp:
         self.lib = ctypes.CDLL(str(library))
         for name, argtypes in _SIGNATURES.items():
             getattr(self.lib, name).argtypes = argtypes
+        self.lib.emu_fastdiv_mismatches.restype = _U64
+
+    def fastdiv_mismatches(self, divisor: int, first: int, count: int, stride: int) -> int:
+        """How many of `count` dividends (from `first`, step `stride`, mod 2^32) FastDiv(divisor) gets wrong."""
+        return self.lib.emu_fastdiv_mismatches(divisor, first, count, stride)
 
     def quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
                  stochastic: bool, key: int, offset: int, valid: int, hadamard: bool) -> None:

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The GPU check, in one command, for a session lent a GPU (docs/gpu_check.md says how to run it).
+#
+# Installs deepspeed and its missing pure-Python dependencies from .wheelhouse, JIT-builds our CUDA codec op and
+# DeepSpeed's ZeRO++ quantizer op (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16, in parallel), runs the GPU tests (the
+# codec's bit-exactness and smoke tests first, the rest after the benchmarks), runs the kernel benchmarks
+# (benchmarks/kernels.py --device cuda, and ZeRO++'s kernels beside ours from benchmarks/kernels_zeropp.py), writes
+# every log under $OUT and prints a short summary last. Each step has a time limit inside an overall budget
+# (GPU_CHECK_BUDGET_S, default 540 s), so the summary always comes back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/runs/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/sdp4bit_torch_extensions}
+PY=${PYTHON:-python3}
+BEGIN=$(date +%s)
+DEADLINE=$((BEGIN + ${GPU_CHECK_BUDGET_S:-540}))
+: > "$OUT/steps.tsv"
+
+# step NAME LIMIT_S LOG CMD...: run CMD with its output in $OUT/LOG, at most LIMIT_S and never past the deadline
+# (15 s kept for the summary); record name, exit status and seconds in steps.tsv.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$((DEADLINE - $(date +%s) - 15))
+  ((left < limit)) && limit=$left
+  if ((limit <= 0)); then
+    printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+    return
+  fi
+  local start rc
+  start=$(date +%s)
+  echo "== $name (limit ${limit} s): $*" >> "$OUT/$log"
+  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" >> "$OUT/steps.tsv"
+  echo "$name: exit $rc after $(($(date +%s) - start)) s"
+}
+
+BUILD_OPS=$(mktemp --suffix=.py)
+cat > "$BUILD_OPS" <<'EOF'
+import concurrent.futures, subprocess, sys, time
+
+CODE = {
+    "sdp4bit_codec_cuda": "from deepspeed_sdp4bit.ops import CodecCUDABuilder as B; B().load(verbose=True)",
+    "deepspeed quantizer": "from deepspeed.ops.op_builder import QuantizerBuilder as B; B().load(verbose=True)",
+}
+
+def build(name):
+    start = time.time()
+    done = subprocess.run([sys.executable, "-c", CODE[name]], capture_output=True, text=True)
+    return name, done.returncode, time.time() - start, done.stdout + done.stderr
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(build, CODE))
+for name, rc, seconds, log in results:
+    print(f"--- {name}: exit {rc}, {seconds:.1f} s\n{log[-6000:]}")
+for name, rc, seconds, _ in results:
+    print(f"BUILD {name}: exit {rc}, {seconds:.1f} s")
+sys.exit(max(rc for _, rc, _, _ in results))
+EOF
+
+PYTEST_TIMEOUT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=180)
+CODEC_TESTS=(tests/test_codec_backends.py tests/test_op_builder_cuda.py)
+
+step env 30 setup.log bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; \
+  $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
+  nvcc --version | tail -1; git log --oneline -1"
+step install 150 setup.log "$PY" -m pip install --no-index --find-links .wheelhouse deepspeed hjson pydantic
+step build 360 build.log "$PY" "$BUILD_OPS"
+step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
+  --durations=10 "${CODEC_TESTS[@]}"
+if [[ -f benchmarks/kernels.py ]]; then
+  step bench_kernels 200 kernels.jsonl "$PY" benchmarks/kernels.py --device cuda --json
+fi
+step bench_zeropp 200 zeropp.jsonl "$PY" benchmarks/kernels_zeropp.py --json
+IGNORE=()
+for t in "${CODEC_TESTS[@]}"; do IGNORE+=(--ignore="$t"); done
+step test_other 240 pytest_other.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
+  --durations=10 "${IGNORE[@]}" tests
+
+"$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def lines(name):
+    path = out / name
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+def rows(name):
+    found = []
+    for line in lines(name):
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return found
+
+print("\n== GPU check summary ==")
+for line in lines("setup.log")[1:6]:
+    print("  " + line)
+print(f"{'step':<14}{'exit':>8}{'s':>6}")
+for line in lines("steps.tsv"):
+    name, rc, seconds = line.split("\t")
+    print(f"{name:<14}{rc:>8}{seconds:>6}")
+for line in lines("build.log"):
+    if line.startswith("BUILD "):
+        print("  " + line)
+for log in ("pytest_codec.log", "pytest_other.log"):
+    words = (" passed", " failed", " error", " skipped", " deselected", "no tests ran")
+    tail = [l for l in lines(log) if any(w in l for w in words) and not l.startswith("SKIPPED")]
+    print(f"  {log}: {tail[-1].strip('= ') if tail else 'no result line'}")
+measured = rows("kernels.jsonl") + rows("zeropp.jsonl")
+print(f"\n{'op':<28}{'backend':<10}{'dtype':<6}{'bits':>4}{'extra':<22}{'ms':>9}{'GB/s':>8}")
+for r in measured:
+    if "target" in r:
+        continue
+    extra = " ".join(f"{k}={r[k]}" for k in ("group_size", "in_bits", "pieces", "stochastic", "hadamard") if k in r)
+    ms = "-" if r.get("ms") is None else f"{r['ms']:.4f}"
+    gbps = r.get("gbps") if r.get("gbps") is not None else ("ERR" if r.get("error") else "-")
+    print(f"{str(r.get('op'))[:27]:<28}{str(r.get('backend'))[:9]:<10}{str(r.get('dtype', '')):<6}"
+          f"{str(r.get('bits', '')):>4} {extra[:21]:<21}{ms:>9}{gbps!s:>8}")
+print("\ntargets (H200):")
+for r in measured:
+    if "target" in r:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[r["passed"]]
+        print(f"  {verdict:<5}{r['target']:<62}{r['value']!s:>8}  {r['goal']}")
+EOF
