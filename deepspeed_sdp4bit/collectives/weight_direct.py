@@ -45,6 +45,8 @@ class DirectQuantGather:
             if shard.numel() != ps or not shard.is_contiguous() or shard.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"gather: shard {i} of a {n}-element parameter must be a contiguous float tensor of "
                                  f"ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}")
+        if not shards:
+            return GatherHandle([], list)
         codes, scales = self._encode(shards, numels, sizes)
         if world == 1:
             return GatherHandle([], lambda: self._decode(codes.view(1, -1), scales.view(1, -1), shards, numels))
@@ -63,7 +65,7 @@ class DirectQuantGather:
         rank, world = self._topo.rank, self._topo.world
         code_sizes = [codes_nbytes(ps, self._bits) for ps in sizes]
         scale_sizes = [num_groups(ps, self._group_size) for ps in sizes]
-        device = shards[0].device if shards else torch.device("cpu")
+        device = shards[0].device
         codes = torch.zeros(sum(code_sizes), dtype=torch.uint8, device=device)
         scales = torch.zeros(sum(scale_sizes), dtype=torch.float32, device=device)
         co = so = 0

@@ -343,6 +343,8 @@ class WeightStore:
         """Full flat tensors (n elements, weight dtype) of `keys` for forward/backward; wait() on the handle."""
         params = [self._param(k) for k in keys]
         per_node = self._topo.ranks_per_node
+        if not params:
+            return GatherHandle([], list)
         if self._slots == self._topo.world:
             outs = [self._region(p).view(-1)[:p.numel].clone() for p in params]
             return GatherHandle([], lambda: outs)
@@ -370,6 +372,8 @@ class WeightStore:
         """Compare fingerprints of every (key, shard) region across its holders (collective); name the differing ones."""
         params = sorted((self._param(k) for k in self._params), key=lambda p: p.index)
         topo = self._topo
+        if not params:
+            return ChecksumReport(ok=True)
         holders = None if self._replica == "rank" else topo.inter
         local = torch.stack([region_hash(self._region(p)) for p in params])
         low, high = local.clone(), local.clone()
