@@ -1,7 +1,8 @@
 // CUDA kernels of the SDP4Bit codec (launchers declared in codec_cuda.cuh).
 //
-// Bit-exactness: every contract step comes from sdp4bit_codec_math.h (scale, inverse, rounding, packing, hash,
-// swizzle), built with -fmad=false and IEEE division, so each fp32 operation rounds once, as in the reference.
+// Bit-exactness: every contract step comes from sdp4bit_codec_math.h (scale, inverse, rounding, packing, hash),
+// built with -fmad=false and IEEE division, so each fp32 operation rounds once, as in the reference; the swizzled
+// order is the header's swizzled_block formula with its divisions precomputed (fast_div.cuh).
 // Two exact shortcuts replace conversions: an integer level n (|n| <= 127) as a float is (1.5 * 2^23 + n) - 1.5 * 2^23
 // with the integer placed in the mantissa by bit operations, and back the same way; both are exact, so they equal
 // static_cast<float>(n) and static_cast<int>(q) bit for bit while keeping the conversion units free.
