@@ -76,6 +76,11 @@ def test_dispatch_picks_the_cpu_op_and_can_be_forced(monkeypatch: pytest.MonkeyP
         codec.set_backend("reference")
         assert codec.backend_name(x) == "reference"
         forced = codec.quantize(x, **kw)
+        monkeypatch.setenv("SDP4BIT_CODEC_BACKEND", "")  # empty: as if unset
+        assert codec.backend_name(x) == "reference"
+        monkeypatch.setenv("SDP4BIT_CODEC_BACKEND", "auto")  # the variable wins over set_backend
+        assert codec.backend_name(x) == "cpu"
+        monkeypatch.delenv("SDP4BIT_CODEC_BACKEND")
     finally:
         codec.set_backend("auto")
     assert codec.backend_name(x) == "cpu"

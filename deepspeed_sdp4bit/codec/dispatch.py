@@ -33,7 +33,7 @@ def set_backend(name: str) -> None:
 
 def _wanted(device: torch.device) -> str:
     """The backend a tensor on `device` should use under the current forcing."""
-    forced = _check_name(os.environ.get(ENV_VAR, _forced) or "auto")
+    forced = _check_name(os.environ.get(ENV_VAR) or _forced)
     if forced == "auto":
         return device.type if device.type in ("cpu", "cuda") else "reference"
     if forced not in ("reference", device.type):
