@@ -137,3 +137,42 @@ print(json.dumps({{"warnings": [f"{{w.category.__name__}}: {{w.message}}" for w 
     assert result["backend"] == "reference"
     assert result["equal"]
     assert "codec backend 'cpu' is forced but could not be built" in result["forced"], result["forced"]
+
+
+def test_cpu_op_checks_its_inputs() -> None:
+    """The bindings refuse bad tensors and arguments themselves (direct callers bypass the Python adapter)."""
+    from deepspeed_sdp4bit.ops import load_codec_op
+
+    op = load_codec_op("cpu")
+    x = torch.randn(256)
+    codes, scales = torch.empty(128, dtype=torch.uint8), torch.empty(2)
+    good = (x, codes, scales, 4, 128, True, 5, 0, 256, False)
+
+    def call(**change):
+        args = list(good)
+        for index, value in change.items():
+            args[int(index[1:])] = value
+        op.quantize(*args)
+
+    call()
+    cases = [
+        (dict(a0=x.double()), "x dtype must be float32, bfloat16 or float16"),
+        (dict(a0=torch.randn(512)[::2]), "x must be contiguous"),
+        (dict(a0=torch.empty(256, device="meta")), "x must be a CPU tensor"),
+        (dict(a1=torch.empty(127, dtype=torch.uint8)), "codes has 127 bytes, 256 elements at 4 bits need 128"),
+        (dict(a1=torch.empty(128, dtype=torch.int8)), "codes must be uint8"),
+        (dict(a2=torch.empty(3)), "scales has 3 entries"),
+        (dict(a3=3), "bits must be 4 or 8, got 3"),
+        (dict(a4=48), "group_size must be a multiple of 32 in \\[32, 8192\\], got 48"),
+        (dict(a6=2**32), "key must be in \\[0, 2\\^32\\)"),
+        (dict(a8=257), "valid must be in \\[0, 256\\], got 257"),
+        (dict(a0=torch.randn(250), a1=torch.empty(125, dtype=torch.uint8), a8=250, a9=True),
+         "hadamard needs a multiple of 32 elements, got 250"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call(**change)
+    with pytest.raises(RuntimeError, match="do not split into 3 pieces"):
+        op.dequantize_reduce(codes, scales, 3, 4, 128, torch.empty(256), False, 1.0)
+    with pytest.raises(RuntimeError, match="out must be float32"):
+        op.hadamard32(x, torch.empty(256, dtype=torch.bfloat16), False)
