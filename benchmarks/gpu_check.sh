@@ -4,7 +4,8 @@
 # Installs deepspeed and its missing pure-Python dependencies from .wheelhouse, JIT-builds our CUDA codec op and
 # DeepSpeed's ZeRO++ quantizer op (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16, in parallel), runs the GPU tests (the
 # codec's bit-exactness and smoke tests first, the rest after the benchmarks), runs the kernel benchmarks
-# (benchmarks/kernels.py --device cuda, and ZeRO++'s kernels beside ours from benchmarks/kernels_zeropp.py), writes
+# (benchmarks/kernels.py --device cuda with ZeRO++'s rows plugged in, and the head-to-head of
+# benchmarks/kernels_zeropp.py: ZeRO++'s kernels beside ours on the same sizes, with the H200 targets), writes
 # every log under $OUT and prints a short summary last. Each step has a time limit inside an overall budget
 # (GPU_CHECK_BUDGET_S, default 540 s), so the summary always comes back.
 set -uo pipefail
@@ -73,9 +74,9 @@ step install 150 setup.log "$PY" -m pip install --no-index --find-links .wheelho
 step build 360 build.log "$PY" "$BUILD_OPS"
 step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
   --durations=10 "${CODEC_TESTS[@]}"
-if [[ -f benchmarks/kernels.py ]]; then
-  step bench_kernels 200 kernels.jsonl "$PY" benchmarks/kernels.py --device cuda --json
-fi
+# kernels.py's rows for every codec op, with ZeRO++'s rows plugged into its provider list.
+step bench_kernels 200 kernels.jsonl "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import kernels, \
+kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); kernels.main(['--device', 'cuda', '--json'])"
 step bench_zeropp 200 zeropp.jsonl "$PY" benchmarks/kernels_zeropp.py --json
 IGNORE=()
 for t in "${CODEC_TESTS[@]}"; do IGNORE+=(--ignore="$t"); done
@@ -117,15 +118,17 @@ for log in ("pytest_codec.log", "pytest_other.log"):
     tail = [l for l in lines(log) if any(w in l for w in words) and not l.startswith("SKIPPED")]
     print(f"  {log}: {tail[-1].strip('= ') if tail else 'no result line'}")
 measured = rows("kernels.jsonl") + rows("zeropp.jsonl")
-print(f"\n{'op':<28}{'backend':<10}{'dtype':<6}{'bits':>4}{'extra':<22}{'ms':>9}{'GB/s':>8}")
+print(f"\n{'op':<27}{'backend':<10}{'dtype':<6}{'bits':>4} {'parameters':<40}{'ms':>9}{'GB/s':>8}")
 for r in measured:
     if "target" in r:
         continue
-    extra = " ".join(f"{k}={r[k]}" for k in ("group_size", "in_bits", "pieces", "stochastic", "hadamard") if k in r)
+    keys = ("outputs", "group_size", "in_bits", "pieces", "stochastic", "hadamard")
+    extra = " ".join(f"{k}={r[k]}" for k in keys if k in r).replace("group_size", "g").replace("stochastic", "sr").replace(
+        "hadamard", "had").replace("outputs=", "")
     ms = "-" if r.get("ms") is None else f"{r['ms']:.4f}"
     gbps = r.get("gbps") if r.get("gbps") is not None else ("ERR" if r.get("error") else "-")
-    print(f"{str(r.get('op'))[:27]:<28}{str(r.get('backend'))[:9]:<10}{str(r.get('dtype', '')):<6}"
-          f"{str(r.get('bits', '')):>4} {extra[:21]:<21}{ms:>9}{gbps!s:>8}")
+    print(f"{str(r.get('op'))[:26]:<27}{str(r.get('backend'))[:9]:<10}{str(r.get('dtype', '')):<6}"
+          f"{str(r.get('bits', '')):>4} {extra[:39]:<40}{ms:>9}{gbps!s:>8}")
 print("\ntargets (H200):")
 for r in measured:
     if "target" in r:

@@ -8,7 +8,8 @@ fp16 too. `target_rows` turns the rows into the issue's H200 targets (ratio and 
     python benchmarks/kernels_zeropp.py --json            # one JSON object per line
     python benchmarks/kernels_zeropp.py --numel 67108864  # a table
 
-Other scripts plug the rows in by importing `zeropp_rows`, `sdp4bit_rows`, `copy_rows` and `target_rows`.
+benchmarks/kernels.py takes ZeRO++'s rows at its own size through its provider list:
+`kernels.ROW_PROVIDERS.append(kernels_zeropp.provider)` (benchmarks/gpu_check.sh does this).
 """
 
 from __future__ import annotations
@@ -135,6 +136,16 @@ def zeropp_rows(numel: int, group_size: int, nodes: int, ranks_per_node: int) ->
                         lambda: nbytes(sq, ss, rq, rs), cuda, group_size=group_size, pieces=ranks_per_node,
                         in_bits=4))
     return rows
+
+
+def provider(bench: Any) -> list[Row]:
+    """A kernels.py row provider: ZeRO++'s rows at the run's size (rounded down to whole swizzle blocks), on CUDA."""
+    if bench.device.type != "cuda":
+        return []
+    group_size, nodes, ranks_per_node = 2048, 4, 8
+    unit = group_size * nodes * ranks_per_node
+    rows = zeropp_rows(bench.numel // unit * unit, group_size, nodes, ranks_per_node)
+    return [dict(row, outputs="new") for row in rows]
 
 
 def sdp4bit_rows(numel: int, group_size: int, nodes: int, ranks_per_node: int, device: torch.device) -> list[Row]:
