@@ -6,6 +6,7 @@ One spawn per world size runs every ranks-per-node layout and every case; the te
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import zlib
@@ -185,6 +186,15 @@ def _all_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
     return [make_inputs(case, world, r) for r in range(world)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The emulation runs many small ops: intra-op threads only add contention on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def world_run(request) -> tuple[int, list[dict]]:
     world = request.param
@@ -200,15 +210,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-def _emulations(world: int, case: Case, rpn: int, inputs: list[list[torch.Tensor]]):
-    """The emulation of each successive call (counters carried from one call to the next)."""
+@functools.lru_cache(maxsize=None)
+def _emulations(world: int, name: str, rpn: int) -> tuple[list[list[torch.Tensor]], list]:
+    """Every rank's inputs and the emulation of each successive call (counters carried between calls)."""
+    case = _case_by_name(world, name)
+    inputs = _all_inputs(case, world)
     settings = _settings(case, world, rpn)
     counters, out = None, []
     for _ in range(case.calls):
         em = emulate_tlq(inputs, settings, counters)
         counters = em.counters
         out.append(em)
-    return out
+    return inputs, out
 
 
 def test_matches_emulation_bit_for_bit(world_run):
@@ -216,8 +229,7 @@ def test_matches_emulation_bit_for_bit(world_run):
     keys = {(rpn, name) for rpn, name, _ in ranks[0]["cases"]}
     for rpn, name in sorted(keys):
         case = _case_by_name(world, name)
-        inputs = _all_inputs(case, world)
-        emulated = _emulations(world, case, rpn, inputs)
+        _, emulated = _emulations(world, name, rpn)
         for backend in BACKENDS:
             for r in range(world):
                 got = ranks[r]["cases"][(rpn, name, backend)]
@@ -235,8 +247,7 @@ def test_error_within_quantizer_bound(world_run):
         if backend != "auto":
             continue
         case = _case_by_name(world, name)
-        inputs = _all_inputs(case, world)
-        emulated = _emulations(world, case, rpn, inputs)
+        inputs, emulated = _emulations(world, name, rpn)
         exact = [sum(x[i].flatten().to(torch.float64) for x in inputs) / world for i in range(len(case.shapes))]
         rel = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[case.dtype]
         slack = 1e-6 * max(float(x.abs().max()) for per_rank in inputs for x in per_rank)
