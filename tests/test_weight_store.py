@@ -19,7 +19,8 @@ from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.accounting import CommStats
 from deepspeed_sdp4bit.collectives.rounding import RoundingStream
 from deepspeed_sdp4bit.collectives.weight_direct import DIRECT_STAGE, DirectQuantGather
-from deepspeed_sdp4bit.collectives.weight_store import REFRESH_STAGE, WeightStore, shard_numel, valid_numel
+from deepspeed_sdp4bit.collectives.weight_store import (REFRESH_STAGE, WeightStore, region_hash, shard_numel,
+                                                         valid_numel)
 from deepspeed_sdp4bit.topology import Topology, build_topology
 
 WORLDS = (1, 2, 3, 4, 6, 8)
@@ -268,6 +269,23 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
             "bytes": (snap["wire_bytes"], snap["logical_bytes"])}
 
 
+def _nan_case() -> bool:
+    """A NaN in one rank's new shard turns its quantization group into NaN on every holder, and nothing else."""
+    topo = build_topology(1)
+    store = WeightStore(topo, replica="rank", bits=4, group_size=64, stochastic=True, seed=3, stats=CommStats(),
+                        bucket_numel=1 << 20, dtype=torch.bfloat16, device=torch.device("cpu"))
+    store.add(0, 300)
+    store.finalize()
+    new = torch.ones(store.shard_numel(0))
+    if topo.rank == 0:
+        new[70] = float("nan")
+    store.refresh({0: new})
+    full = store.gather([0]).wait()[0].float()
+    nan = torch.zeros(300, dtype=torch.bool)
+    nan[64:128] = True
+    return bool(torch.isnan(full).eq(nan).all())
+
+
 def _divisors(world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0]
 
@@ -291,6 +309,8 @@ def _world_cases(world: int) -> dict:
             for replica in ("rank", "node"):
                 results[f"emulation/rpn{rpn}/{replica}"] = _emulation_case(rpn, replica, "bf16", [1, 2, 37, 301],
                                                                            32, 200, 4, seed=11)
+    if world == 2:
+        results["nan/rank"] = _nan_case()
     results["direct/bf16"] = _direct_case("bf16", [1, 5, 97, 4099], 64, seed=5)
     results["direct/big"] = _direct_case("bf16", [BIG], 2048, seed=6)
     return results
@@ -364,6 +384,10 @@ def test_replicas_equal_single_process_reference(world: int) -> None:
     assert _cases(world, "emulation") and not bad, bad
 
 
+def test_nan_in_a_new_shard_reaches_its_group_on_every_holder() -> None:
+    assert all(per_rank["nan/rank"] for per_rank in _results(2))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_direct_quant_gather(world: int) -> None:
     for rank, name, res in _cases(world, "direct"):
@@ -418,3 +442,19 @@ def test_bad_dtype_and_lifecycle_errors() -> None:
         store.refresh({3: torch.zeros(11)})
     with pytest.raises(ValueError, match="rank must be in"):
         store.valid_numel(3, 1)
+
+
+def test_region_hash_detects_flips_and_swaps_in_any_chunking() -> None:
+    region = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    region[0, 10], region[0, 11] = 1.0, 2.0
+    base = region_hash(region)
+    assert torch.equal(region_hash(region, chunk=77), base)  # chunks straddle rows
+    assert torch.equal(base[:, 0], (region.view(torch.int16).to(torch.int64) & 0xFFFF).sum(dim=1))
+    flipped = region.clone()
+    flipped.view(torch.int16)[1, -1] ^= 1
+    swapped = region.clone()
+    swapped[0, 10], swapped[0, 11] = region[0, 11], region[0, 10]
+    for changed, row in ((flipped, 1), (swapped, 0)):
+        h = region_hash(changed, chunk=64)
+        assert h[row, 1] != base[row, 1], row
+        assert torch.equal(torch.cat((h[:row], h[row + 1:])), torch.cat((base[:row], base[row + 1:])))

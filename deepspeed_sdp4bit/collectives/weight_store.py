@@ -34,6 +34,7 @@ REFRESH_KIND = "weight_refresh"
 GATHER_KIND = "weight_gather"
 REFRESH_STAGE = 0x5157  # RoundingStream stage of the weight-difference quantizer ("QW")
 _M32 = 0xFFFFFFFF
+_HASH_CHUNK = 1 << 22
 
 Rows = list[tuple[int, list[torch.Tensor]]]
 
@@ -97,14 +98,23 @@ class _Param:
     offset: int
 
 
-def region_hash(region: torch.Tensor) -> torch.Tensor:
-    """Two int64 fingerprints per row of a [slots, ps] region: sum of raw bits and sum of position-mixed bits."""
-    as_int = torch.int32 if region.element_size() == 4 else torch.int16
-    mask = _M32 if region.element_size() == 4 else 0xFFFF
-    bits = region.view(as_int).to(torch.int64) & mask
-    pos = mix32(torch.arange(region.shape[-1], dtype=torch.int64, device=region.device) + 0x9E3779B9)
-    mixed = mix32(bits ^ pos)
-    return torch.stack((bits.sum(dim=-1), mixed.sum(dim=-1)), dim=-1)
+def region_hash(region: torch.Tensor, chunk: int = _HASH_CHUNK) -> torch.Tensor:
+    """Two int64 fingerprints per row of a [rows, ps] region: sum of raw bits and sum of position-mixed bits.
+
+    The region is read `chunk` elements at a time so the int64 temporaries stay small for huge parameters; the
+    result does not depend on `chunk`.
+    """
+    rows, ps = region.shape
+    flat = region.reshape(-1)
+    as_int, mask = (torch.int32, _M32) if region.element_size() == 4 else (torch.int16, 0xFFFF)
+    out = torch.zeros(rows, 2, dtype=torch.int64, device=region.device)
+    for start in range(0, flat.numel(), chunk):
+        stop = min(start + chunk, flat.numel())
+        index = torch.arange(start, stop, dtype=torch.int64, device=region.device)
+        bits = flat[start:stop].view(as_int).to(torch.int64) & mask
+        mixed = mix32(bits ^ mix32((index % ps + 0x9E3779B9) & _M32))
+        out.index_add_(0, index // ps, torch.stack((bits, mixed), dim=1))
+    return out
 
 
 class WeightStore:
