@@ -379,7 +379,7 @@ class WeightStore:
     # -- verification and state -----------------------------------------------------------------------------------
 
     def checksum(self) -> ChecksumReport:
-        """Compare fingerprints of every (key, shard) region across its holders (collective); name the differing ones."""
+        """Compare fingerprints of every (key, shard) region across its holders (collective); name those differing."""
         params = sorted((self._param(k) for k in self._params), key=lambda p: p.index)
         topo = self._topo
         if not params:
