@@ -1,13 +1,14 @@
 """Run a function on W real processes joined by torch.distributed over gloo (deepspeed.comm initialised).
 
 The function must be importable (module level) because workers are spawned. Each worker returns the function's
-result to the parent; an exception in any worker fails the call with that worker's traceback. Batch many cases
+result (pickled by value, tensors included) to the parent; an exception in any worker fails the call with that worker's traceback. Batch many cases
 into one call: starting W interpreters costs seconds on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -21,7 +22,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, env: dict[str, str], fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str, fn: Callable, args: tuple,
+            queue: Any) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -30,10 +32,12 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], fn: Callable,
         import torch
 
         torch.set_num_threads(1)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         result = fn(*args)
         torch.distributed.barrier()
-        queue.put((rank, True, result))
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure, including KeyboardInterrupt-like exits, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -47,13 +51,13 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], fn: Callable,
 
 
 def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None,
-                    timeout: float = 900.0) -> list[Any]:
-    """fn(*args) on `world` gloo ranks; returns the per-rank results in rank order."""
+                    timeout: float = 900.0, backend: str = "gloo") -> list[Any]:
+    """fn(*args) on `world` ranks (gloo on CPU, or nccl with one GPU per rank); results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, env, fn, args, queue), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, env, backend, fn, args, queue), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -63,7 +67,7 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
         for _ in range(world):
             rank, ok, payload = queue.get(timeout=timeout)
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"rank {rank}:\n{payload}")
                 break

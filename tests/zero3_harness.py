@@ -1,42 +1,56 @@
-"""Small real ZeRO-3 training runs for the integration tests: a tiny GPT-2, fixed data, a DeepSpeed config.
+"""Small real ZeRO-3 training runs for the integration tests: a small GPT-2, fixed real text, a DeepSpeed config.
 
-Everything here runs inside ranks spawned by dist_harness.run_distributed; nothing mocks DeepSpeed.
+The data is real English text every Python has (the standard library's pydoc_data topics) as bytes, read in a
+fixed order: every rank and step sees different sequences, as in real training. Everything here runs inside ranks
+spawned by dist_harness.run_distributed; nothing mocks DeepSpeed.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
 
-VOCAB, SEQ = 128, 32
+VOCAB, SEQ, MICRO_BATCH = 256, 64, 4
 
 
 def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
-    """A 2-layer, width-64 GPT-2 from transformers with dropout off (deterministic)."""
+    """A 2-layer, width-128 GPT-2 from transformers with dropout off (deterministic)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
-def batch(step: int, rank: int, micro: int, micro_batch: int = 2) -> torch.Tensor:
-    """Token ids of one micro-batch: a few fixed sequences with structure, chosen by (step, rank, micro)."""
-    gen = torch.Generator().manual_seed(1234)
-    base = torch.randint(0, VOCAB, (16, 8), generator=gen)
-    seqs = base.repeat(1, SEQ // 8)
-    idx = (step * 7 + rank * 3 + micro * 5 + torch.arange(micro_batch)) % seqs.shape[0]
-    return seqs[idx]
+@functools.lru_cache(maxsize=1)
+def _text() -> tuple[torch.Tensor, torch.Tensor]:
+    """The byte stream of the pydoc topics and a fixed permutation of sequence start positions."""
+    import pydoc_data.topics
+
+    data = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode("utf-8")
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    starts = torch.randperm(tokens.numel() - SEQ, generator=torch.Generator().manual_seed(1234))
+    return tokens, starts
+
+
+def batch(step: int, rank: int, micro: int, micro_batch: int = MICRO_BATCH) -> torch.Tensor:
+    """Token ids of one micro-batch: distinct text windows for every (step, rank, micro-step)."""
+    tokens, starts = _text()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    first = ((step * world + rank) * 16 + micro) * micro_batch
+    index = starts[(first + torch.arange(micro_batch)) % starts.numel()]
+    return tokens[index[:, None] + torch.arange(SEQ)]
 
 
 def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1,
               **zero: Any) -> dict[str, Any]:
     """A ZeRO-3 config for the tiny model; persistence threshold 0 so every parameter is gathered."""
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
@@ -51,7 +65,7 @@ def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, g
     return config
 
 
-def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 3e-3) -> Any:
+def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 2e-3) -> Any:
     """deepspeed.initialize on the tiny model with a torch AdamW (avoids JIT-building DeepSpeed's Adam)."""
     import deepspeed
 

@@ -14,6 +14,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import logger
 
 from ..collectives.accounting import KINDS, CommStats
+from ..collectives.grad_reduce import TLqReducer
+from ..collectives.weight_direct import DirectQuantGather
+from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
 from ..topology import Topology
 
@@ -71,9 +74,7 @@ class SDP4BitRuntime:
         self.last_step_bytes: dict[str, dict[str, float]] = {}
         self._at_last_step = self.comm_stats.snapshot()
 
-    def _make_store(self) -> Any:
-        from ..collectives.weight_store import WeightStore
-
+    def _make_store(self) -> WeightStore:
         cfg, first = self.config, next(iter(self.params.values()))
         store = WeightStore(self.topology, replica=cfg.weight_replica, bits=cfg.weight_quantization_bits,
                             group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
@@ -84,16 +85,12 @@ class SDP4BitRuntime:
         store.finalize()
         return store
 
-    def _make_direct(self) -> Any:
-        from ..collectives.weight_direct import DirectQuantGather
-
+    def _make_direct(self) -> DirectQuantGather:
         cfg = self.config
         return DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
                                  stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
 
-    def _make_reducer(self) -> Any:
-        from ..collectives.grad_reduce import TLqReducer
-
+    def _make_reducer(self) -> TLqReducer:
         cfg = self.config
         return TLqReducer(self.topology, bits_intra=cfg.gradient_quantization_bits_intra,
                           group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,

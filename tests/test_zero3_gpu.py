@@ -1,0 +1,71 @@
+"""Issue 4 g: ZeRO-3 with SDP4Bit on a CUDA device (runs in the GPU check, benchmarks/gpu_check.sh).
+
+One GPU means one rank (NCCL allows one rank per device), so these tests exercise the CUDA codec inside real
+training, bf16, and fp16 with dynamic loss scaling where an overflow step is skipped and must leave the model
+weights and their replica untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import zero3_harness as H
+from dist_harness import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+SDP4BIT = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128,
+           "hadamard_transform": True, "ranks_per_node": 1, "weight_replica": "rank", "verify_interval": 1}
+
+
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def _bf16_run() -> dict[str, Any]:
+    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=SDP4BIT))
+    losses = H.train_steps(engine, 0, 20)
+    return {"losses": losses, "device": str(next(iter(engine.sdp4bit.params.values())).ds_tensor.device),
+            "checksum_ok": engine.sdp4bit.store.checksum().ok, "stats": engine.sdp4bit.stats()}
+
+
+def test_bf16_trains_on_gpu() -> None:
+    _needs_cuda()
+    result = run_distributed(1, _bf16_run, backend="nccl")[0]
+    assert result["device"].startswith("cuda")
+    assert all(map(math.isfinite, result["losses"])) and result["losses"][-1] < 0.7 * result["losses"][0]
+    assert result["checksum_ok"] and result["stats"]["weight_refresh"]["calls"] > 0
+
+
+def _weights(engine: Any) -> list[torch.Tensor]:
+    runtime = engine.sdp4bit
+    return [runtime.params[k].ds_tensor.detach().clone() for k in sorted(runtime.params)] + \
+        [t.detach().clone() for t in runtime.store.gather(sorted(runtime.params)).wait()]
+
+
+def _fp16_overflow_run() -> dict[str, Any]:
+    config = H.ds_config(torch.float32, sdp4bit=SDP4BIT)
+    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+    engine = H.make_engine(config)
+    H.train_steps(engine, 0, 5)
+    before, skipped = _weights(engine), engine.skipped_steps
+    ids = H.batch(5, 0, 0)
+    engine.backward(engine(input_ids=ids, labels=ids).loss * float("inf"))
+    engine.step()
+    after = _weights(engine)
+    losses = H.train_steps(engine, 6, 12)
+    return {"skipped": engine.skipped_steps - skipped, "unchanged": all(torch.equal(a, b) for a, b in
+                                                                          zip(before, after)),
+            "checksum_ok": engine.sdp4bit.store.checksum().ok, "losses": losses}
+
+
+def test_fp16_overflow_step_is_skipped_and_replicas_stay_intact() -> None:
+    _needs_cuda()
+    result = run_distributed(1, _fp16_overflow_run, backend="nccl")[0]
+    assert result["skipped"] == 1 and result["unchanged"] and result["checksum_ok"]
+    assert all(map(math.isfinite, result["losses"]))
