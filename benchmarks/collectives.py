@@ -57,10 +57,12 @@ class BenchContext:
 
     @property
     def numel(self) -> int:
+        """Elements in the bucket."""
         return sum(t.numel() for t in self.tensors)
 
     @property
     def elem_size(self) -> int:
+        """Bytes per element of the bucket's dtype."""
         return self.tensors[0].element_size()
 
 
@@ -123,6 +125,7 @@ def _tlq_row(name: str, hadamard: bool, pipeline: int) -> Callable[[BenchContext
     """A row timing TLqReducer.reduce_scatter_coalesced on the bucket, with per-stage byte ratios."""
 
     def row(ctx: BenchContext) -> dict:
+        """Time one TLq variant and report its bytes per stage."""
         from deepspeed_sdp4bit import codec
         from deepspeed_sdp4bit.collectives.accounting import CommStats
         from deepspeed_sdp4bit.collectives.grad_reduce import TLqReducer
@@ -153,6 +156,7 @@ ROWS: list[Callable[[BenchContext], dict]] = [
 
 
 def _serialized(obj: object) -> bytes:
+    """torch.save into bytes: how spawned ranks return tensors."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -253,6 +257,7 @@ def _run_threads(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tenso
     failures: list[str] = []
 
     def rank_main(rank: int) -> None:
+        """One rank: join the threaded world, set up deepspeed.comm once, reduce."""
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
             if rank == 0:
@@ -297,6 +302,7 @@ def run_error(processes: bool) -> None:
 
 
 def main() -> None:
+    """Parse the mode and run it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--json", action="store_true", help="timings and bytes, one JSON object per line")

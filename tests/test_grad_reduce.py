@@ -40,8 +40,10 @@ class Case:
 
 
 def _cases(world: int) -> list[Case]:
+    """The small cases every layout runs: fp32 with stochastic rounding, bf16 with HS and 3 slices, fp16 nearest."""
     return [
-        Case("fp32-sr", ((1,), (2,), (13,), (-37, 11), (1009,), (4099,), (3 * world + 1,)), torch.float32),
+        Case("fp32-sr", ((1,), (2,), (13,), (-37, 11), (1009,), (4099,), (3 * world + 1,)), torch.float32,
+             calls=3),
         Case("bf16-hs-p3", ((7,), (31,), (5003,), (65537,)), torch.bfloat16,
              dict(group_intra=64, group_inter=256, hadamard=True, pipeline=3)),
         Case("fp16-nearest-hs-p2", ((1,), (997,), (2053,)), torch.float16,
@@ -54,9 +56,11 @@ BIG_CASE = Case("big-hs-p2", ((BIG,),), torch.float32, dict(hadamard=True, pipel
 NAN_CASE = Case("nan", ((300,), (4001,), (777,)), torch.float32,
                 dict(group_intra=96, group_inter=64, hadamard=True, pipeline=2), calls=1)
 NAN_AT = (1, 2222)  # tensor index, element index
+NAN_RANK = 1
 
 
 def _layouts(world: int) -> list[int]:
+    """Every ranks-per-node that divides the world size."""
     return [d for d in range(1, world + 1) if world % d == 0]
 
 
@@ -67,10 +71,12 @@ def _big_layout(world: int) -> int:
 
 
 def _nan_layouts(world: int) -> list[int]:
+    """Layouts of the NaN check: two-level ones and each single-level path."""
     return {2: [1], 3: [3], 4: [2], 8: [2, 4]}.get(world, [])
 
 
 def _settings(case: Case, world: int, rpn: int, seed: int = 1234) -> Settings:
+    """The emulation's settings for a case on `world` ranks with `rpn` ranks per node."""
     return Settings(nodes=world // rpn, ranks_per_node=rpn, seed=seed, **case.params)
 
 
@@ -93,29 +99,28 @@ def make_inputs(case: Case, world: int, rank: int) -> list[torch.Tensor]:
 
 
 def _inject_nan(inputs: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """Put one NaN into NAN_RANK's gradient at NAN_AT."""
     if rank == NAN_RANK:
         inputs[NAN_AT[0]].view(-1)[NAN_AT[1]] = float("nan")
     return inputs
 
 
-NAN_RANK = 1
-
-
 def _reducer(topo, settings: Settings, stats: CommStats) -> TLqReducer:
+    """A TLqReducer with the given settings."""
     return TLqReducer(topo, bits_intra=settings.bits_intra, group_intra=settings.group_intra,
                       bits_inter=settings.bits_inter, group_inter=settings.group_inter, hadamard=settings.hadamard,
                       pipeline=settings.pipeline, stochastic=settings.stochastic, seed=settings.seed, stats=stats)
 
 
-def _run_case(topo, case: Case, world: int, backend: str, inputs: list[torch.Tensor]) -> dict:
-    """Reduce `case.calls` times with one reducer; outputs, dtypes, counters and byte counts."""
+def _run_case(topo, case: Case, world: int, backend: str, inputs: list[torch.Tensor],
+              world_groups: list) -> dict:
+    """Reduce `case.calls` times with one reducer, passing each accepted form of the world group in turn."""
     codec.set_backend(backend)
     stats = CommStats()
     reducer = _reducer(topo, _settings(case, world, topo.ranks_per_node), stats)
-    groups = [None, dist.group.WORLD]
     calls = []
     for i in range(case.calls):
-        outs = reducer.reduce_scatter_coalesced(inputs, group=groups[i % 2])
+        outs = reducer.reduce_scatter_coalesced(inputs, group=world_groups[i % len(world_groups)])
         calls.append([o.clone() for o in outs])
     codec.set_backend("auto")
     return {"calls": calls, "state": reducer.state_dict(), "stats": stats.snapshot()}
@@ -164,6 +169,7 @@ def _error_checks(topo, world: int) -> list[str]:
 def _world_worker(world: int) -> bytes:
     """Everything one world size checks, on this rank, serialized (the harness cannot ship shared tensors)."""
     rank = dist.get_rank()
+    world_groups = [None, dist.group.WORLD, dist.new_group(list(range(world)))]
     results: dict = {"cases": {}, "resume": {}, "nan": {}}
     for rpn in _layouts(world):
         topo = build_topology(rpn)
@@ -171,11 +177,12 @@ def _world_worker(world: int) -> bytes:
         for case in cases:
             inputs = make_inputs(case, world, rank)
             for backend in BACKENDS:
-                results["cases"][(rpn, case.name, backend)] = _run_case(topo, case, world, backend, inputs)
+                results["cases"][(rpn, case.name, backend)] = _run_case(topo, case, world, backend, inputs,
+                                                                        world_groups)
         results["resume"][rpn] = _resume_check(topo, world)
         if rpn in _nan_layouts(world):
             inputs = _inject_nan(make_inputs(NAN_CASE, world, rank), rank)
-            results["nan"][rpn] = _run_case(topo, NAN_CASE, world, "auto", inputs)
+            results["nan"][rpn] = _run_case(topo, NAN_CASE, world, "auto", inputs, world_groups)
     results["errors"] = _error_checks(build_topology(1), world)
     buf = io.BytesIO()
     torch.save(results, buf)
@@ -183,6 +190,7 @@ def _world_worker(world: int) -> bytes:
 
 
 def _all_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
+    """Every rank's inputs, regenerated in the parent."""
     return [make_inputs(case, world, r) for r in range(world)]
 
 
@@ -197,16 +205,19 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def world_run(request) -> tuple[int, list[dict]]:
+    """One spawn per world size; every test below reads its (deserialized) per-rank results."""
     world = request.param
     blobs = run_distributed(world, _world_worker, world)
     return world, [torch.load(io.BytesIO(blob), weights_only=False) for blob in blobs]
 
 
 def _case_by_name(world: int, name: str) -> Case:
+    """The case called `name` for this world size."""
     return {c.name: c for c in _cases(world) + [BIG_CASE, NAN_CASE]}[name]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so comparisons tell -0.0 from 0.0 and catch any rounding difference."""
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
@@ -225,6 +236,7 @@ def _emulations(world: int, name: str, rpn: int) -> tuple[list[list[torch.Tensor
 
 
 def test_matches_emulation_bit_for_bit(world_run):
+    """Every output of every rank, layout, case and backend equals the emulation bit for bit."""
     world, ranks = world_run
     keys = {(rpn, name) for rpn, name, _ in ranks[0]["cases"]}
     for rpn, name in sorted(keys):
@@ -242,6 +254,7 @@ def test_matches_emulation_bit_for_bit(world_run):
 
 
 def test_error_within_quantizer_bound(world_run):
+    """|output - exact mean| stays within the bound derived from the scales each level used."""
     world, ranks = world_run
     for (rpn, name, backend), _ in ranks[0]["cases"].items():
         if backend != "auto":
@@ -292,6 +305,7 @@ def test_byte_accounting(world_run):
 
 
 def test_resume_from_state_dict(world_run):
+    """state_dict/load_state_dict resume the exact draws; each rank and stage has its own seed."""
     world, ranks = world_run
     for r, res in enumerate(ranks):
         for rpn, check in res["resume"].items():
@@ -328,6 +342,7 @@ def _affected(case: Case, world: int, rpn: int) -> tuple[int, range]:
 
 
 def test_nan_is_confined_to_its_groups(world_run):
+    """A NaN reaches exactly its quantization groups on its owner, and nothing else."""
     world, ranks = world_run
     for rpn in _nan_layouts(world):
         owner, hit = _affected(NAN_CASE, world, rpn)
@@ -348,6 +363,7 @@ def test_nan_is_confined_to_its_groups(world_run):
 
 
 def test_bad_arguments_are_rejected(world_run):
+    """Mixed or integer dtypes, bad bits/groups/pipeline and other groups raise clear errors."""
     world, ranks = world_run
     messages = ranks[0]["errors"]
     assert "one dtype" in messages[0] and "one dtype" in messages[1]

@@ -20,6 +20,7 @@ ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
 
 def _set_env(values: dict[str, str | None]) -> None:
+    """Set exactly these launcher variables (None = unset)."""
     for name in ENV_NAMES:
         os.environ.pop(name, None)
     for name, value in values.items():
@@ -28,6 +29,7 @@ def _set_env(values: dict[str, str | None]) -> None:
 
 
 def _set_hosts(hosts: list[str]) -> None:
+    """Make this rank report hosts[rank] as its hostname."""
     name = hosts[dist.get_rank()]
     socket.gethostname = lambda: name
 
@@ -76,6 +78,7 @@ def _scenarios() -> dict[str, dict]:
 
 
 def test_topology_detection_and_errors():
+    """Each source gives the right layout and groups; every bad layout names its cause."""
     ranks = run_distributed(WORLD, _scenarios)
     for rank, res in enumerate(ranks):
         two = {"rpn": 2, "nodes": 2, "node": rank // 2, "local": rank % 2,

@@ -35,6 +35,7 @@ class Settings:
 
     @property
     def world(self) -> int:
+        """W = nodes x ranks per node."""
         return self.nodes * self.ranks_per_node
 
 
@@ -75,6 +76,7 @@ def _block(codes: torch.Tensor, scales: torch.Tensor, start: int, length: int, b
 
 
 def _expand(scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-group scales as per-element float64 values."""
     return scales.to(torch.float64).repeat_interleave(group)
 
 
@@ -82,6 +84,7 @@ class _Emulator:
     """The walk over destinations and slices for one call."""
 
     def __init__(self, inputs: list[list[torch.Tensor]], s: Settings, counters: list[tuple[int, int]]) -> None:
+        """Quantize every rank's whole buffer once (level 1), as each rank does before its first exchange."""
         self.s = s
         self.numels = [t.numel() for t in inputs[0]]
         self.dtype = inputs[0][0].dtype
@@ -98,6 +101,7 @@ class _Emulator:
         self.level1 = [self._quantize_rank(k, inputs[k]) for k in range(s.world)]
 
     def _quantize_rank(self, k: int, tensors: list[torch.Tensor]):
+        """Rank k's level-1 codes and scales over its whole rank-major buffer."""
         bits, group = self.first
         buf = rank_buffer(tensors, self.s, self.part)
         return reference.quantize(buf, bits=bits, group_size=group, stochastic=self.s.stochastic,
@@ -105,6 +109,7 @@ class _Emulator:
                                   hadamard=self.s.hadamard)
 
     def _first_block(self, src: int, dest: int, y: int):
+        """Rank src's level-1 codes and scales for destination `dest`, slice y."""
         bits, group = self.first
         codes, scales = self.level1[src]
         return _block(codes, scales, dest * self.part + y * self.block, self.block, bits, group)
@@ -137,6 +142,7 @@ class _Emulator:
                 sum(b for _, _, b in got))
 
     def slice_result(self, dest: int, y: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Destination `dest`'s slice y: the final reduction and its error bound."""
         codes, scales, bits, group, bound = self._final_pieces(dest, y)
         out = reference.dequantize_reduce(torch.cat(codes), torch.cat(scales), pieces=len(codes), bits=bits,
                                           group_size=group, dtype=self.dtype, hadamard=self.s.hadamard,

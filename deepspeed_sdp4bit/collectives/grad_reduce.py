@@ -65,6 +65,7 @@ class Layout:
 
     @property
     def slice_len(self) -> int:
+        """Elements of one pipeline slice of a rank's part."""
         return self.part // self.slices
 
     def length(self, index: int, rank: int) -> int:
@@ -103,6 +104,7 @@ def partitions(part: torch.Tensor, layout: Layout, rank: int) -> list[torch.Tens
 
 
 def _code_bytes(numel: int, bits: int) -> int:
+    """Bytes of packed codes for `numel` elements."""
     return numel * bits // 8
 
 
@@ -118,12 +120,14 @@ class _Exchange:
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, stats: CommStats,
                  kind: str) -> None:
+        """Issue both all-to-alls now (async); the send buffers stay referenced until `wait`."""
         self._sent = (codes, scales)
         self.codes, self.scales = torch.empty_like(codes), torch.empty_like(scales)
         self._works = [comm.all_to_all_single(self.codes, codes, group, stats, kind, "codes", async_op=True),
                        comm.all_to_all_single(self.scales, scales, group, stats, kind, "scales", async_op=True)]
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for both all-to-alls and return the received codes and scales."""
         for work in self._works:
             work.wait()
         self._sent = None
@@ -170,7 +174,8 @@ class TLqReducer:
 
     def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
                  hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
-        if not isinstance(pipeline, int) or pipeline < 1:
+        """Validate the settings and derive the padding unit and the two rounding streams."""
+        if type(pipeline) is not int or pipeline < 1:
             raise ValueError(f"TLqReducer: pipeline must be an integer >= 1, got {pipeline!r}")
         self.topo = topo
         self.intra = _check_level("intra", bits_intra, group_intra)
@@ -189,9 +194,9 @@ class TLqReducer:
         if not tensors:
             return []
         dtype = _check_tensors(tensors)
-        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.unit, self.pipeline)
         if self.topo.world == 1:
             return [t.reshape(-1).clone() for t in tensors]
+        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.unit, self.pipeline)
         part = self._reduce(rank_major(tensors, layout, dtype), layout, dtype)
         return partitions(part, layout, self.topo.rank)
 
@@ -221,9 +226,10 @@ class TLqReducer:
                                       ranks_per_node=self.topo.ranks_per_node, slices=layout.slices,
                                       stochastic=self.stochastic, seed=seed, offset=offset, hadamard=self.hadamard)
 
-    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 3: sum the D intra-node pieces in fp32 and quantize the sum at the inter level."""
-        seed, offset = self.requant_stream.take(codes.numel() * 8 // self.intra.bits // self.topo.ranks_per_node)
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor,
+                    numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 3: sum the D intra-node pieces in fp32 and quantize the `numel`-element sum at the inter level."""
+        seed, offset = self.requant_stream.take(numel)
         return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,
                                                 in_bits=self.intra.bits, in_group=self.intra.group,
                                                 out_bits=self.inter.bits, out_group=self.inter.group,
@@ -242,6 +248,7 @@ class TLqReducer:
         run = layout.world * layout.slice_len
 
         def issue(y: int) -> _Exchange:
+            """Start slice y's exchange."""
             return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)
 
         pending, out = issue(0), []
@@ -257,12 +264,13 @@ class TLqReducer:
         run = layout.world * layout.slice_len
 
         def issue_intra(y: int) -> _Exchange:
+            """Start slice y's intra-node exchange."""
             return _Exchange(*_slice(codes, scales, self.intra, run, y), self.topo.intra, self.stats, "grad_intra")
 
         intra, inter, out = issue_intra(0), None, []
         for y in range(layout.slices):
             following = issue_intra(y + 1) if y + 1 < layout.slices else None
-            requantized = self._requantize(*intra.wait())
+            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)
             previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")
             if previous is not None:
                 out.append(self._finish(previous, self.inter, self.topo.nodes, dtype))
