@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge_file", help="GPT-2 BPE merges.txt (with --vocab_file)")
     p.add_argument("--bpe_vocab_size", type=int, default=2048,
                    help="vocabulary of the byte-level BPE trained on the input when no tokenizer is given")
+    p.add_argument("--bpe_train_documents", type=int, default=100_000,
+                   help="train that BPE on at most this many documents (the first ones)")
     p.add_argument("--num_proc", type=int, default=min(8, os.cpu_count() or 1), help="tokenizing processes")
     p.add_argument("--limit_documents", type=int, default=None, help="use only the first N documents")
     p.add_argument("--seed", type=int, default=1234, help="shuffles the offline documents' order")
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--vocab_file and --merge_file go together (GPT-2 BPE)")
     if args.num_proc < 1:
         p.error(f"--num_proc = {args.num_proc}: must be >= 1")
+    if args.bpe_train_documents < 1:
+        p.error(f"--bpe_train_documents = {args.bpe_train_documents}: must be >= 1")
     if args.bpe_vocab_size < 257:
         p.error(f"--bpe_vocab_size = {args.bpe_vocab_size}: must be >= 257 (256 bytes + end-of-document)")
     return args
@@ -173,8 +177,8 @@ def make_encoder(args: argparse.Namespace, ds) -> tuple[Encoder, int, int, str]:
     if args.vocab_file:
         tokenizer, description = gpt2_bpe(args.vocab_file, args.merge_file), f"gpt2-bpe:{args.vocab_file}"
     else:
-        texts = (row[args.text_column] for row in ds)
-        tokenizer = train_bpe(texts, args.bpe_vocab_size)
+        sample = ds.select(range(min(args.bpe_train_documents, len(ds))))
+        tokenizer = train_bpe((row[args.text_column] or "" for row in sample), args.bpe_vocab_size)
         tokenizer_path = Path(str(paths(args.output_prefix)[2]).removesuffix(".json") + ".tokenizer.json")
         tokenizer.save(str(tokenizer_path))
         description = str(tokenizer_path.name)

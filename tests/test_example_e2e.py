@@ -110,3 +110,43 @@ def test_zero_init_model_starts_at_ln_vocab():
         assert r["wte_std"] == pytest.approx(0.02, rel=0.05)
         assert r["proj_std"] == pytest.approx(0.02 / math.sqrt(2 * r["n_layer"]), rel=0.05)
     assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_prepare_data_tokenizer_sources_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The trained BPE, the same BPE as GPT-2-style vocab.json + merges.txt, and as a transformers tokenizer
+    directory tokenize a local text file to the same ids, with the end-of-document token after each document."""
+    import numpy as np
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    import prepare_data
+    from token_dataset import paths
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    from pydoc_data.topics import topics
+
+    text = tmp_path / "docs.txt"
+    text.write_text("\n".join(" ".join(topics[name].split()) for name in sorted(topics)[:30]) + "\n")
+
+    def prepare(name: str, *flags: str) -> tuple[np.ndarray, dict]:
+        index = prepare_data.main(["--input", str(text), "--output_prefix", str(tmp_path / name / "tokens"),
+                                   "--num_proc", "1", *flags])
+        return np.fromfile(paths(tmp_path / name / "tokens")[0], dtype=index["dtype"]), index
+
+    trained, index = prepare("trained", "--bpe_vocab_size", "600")
+    assert index["num_documents"] == 30 and index["vocab_size"] == 600
+    offsets = np.load(paths(tmp_path / "trained" / "tokens")[1])
+    assert (trained[offsets[1:] - 1] == index["eod_id"]).all()
+    assert (trained == index["eod_id"]).sum() == 30
+
+    tokenizer = Tokenizer.from_file(str(tmp_path / "trained" / "tokens.tokenizer.json"))
+    model_dir = tmp_path / "gpt2_files"
+    model_dir.mkdir()
+    tokenizer.model.save(str(model_dir))
+    as_gpt2, _ = prepare("gpt2", "--vocab_file", str(model_dir / "vocab.json"),
+                         "--merge_file", str(model_dir / "merges.txt"))
+    hf_dir = tmp_path / "hf_tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=prepare_data.EOD_TOKEN).save_pretrained(hf_dir)
+    as_hf, _ = prepare("hf", "--tokenizer", str(hf_dir))
+    assert np.array_equal(trained, as_gpt2)
+    assert np.array_equal(trained, as_hf)
