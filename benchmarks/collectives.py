@@ -19,7 +19,6 @@ DeepSpeed's comms logger counts them (input tensor bytes of each collective).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -155,13 +154,6 @@ ROWS: list[Callable[[BenchContext], dict]] = [
 ]
 
 
-def _serialized(obj: object) -> bytes:
-    """torch.save into bytes: how spawned ranks return tensors."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def _json_worker(dtype_names: list[str], numel: int, warmup: int, iters: int) -> list[dict]:
     """Every row for every dtype on this rank; the slowest rank's median replaces each row's ms."""
     import torch.distributed as dist
@@ -186,7 +178,8 @@ def _json_worker(dtype_names: list[str], numel: int, warmup: int, iters: int) ->
 
 def run_json(numel: int, warmup: int, iters: int) -> None:
     """Print one JSON line per row and dtype, then check the inter-node ratios against their targets."""
-    rows = run_distributed(JSON_WORLD, _json_worker, list(INTER_TARGETS), numel, warmup, iters)[0]
+    rows = run_distributed(JSON_WORLD, _json_worker, list(INTER_TARGETS), numel, warmup, iters,
+                           env={"DS_ACCELERATOR": "cpu"})[0]
     failed = []
     for row in rows:
         if "inter_ratio" in row:
@@ -226,9 +219,9 @@ def _error_partitions(grads: torch.Tensor) -> dict[bool, torch.Tensor]:
     return out
 
 
-def _error_worker(path: str) -> bytes:
-    """A spawned rank: read the gradients from `path` (memory-mapped) and return its partitions serialized."""
-    return _serialized(_error_partitions(torch.load(path, mmap=True)))
+def _error_worker(path: str) -> dict[bool, torch.Tensor]:
+    """A spawned rank: read the gradients from `path` (memory-mapped) and return its partitions."""
+    return _error_partitions(torch.load(path, mmap=True))
 
 
 def _run_processes(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tensor]]:
@@ -236,7 +229,7 @@ def _run_processes(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Ten
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "grads.pt")
         torch.save(grads, path)
-        return [torch.load(io.BytesIO(b)) for b in run_distributed(world, _error_worker, path)]
+        return run_distributed(world, _error_worker, path)
 
 
 def _run_threads(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tensor]]:

@@ -7,7 +7,6 @@ One spawn per world size runs every ranks-per-node layout and every case; the te
 from __future__ import annotations
 
 import functools
-import io
 import math
 import zlib
 from dataclasses import dataclass, field, replace
@@ -166,8 +165,8 @@ def _error_checks(topo, world: int) -> list[str]:
     return messages
 
 
-def _world_worker(world: int) -> bytes:
-    """Everything one world size checks, on this rank, serialized (the harness cannot ship shared tensors)."""
+def _world_worker(world: int) -> dict:
+    """Everything one world size checks, on this rank."""
     rank = dist.get_rank()
     world_groups = [None, dist.group.WORLD, dist.new_group(list(range(world)))]
     results: dict = {"cases": {}, "resume": {}, "nan": {}}
@@ -184,9 +183,7 @@ def _world_worker(world: int) -> bytes:
             inputs = _inject_nan(make_inputs(NAN_CASE, world, rank), rank)
             results["nan"][rpn] = _run_case(topo, NAN_CASE, world, "auto", inputs, world_groups)
     results["errors"] = _error_checks(build_topology(1), world)
-    buf = io.BytesIO()
-    torch.save(results, buf)
-    return buf.getvalue()
+    return results
 
 
 def _all_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
@@ -207,8 +204,7 @@ def one_torch_thread():
 def world_run(request) -> tuple[int, list[dict]]:
     """One spawn per world size; every test below reads its (deserialized) per-rank results."""
     world = request.param
-    blobs = run_distributed(world, _world_worker, world)
-    return world, [torch.load(io.BytesIO(blob), weights_only=False) for blob in blobs]
+    return world, run_distributed(world, _world_worker, world)
 
 
 def _case_by_name(world: int, name: str) -> Case:
