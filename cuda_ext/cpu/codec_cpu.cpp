@@ -126,10 +126,9 @@ int threads_for(int64_t tasks, int64_t elements) {
 
 // ---------------------------------------------------------------------------------------------- group kernels
 
-// Quantization settings of one call.
+// Quantization settings of one call (the group size is the length of each quantize_group call).
 struct Quant {
   int bits;
-  int64_t group;
   bool stochastic;
   uint32_t key;
   uint64_t offset;  // counter of element 0; element i draws counter offset + i
@@ -292,7 +291,7 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   TORCH_CHECK(valid >= 0 && valid <= n, "sdp4bit codec (cpu): valid must be in [0, ", n, "], got ", valid);
   TORCH_CHECK(!hadamard || n % kHadamard == 0, "sdp4bit codec (cpu): hadamard needs a multiple of ", kHadamard,
               " elements, got ", n);
-  const Quant p{static_cast<int>(bits), group, stochastic, check_key(key), static_cast<uint64_t>(offset)};
+  const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
   const int64_t groups = group_count(n, group);
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
@@ -321,7 +320,7 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
               ref.numel());
   check_codes(codes, scales, n, bits, group, "codes", "scales");
   TORCH_CHECK(valid >= 0 && valid <= n, "sdp4bit codec (cpu): valid must be in [0, ", n, "], got ", valid);
-  const Quant p{static_cast<int>(bits), group, stochastic, check_key(key), static_cast<uint64_t>(offset)};
+  const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
   const int64_t groups = group_count(n, group);
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
@@ -439,7 +438,7 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t block = n / blocks;
   TORCH_CHECK(block % group == 0 && block % kHadamard == 0, "sdp4bit codec (cpu): swizzle_quantize: block of ",
               block, " elements is not a multiple of group_size ", group, " and of ", kHadamard);
-  const Quant p{static_cast<int>(bits), group, stochastic, check_key(key), static_cast<uint64_t>(offset)};
+  const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
   const int64_t groups = n / group;
   const int64_t per_block = block / group;
   uint8_t* out = codes.data_ptr<uint8_t>();
@@ -470,7 +469,7 @@ void dequantize_reduce_quantize(const at::Tensor& codes, const at::Tensor& scale
   TORCH_CHECK(piece % out_group == 0, "sdp4bit codec (cpu): piece of ", piece,
               " elements is not a multiple of out_group ", out_group);
   check_codes(out_codes, out_scales, piece, out_bits, out_group, "out_codes", "out_scales");
-  const Quant p{static_cast<int>(out_bits), out_group, stochastic, check_key(key), static_cast<uint64_t>(offset)};
+  const Quant p{static_cast<int>(out_bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   uint8_t* oc = out_codes.data_ptr<uint8_t>();
