@@ -37,10 +37,7 @@ from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK, check_group_size, qmax_fo
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
-from .rounding import RoundingStream
-
-STAGE_QUANTIZE = 0x67520001
-STAGE_REQUANTIZE = 0x67520002
+from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,26 @@
 
 A stream hands out disjoint counter ranges (offset, offset + numel) under one seed derived from the base seed,
 the rank and the stage, so no two quantizations on any rank reuse random numbers, and a checkpointed counter
-resumes the exact same draws.
+resumes the exact same draws. Every quantizer that rounds stochastically has its own stage id:
+
+| stage id      | constant               | quantizer                                             |
+|---------------|------------------------|-------------------------------------------------------|
+| `0x5157`      | `STAGE_WEIGHT_REFRESH` | qWD weight differences (`weight_store.WeightStore`)   |
+| `0x5157_0001` | `STAGE_WEIGHT_DIRECT`  | qW direct weights (`weight_direct.DirectQuantGather`) |
+| `0x6752_0001` | `STAGE_QUANTIZE`       | TLq step 1, the intra-node gradient quantization      |
+| `0x6752_0002` | `STAGE_REQUANTIZE`     | TLq step 3, the inter-node re-quantization            |
+
+Stage ids must be distinct; they are all defined here so a new quantizer can pick an unused one.
 """
 
 from __future__ import annotations
 
 from ..codec.spec import mix32_int
+
+STAGE_WEIGHT_REFRESH = 0x5157
+STAGE_WEIGHT_DIRECT = 0x5157_0001
+STAGE_QUANTIZE = 0x6752_0001
+STAGE_REQUANTIZE = 0x6752_0002
 
 _M64 = (1 << 64) - 1
 
@@ -33,9 +47,11 @@ class RoundingStream:
         return self.seed, offset
 
     def state_dict(self) -> dict[str, int]:
+        """The seed and the next counter, for a checkpoint."""
         return {"seed": self.seed, "counter": self.counter}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the counter of a checkpoint written by the same stream (same base seed, rank and stage)."""
         if state["seed"] != self.seed:
             raise ValueError(f"rounding stream seed {state['seed']} in the checkpoint differs from {self.seed}: "
                              "the checkpoint was written with another sdp4bit.seed or on another rank")

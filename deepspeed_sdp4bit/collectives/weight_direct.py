@@ -18,10 +18,8 @@ from ..codec.spec import FLOAT_DTYPES, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
-from .rounding import RoundingStream
+from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
 from .weight_store import GATHER_KIND, GatherHandle, check_quant_args, shard_numel, valid_numel
-
-DIRECT_STAGE = 0x5157_0001  # RoundingStream stage of the direct weight quantizer
 
 
 class DirectQuantGather:
@@ -33,7 +31,7 @@ class DirectQuantGather:
         self._topo = topo
         self._bits, self._group_size, self._stochastic = bits, group_size, stochastic
         self._stats = stats
-        self._stream = RoundingStream(seed, topo.rank, DIRECT_STAGE)
+        self._stream = RoundingStream(seed, topo.rank, STAGE_WEIGHT_DIRECT)
 
     def gather(self, shards: Sequence[torch.Tensor], numels: Sequence[int]) -> GatherHandle:
         """Start gathering the parameters whose own shards are `shards` (ps = ceil(n/W) elements each)."""

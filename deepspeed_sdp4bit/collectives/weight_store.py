@@ -8,9 +8,13 @@ modes (rank r = (node, local) with D ranks per node and N nodes):
 - "node": rank (n, l) holds the shards of ranks (n', l) for every node n', so each node holds one full copy and
   forward/backward gather it inside the node in full precision.
 
-Every holder of a shard, its owner included, changes it only by applying the same received bytes with the
-codec's deterministic `dequantize_add_`, so all copies stay bit-identical; padding is never read into a scale or a
-replica and stays zero. docs/weights.md describes the layout and the exchange with diagrams.
+The storage is slot-major, [slots, total]: slot s holds the shards of one source rank of every parameter, each
+parameter at the same column offset in every slot. A refresh quantizes a bucket (parameters adjacent in the
+storage) as one contiguous run, so the quantization groups tile the run across parameter boundaries, as in the
+original. Every holder of a shard, its owner included, changes it only by applying the same received bytes with
+the codec's deterministic `dequantize_add_`, so all copies stay bit-identical. The inputs' padding is never read;
+the replica's padding is zero and stays zero unless a non-finite value turns its whole quantization group into
+NaN. docs/weights.md describes the layout and the exchange with diagrams.
 """
 
 from __future__ import annotations
@@ -24,15 +28,14 @@ from deepspeed.comm import ReduceOp
 
 from .. import codec
 from ..codec.reference import mix32
-from ..codec.spec import FLOAT_DTYPES, check_group_size, codes_nbytes, num_groups, qmax_for
+from ..codec.spec import FLOAT_DTYPES, check_group_size, qmax_for
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
-from .rounding import RoundingStream
+from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
 
 REFRESH_KIND = "weight_refresh"
 GATHER_KIND = "weight_gather"
-REFRESH_STAGE = 0x5157  # RoundingStream stage of the weight-difference quantizer ("QW")
 _M32 = 0xFFFFFFFF
 _HASH_CHUNK = 1 << 22
 
@@ -89,7 +92,7 @@ class ChecksumReport:
 
 @dataclass(frozen=True)
 class _Param:
-    """One registered parameter: its size, shard size, order and place in the replica storage."""
+    """One registered parameter: its size, shard size, registration order and column offset in every slot."""
 
     key: int
     numel: int
@@ -98,22 +101,47 @@ class _Param:
     offset: int
 
 
-def region_hash(region: torch.Tensor, chunk: int = _HASH_CHUNK) -> torch.Tensor:
-    """Two int64 fingerprints per row of a [rows, ps] region: sum of raw bits and sum of position-mixed bits.
+@dataclass(frozen=True)
+class _Bucket:
+    """Parameters adjacent in the storage, refreshed together: columns [start, stop) of every slot."""
 
-    The region is read `chunk` elements at a time so the int64 temporaries stay small for huge parameters; the
-    result does not depend on `chunk`.
+    params: tuple[_Param, ...]
+
+    @property
+    def start(self) -> int:
+        """First column of the bucket."""
+        return self.params[0].offset
+
+    @property
+    def stop(self) -> int:
+        """One past the last column of the bucket."""
+        return self.params[-1].offset + self.params[-1].ps
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket in one slot (the sum of its parameters' ps)."""
+        return self.stop - self.start
+
+
+def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HASH_CHUNK) -> torch.Tensor:
+    """Two int64 fingerprints per (column block, row) of a [rows, total] storage -> [blocks, rows, 2].
+
+    Block j is columns [starts[j], starts[j+1]) (the last one runs to the end; starts ascend from 0). The
+    fingerprints are the sum of the raw bit patterns and the sum of the bits mixed with their position inside the
+    block. About `chunk` elements are read at a time so the int64 temporaries stay small; the result does not
+    depend on `chunk`.
     """
-    rows, ps = region.shape
-    flat = region.reshape(-1)
-    as_int, mask = (torch.int32, _M32) if region.element_size() == 4 else (torch.int16, 0xFFFF)
-    out = torch.zeros(rows, 2, dtype=torch.int64, device=region.device)
-    for start in range(0, flat.numel(), chunk):
-        stop = min(start + chunk, flat.numel())
-        index = torch.arange(start, stop, dtype=torch.int64, device=region.device)
-        bits = flat[start:stop].view(as_int).to(torch.int64) & mask
-        mixed = mix32(bits ^ mix32((index % ps + 0x9E3779B9) & _M32))
-        out.index_add_(0, index // ps, torch.stack((bits, mixed), dim=1))
+    rows, total = storage.shape
+    as_int, mask = (torch.int32, _M32) if storage.element_size() == 4 else (torch.int16, 0xFFFF)
+    first = torch.tensor(starts, dtype=torch.int64, device=storage.device)
+    out = torch.zeros(len(starts), rows, 2, dtype=torch.int64, device=storage.device)
+    width = max(1, chunk // max(rows, 1))
+    for lo in range(0, total, width):
+        cols = torch.arange(lo, min(lo + width, total), dtype=torch.int64, device=storage.device)
+        block = torch.searchsorted(first, cols, right=True) - 1
+        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)
+        bits = storage[:, lo:lo + cols.numel()].view(as_int).to(torch.int64) & mask
+        out.index_add_(0, block, torch.stack((bits, mix32(bits ^ position)), dim=-1).transpose(0, 1))
     return out
 
 
@@ -138,9 +166,9 @@ class WeightStore:
         self._device = torch.device(device)
         self._slots = topo.world if replica == "rank" else topo.nodes
         self._own_slot = topo.rank if replica == "rank" else topo.node
-        self._stream = RoundingStream(seed, topo.rank, REFRESH_STAGE)
+        self._stream = RoundingStream(seed, topo.rank, STAGE_WEIGHT_REFRESH)
         self._params: dict[int, _Param] = {}
-        self._size = 0
+        self._total = 0
         self._storage: torch.Tensor | None = None
 
     # -- registration ---------------------------------------------------------------------------------------
@@ -154,18 +182,19 @@ class WeightStore:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
         ps = shard_numel(numel, self._topo.world)
-        self._params[key] = _Param(key, numel, ps, len(self._params), self._size)
-        self._size += self._slots * ps
+        self._params[key] = _Param(key, numel, ps, len(self._params), self._total)
+        self._total += ps
 
     def finalize(self) -> None:
-        """Allocate the zeroed replica storage once every parameter is registered."""
+        """Allocate the zeroed [slots, total] replica storage once every parameter is registered."""
         if self._storage is not None:
             raise RuntimeError("finalize: the store is already finalized")
-        self._storage = torch.zeros(self._size, dtype=self._dtype, device=self._device)
+        self._storage = torch.zeros(self._slots, self._total, dtype=self._dtype, device=self._device)
 
     # -- sizes and views --------------------------------------------------------------------------------------
 
     def _param(self, key: int) -> _Param:
+        """The registered parameter `key`, once the store is finalized."""
         if self._storage is None:
             raise RuntimeError("the weight store is used before finalize()")
         try:
@@ -183,10 +212,15 @@ class WeightStore:
             raise ValueError(f"valid_numel: rank must be in [0, {self._topo.world}), got {rank}")
         return valid_numel(self._param(key).numel, self._topo.world, rank)
 
-    def _region(self, p: _Param) -> torch.Tensor:
-        """This rank's replica region of `p` as [slots, ps]; slot s holds the shard of rank `_source(s)`."""
+    def _columns(self, p: _Param) -> torch.Tensor:
+        """This rank's replica region of `p` as a [slots, ps] view; slot s holds the shard of rank `_source(s)`."""
         assert self._storage is not None
-        return self._storage[p.offset:p.offset + self._slots * p.ps].view(self._slots, p.ps)
+        return self._storage[:, p.offset:p.offset + p.ps]
+
+    def _run(self, slot: int, bucket: _Bucket) -> torch.Tensor:
+        """The contiguous view of `bucket`'s columns in `slot`."""
+        assert self._storage is not None
+        return self._storage[slot, bucket.start:bucket.stop]
 
     def _slot_of(self, rank: int) -> int:
         """The slot where the shard of world rank `rank` lives on this rank (it must be a holder)."""
@@ -197,13 +231,13 @@ class WeightStore:
         return slot if self._replica == "rank" else self._topo.global_rank(slot, self._topo.local)
 
     def own_shard(self, key: int) -> torch.Tensor:
-        """View of w~ on this rank's own shard of `key` (ps elements; the padding is zero)."""
+        """View of w~ on this rank's own shard of `key` (ps contiguous elements; the padding is zero)."""
         p = self._param(key)
-        return self._region(p)[self._own_slot]
+        return self._columns(p)[self._own_slot]
 
     def memory_bytes(self) -> int:
         """Bytes of the persistent replica storage on this rank."""
-        return self._size * self._elem
+        return self._slots * self._total * self._elem
 
     # -- refresh and resync --------------------------------------------------------------------------------------
 
@@ -231,24 +265,25 @@ class WeightStore:
                 raise ValueError(f"{what}: tensor for key {p.key} is on {t.device}, the store on {self._device}")
         return params
 
-    def _buckets(self, params: list[_Param]) -> Iterator[list[_Param]]:
-        """Consecutive runs of parameters whose received regions total at most bucket_numel (or one parameter)."""
-        bucket: list[_Param] = []
-        size = 0
+    def _buckets(self, params: list[_Param]) -> Iterator[_Bucket]:
+        """Runs of parameters adjacent in the storage, each receiving at most bucket_numel elements.
+
+        A parameter's received region is slots x ps elements; a larger parameter is a bucket of its own.
+        """
+        run: list[_Param] = []
         for p in params:
-            if bucket and size + self._slots * p.ps > self._bucket_numel:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(p)
-            size += self._slots * p.ps
-        if bucket:
-            yield bucket
+            if run and (p.index != run[-1].index + 1
+                        or self._slots * (p.offset + p.ps - run[0].offset) > self._bucket_numel):
+                yield _Bucket(tuple(run))
+                run = []
+            run.append(p)
+        if run:
+            yield _Bucket(tuple(run))
 
     def _exchange(self, params: list[_Param], names: tuple[str, ...],
-                  encode: Callable[[list[_Param]], list[torch.Tensor]], apply: Callable[[list[_Param], Rows], None]
-                  ) -> None:
+                  encode: Callable[[_Bucket], list[torch.Tensor]], apply: Callable[[_Bucket, Rows], None]) -> None:
         """Encode, all-gather and apply bucket by bucket; bucket k+1 is encoded while bucket k is in flight."""
-        pending: tuple[list[_Param], list[torch.Tensor], list[Any]] | None = None
+        pending: tuple[_Bucket, list[torch.Tensor], list[Any]] | None = None
         for bucket in self._buckets(params):
             parts = encode(bucket)
             started = (bucket, *self._start_inter(parts, names, self._logical(bucket)))
@@ -258,9 +293,9 @@ class WeightStore:
         if pending is not None:
             self._finish(*pending, names, apply)
 
-    def _logical(self, bucket: list[_Param]) -> int:
+    def _logical(self, bucket: _Bucket) -> int:
         """Bytes one rank would send in the unquantized all-gather of its own shards of `bucket`."""
-        return sum(p.ps for p in bucket) * self._elem
+        return bucket.numel * self._elem
 
     def _start_inter(self, parts: list[torch.Tensor], names: tuple[str, ...], logical: int
                      ) -> tuple[list[torch.Tensor], list[Any]]:
@@ -274,9 +309,9 @@ class WeightStore:
                                              async_op=True) for out, part, name in zip(outs, parts, names)]
         return outs, works
 
-    def _finish(self, bucket: list[_Param], outs: list[torch.Tensor], works: list[Any], names: tuple[str, ...],
-                apply: Callable[[list[_Param], Rows], None]) -> None:
-        """Complete a bucket: wait, route inside the node ("rank" mode), apply every received shard."""
+    def _finish(self, bucket: _Bucket, outs: list[torch.Tensor], works: list[Any], names: tuple[str, ...],
+                apply: Callable[[_Bucket, Rows], None]) -> None:
+        """Complete a bucket: wait, route inside the node ("rank" mode), apply every received run."""
         for work in works:
             work.wait()
         topo = self._topo
@@ -292,60 +327,46 @@ class WeightStore:
                     for l in range(per_node) for n in range(topo.nodes)]
         apply(bucket, rows)
 
-    def _encode_deltas(self, bucket: list[_Param], new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's quantized differences new - w~ for `bucket`: [codes, scales], per-parameter groups."""
-        rank = self._topo.rank
-        code_sizes = [codes_nbytes(p.ps, self._bits) for p in bucket]
-        scale_sizes = [num_groups(p.ps, self._group_size) for p in bucket]
-        codes = torch.zeros(sum(code_sizes), dtype=torch.uint8, device=self._device)
-        scales = torch.zeros(sum(scale_sizes), dtype=torch.float32, device=self._device)
-        co = so = 0
-        for p, nc, ns in zip(bucket, code_sizes, scale_sizes):
-            seed, offset = self._stream.take(p.ps)
-            valid = valid_numel(p.numel, self._topo.world, rank)
-            if valid:
-                c, s = codec.diff_quantize(new[p.key], self.own_shard(p.key), bits=self._bits,
-                                           group_size=self._group_size, stochastic=self._stochastic, seed=seed,
-                                           offset=offset, valid=valid)
-                codes[co:co + nc].copy_(c)
-                scales[so:so + ns].copy_(s)
-            co, so = co + nc, so + ns
+    def _own_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """This rank's new shards of `bucket` as one contiguous run: the valid prefixes, zeros for the padding.
+
+        The run keeps the inputs' dtype (torch.cat promotes mixed ones), so nothing is rounded before the codec sees
+        it; a bucket of one fully valid shard is used in place.
+        """
+        world, rank = self._topo.world, self._topo.rank
+        pieces = []
+        for p in bucket.params:
+            valid = valid_numel(p.numel, world, rank)
+            pieces.append(new[p.key][:valid])
+            if valid < p.ps:
+                pieces.append(new[p.key].new_zeros(p.ps - valid))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _encode_deltas(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's quantized differences new - w~ over the bucket's run (groups span parameters): [codes, scales].
+
+        Padding is zero in both the run and the own slot, so its differences are exactly 0 and cost no range.
+        """
+        seed, offset = self._stream.take(bucket.numel)
+        codes, scales = codec.diff_quantize(self._own_values(bucket, new), self._run(self._own_slot, bucket),
+                                            bits=self._bits, group_size=self._group_size,
+                                            stochastic=self._stochastic, seed=seed, offset=offset)
         return [codes, scales]
 
-    def _apply_deltas(self, bucket: list[_Param], rows: Rows) -> None:
-        """w~ += dequant(delta) on the valid part of every received shard (the owner's own shard included)."""
-        world = self._topo.world
+    def _apply_deltas(self, bucket: _Bucket, rows: Rows) -> None:
+        """w~ += dequant(delta) over the bucket's run of every received slot (the owner's own slot included)."""
         for source, (codes, scales) in rows:
-            slot = self._slot_of(source)
-            co = so = 0
-            for p in bucket:
-                valid = valid_numel(p.numel, world, source)
-                if valid:
-                    codec.dequantize_add_(self._region(p)[slot, :valid],
-                                          codes[co:co + codes_nbytes(valid, self._bits)],
-                                          scales[so:so + num_groups(valid, self._group_size)],
-                                          bits=self._bits, group_size=self._group_size)
-                co += codes_nbytes(p.ps, self._bits)
-                so += num_groups(p.ps, self._group_size)
+            codec.dequantize_add_(self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits,
+                                  group_size=self._group_size)
 
-    def _encode_values(self, bucket: list[_Param], new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+    def _encode_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
         """This rank's own shards of `bucket` in the weight dtype, padding zeroed: [values]."""
-        values = torch.zeros(sum(p.ps for p in bucket), dtype=self._dtype, device=self._device)
-        off = 0
-        for p in bucket:
-            valid = valid_numel(p.numel, self._topo.world, self._topo.rank)
-            values[off:off + valid].copy_(new[p.key][:valid])
-            off += p.ps
-        return [values]
+        return [self._own_values(bucket, new).to(self._dtype)]
 
-    def _apply_values(self, bucket: list[_Param], rows: Rows) -> None:
-        """Overwrite every received shard's replica region with the owner's exact values."""
+    def _apply_values(self, bucket: _Bucket, rows: Rows) -> None:
+        """Overwrite the bucket's run of every received slot with the owner's exact values (padding zero again)."""
         for source, (values,) in rows:
-            slot = self._slot_of(source)
-            off = 0
-            for p in bucket:
-                self._region(p)[slot].copy_(values[off:off + p.ps])
-                off += p.ps
+            self._run(self._slot_of(source), bucket).copy_(values)
 
     # -- gather -------------------------------------------------------------------------------------------------
 
@@ -356,9 +377,10 @@ class WeightStore:
         if not params:
             return GatherHandle([], list)
         if self._slots == self._topo.world:
-            outs = [self._region(p).view(-1)[:p.numel].clone() for p in params]
+            outs = [self._columns(p).clone(memory_format=torch.contiguous_format).view(-1)[:p.numel]
+                    for p in params]
             return GatherHandle([], lambda: outs)
-        regions = [self._region(p).view(-1) for p in params]
+        regions = [self._columns(p).reshape(-1) for p in params]
         send = regions[0] if len(regions) == 1 else torch.cat(regions)
         out = send.new_empty(per_node * send.numel())
         self._stats.add_logical(GATHER_KIND, send.numel() * send.element_size())
@@ -385,7 +407,7 @@ class WeightStore:
         if not params:
             return ChecksumReport(ok=True)
         holders = None if self._replica == "rank" else topo.inter
-        local = torch.stack([region_hash(self._region(p)) for p in params])
+        local = column_hashes(self._storage, [p.offset for p in params])
         low, high = local.clone(), local.clone()
         comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")
         comm.all_reduce(high, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")
@@ -406,4 +428,3 @@ class WeightStore:
     def load_state_dict(self, state: dict) -> None:
         """Restore the stochastic-rounding counter written by `state_dict`."""
         self._stream.load_state_dict(state["rounding"])
-
