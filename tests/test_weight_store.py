@@ -212,6 +212,11 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     store.resync(masters)
     out["resync_initial_exact"] = _exact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
                                          dtype)
+    snap = stats.snapshot()
+    out["resync_counted_apart"] = (snap["weight_refresh"]["calls"] == 0 and
+                                   snap["weight_resync"]["wire_bytes"] == snap["weight_resync"]["logical_bytes"] and
+                                   (snap["weight_resync"]["calls"] > 0) == (topo.nodes > 1 or (
+                                       replica == "rank" and topo.world > 1)))
     stats.reset()
     worst = [0.0] * steps
     for step in range(steps):
@@ -441,7 +446,8 @@ def test_error_feedback_tracks_masters(world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_resync_restores_exact_shards(world: int) -> None:
     bad = [(rank, name, key) for rank, name, res in _cases(world, *STORE_CASES)
-           for key in ("resync_initial_exact", "resync_exact", "resync_checksum_ok", "after_corruption_resync_ok")
+           for key in ("resync_initial_exact", "resync_counted_apart", "resync_exact", "resync_checksum_ok",
+                       "after_corruption_resync_ok")
            if not res[key]]
     assert not bad, bad
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter")
+KINDS = ("weight_refresh", "weight_resync", "weight_gather", "grad_intra", "grad_inter")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .accounting import CommStats
 from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
 
 REFRESH_KIND = "weight_refresh"
+RESYNC_KIND = "weight_resync"
 GATHER_KIND = "weight_gather"
 _M32 = 0xFFFFFFFF
 _HASH_CHUNK = 1 << 22
@@ -245,13 +246,22 @@ class WeightStore:
         """Move w~ towards the new own shards (collective): quantized differences, or exact values if not `quantize`."""
         params = self._checked(new, "refresh")
         if quantize:
-            self._exchange(params, ("codes", "scales"), lambda b: self._encode_deltas(b, new), self._apply_deltas)
+            self._exchange(params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, new),
+                           self._apply_deltas)
         else:
-            self._exchange(params, ("data",), lambda b: self._encode_values(b, new), self._apply_values)
+            self._send_values(params, REFRESH_KIND, new)
 
     def resync(self, shards: Mapping[int, torch.Tensor]) -> None:
-        """Rebuild every replica region exactly from its owner's current shard (collective, full precision)."""
-        self.refresh(shards, quantize=False)
+        """Rebuild every replica region exactly from its owner's current shard (collective, full precision).
+
+        The same exchange as an unquantized refresh, counted as its own kind ("weight_resync") so the refresh
+        statistics show what the per-step weight traffic costs.
+        """
+        self._send_values(self._checked(shards, "resync"), RESYNC_KIND, shards)
+
+    def _send_values(self, params: list[_Param], kind: str, new: Mapping[int, torch.Tensor]) -> None:
+        """Overwrite every holder's copy with the owners' exact values."""
+        self._exchange(params, kind, ("data",), lambda b: self._encode_values(b, new), self._apply_values)
 
     def _checked(self, tensors: Mapping[int, torch.Tensor], what: str) -> list[_Param]:
         """The parameters of `tensors` in registration order, after checking each tensor's size and kind."""
@@ -280,37 +290,37 @@ class WeightStore:
         if run:
             yield _Bucket(tuple(run))
 
-    def _exchange(self, params: list[_Param], names: tuple[str, ...],
+    def _exchange(self, params: list[_Param], kind: str, names: tuple[str, ...],
                   encode: Callable[[_Bucket], list[torch.Tensor]], apply: Callable[[_Bucket, Rows], None]) -> None:
         """Encode, all-gather and apply bucket by bucket; bucket k+1 is encoded while bucket k is in flight."""
         pending: tuple[_Bucket, list[torch.Tensor], list[Any]] | None = None
         for bucket in self._buckets(params):
             parts = encode(bucket)
-            started = (bucket, *self._start_inter(parts, names, self._logical(bucket)))
+            started = (bucket, *self._start_inter(parts, kind, names, self._logical(bucket)))
             if pending is not None:
-                self._finish(*pending, names, apply)
+                self._finish(*pending, kind, names, apply)
             pending = started
         if pending is not None:
-            self._finish(*pending, names, apply)
+            self._finish(*pending, kind, names, apply)
 
     def _logical(self, bucket: _Bucket) -> int:
         """Bytes one rank would send in the unquantized all-gather of its own shards of `bucket`."""
         return bucket.numel * self._elem
 
-    def _start_inter(self, parts: list[torch.Tensor], names: tuple[str, ...], logical: int
+    def _start_inter(self, parts: list[torch.Tensor], kind: str, names: tuple[str, ...], logical: int
                      ) -> tuple[list[torch.Tensor], list[Any]]:
         """Start the all-gather of `parts` among the ranks with this local index; outputs are [nodes, part]."""
         nodes = self._topo.nodes
         if nodes == 1:
             return [part.view(1, -1) for part in parts], []
-        self._stats.add_logical(REFRESH_KIND, logical)
+        self._stats.add_logical(kind, logical)
         outs = [part.new_empty(nodes, part.numel()) for part in parts]
-        works = [comm.all_gather_into_tensor(out.view(-1), part, self._topo.inter, self._stats, REFRESH_KIND, name,
+        works = [comm.all_gather_into_tensor(out.view(-1), part, self._topo.inter, self._stats, kind, name,
                                              async_op=True) for out, part, name in zip(outs, parts, names)]
         return outs, works
 
-    def _finish(self, bucket: _Bucket, outs: list[torch.Tensor], works: list[Any], names: tuple[str, ...],
-                apply: Callable[[_Bucket, Rows], None]) -> None:
+    def _finish(self, bucket: _Bucket, outs: list[torch.Tensor], works: list[Any], kind: str,
+                names: tuple[str, ...], apply: Callable[[_Bucket, Rows], None]) -> None:
         """Complete a bucket: wait, route inside the node ("rank" mode), apply every received run."""
         for work in works:
             work.wait()
@@ -319,10 +329,10 @@ class WeightStore:
         if self._replica == "node" or per_node == 1:
             rows = [(topo.global_rank(n, topo.local), [out[n] for out in outs]) for n in range(topo.nodes)]
         else:
-            self._stats.add_logical(REFRESH_KIND, self._logical(bucket) * topo.nodes)
+            self._stats.add_logical(kind, self._logical(bucket) * topo.nodes)
             full = [out.new_empty(per_node, *out.shape) for out in outs]
             for dst, out, name in zip(full, outs, names):
-                comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, REFRESH_KIND, name)
+                comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, kind, name)
             rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])
                     for l in range(per_node) for n in range(topo.nodes)]
         apply(bucket, rows)
