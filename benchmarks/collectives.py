@@ -2,7 +2,8 @@
 
   python benchmarks/collectives.py --json    4 CPU ranks as 2 nodes x 2: one JSON object per line and collective
                                              (name, dtype, numel, ms, wire_bytes, logical_bytes, ...), for fp32
-                                             and bf16, with the plain torch all-gather and reduce-scatter as
+                                             and bf16: qWD refresh, replica gather, TLq, TLq-HS, pipelined
+                                             TLq-HS, and the plain torch all-gather and reduce-scatter as
                                              baselines in the same run.
   python benchmarks/collectives.py --error   TLq's relative L2 error on the heavy-tailed gradients of
                                              shared/tools/grad_error.py (4 nodes x 8 ranks, 2^20 values),
@@ -41,6 +42,7 @@ from dist_harness import run_distributed  # noqa: E402
 JSON_WORLD, JSON_RANKS_PER_NODE = 4, 2
 ERROR_NODES, ERROR_RANKS_PER_NODE, ERROR_NUMEL = 4, 8, 1 << 20
 INTER_TARGETS = {"float32": 0.14, "bfloat16": 0.27}
+REFRESH_TARGETS = {"float32": 0.13, "bfloat16": 0.26}
 TLQ = dict(bits_intra=8, group_intra=128, bits_inter=4, group_inter=128, stochastic=True, seed=0)
 
 
@@ -145,7 +147,60 @@ def _tlq_row(name: str, hadamard: bool, pipeline: int) -> Callable[[BenchContext
     return row
 
 
+def _weight_store(ctx: BenchContext, stats: object) -> tuple[object, dict[int, torch.Tensor]]:
+    """A node-replica WeightStore over the bucket's tensors as parameters (the paper's qWD: 4 bits, g2048, SR),
+    synced in full precision, and a next step's own shards (the current ones plus an Adam-sized update)."""
+    from deepspeed_sdp4bit.collectives.weight_store import WeightStore
+
+    store = WeightStore(ctx.topo, replica="node", bits=4, group_size=2048, stochastic=True, seed=0, stats=stats,
+                        bucket_numel=1 << 30, dtype=ctx.dtype, device=torch.device("cpu"))
+    for key, tensor in enumerate(ctx.tensors):
+        store.add(key, tensor.numel())
+    store.finalize()
+    rank = ctx.topo.rank
+    shards = {}
+    for key, tensor in enumerate(ctx.tensors):
+        ps, valid = store.shard_numel(key), store.valid_numel(key, rank)
+        shards[key] = torch.zeros(ps, dtype=ctx.dtype)
+        shards[key][:valid] = tensor[rank * ps:rank * ps + valid]
+    store.resync(shards)
+    return store, {k: (v.float() + 1e-3 * torch.randn(v.numel())).to(ctx.dtype) for k, v in shards.items()}
+
+
+def _per_call(snap: dict, kind: str, calls: int) -> tuple[int, int]:
+    """Wire and logical bytes of one call from a stats snapshot covering `calls` calls."""
+    return snap[kind]["wire_bytes"] // calls, snap[kind]["logical_bytes"] // calls
+
+
+def row_qwd_refresh(ctx: BenchContext) -> dict:
+    """qWD refresh of the bucket as parameters: diff-quantize own shards, inter-node all-gather, dequantize-add."""
+    from deepspeed_sdp4bit.collectives.accounting import CommStats
+
+    stats = CommStats()
+    store, new = _weight_store(ctx, stats)
+    stats.reset()
+    ms = median_ms(ctx, lambda: store.refresh(new))
+    wire, logical = _per_call(stats.snapshot(), "weight_refresh", ctx.warmup + ctx.iters)
+    return {"name": "qWD refresh", "ms": ms, "wire_bytes": wire, "logical_bytes": logical,
+            "ratio": wire / logical, "replica": "node"}
+
+
+def row_replica_gather(ctx: BenchContext) -> dict:
+    """Forward/backward gather of the bucket's parameters from the node replica (full precision inside the node)."""
+    from deepspeed_sdp4bit.collectives.accounting import CommStats
+
+    stats = CommStats()
+    store, _ = _weight_store(ctx, stats)
+    keys = list(range(len(ctx.tensors)))
+    stats.reset()
+    ms = median_ms(ctx, lambda: store.gather(keys).wait())
+    wire, logical = _per_call(stats.snapshot(), "weight_gather", ctx.warmup + ctx.iters)
+    return {"name": "replica gather", "ms": ms, "wire_bytes": wire, "logical_bytes": logical, "replica": "node"}
+
+
 ROWS: list[Callable[[BenchContext], dict]] = [
+    row_qwd_refresh,
+    row_replica_gather,
     row_torch_all_gather,
     row_torch_reduce_scatter,
     _tlq_row("TLq", hadamard=False, pipeline=1),
@@ -186,9 +241,14 @@ def run_json(numel: int, warmup: int, iters: int) -> None:
             row["inter_target"] = INTER_TARGETS[row["dtype"]]
             if row["inter_ratio"] > row["inter_target"]:
                 failed.append(f"{row['name']} {row['dtype']}: inter ratio {row['inter_ratio']:.4f}")
+        if row["name"] == "qWD refresh":
+            row["target"] = REFRESH_TARGETS[row["dtype"]]
+            if row["ratio"] > row["target"]:
+                failed.append(f"qWD refresh {row['dtype']}: ratio {row['ratio']:.4f}")
         print(json.dumps(row), flush=True)
     print(f"# {JSON_WORLD} CPU ranks as {JSON_WORLD // JSON_RANKS_PER_NODE} nodes x {JSON_RANKS_PER_NODE}; "
-          f"inter-node wire/logical targets {INTER_TARGETS}: " + ("FAILED " + "; ".join(failed) if failed else "met"),
+          f"wire/logical targets: TLq inter-node {INTER_TARGETS}, qWD refresh {REFRESH_TARGETS}: "
+          + ("FAILED " + "; ".join(failed) if failed else "met"),
           file=sys.stderr)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str, fn: Callable, args: tuple,
             queue: Any) -> None:
+    sys.stdout = sys.stderr  # the parent's stdout stays machine-readable (benchmarks print JSON lines there)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
