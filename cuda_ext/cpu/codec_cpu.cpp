@@ -23,7 +23,8 @@ using sdp4bit::kHadamard;
 
 constexpr int64_t kMinGroup = 32;
 constexpr int64_t kMaxGroup = 8192;
-constexpr int64_t kLevelChunk = 1024;  // levels computed per pass before packing (stays in L1)
+constexpr int64_t kLevelChunk = 256;  // levels computed per pass before packing (and a prefetch slice issued)
+constexpr int64_t kCacheLine = 64;
 constexpr int64_t kMinElementsPerThread = 1 << 15;
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
@@ -155,6 +156,35 @@ inline float scale_of(const float* x, int64_t n, int qmax) {
   return sdp4bit::group_scale(absmax, bits >= kInfBits, qmax);
 }
 
+// A byte range of input that the thread will read after the current group.
+struct Range {
+  const char* begin = nullptr;
+  int64_t bytes = 0;
+};
+
+// The input of the thread's next group (up to two tensors), prefetched one slice per level chunk while the current
+// group computes: the hardware prefetcher follows reads only, so without this the memory idles during the compute.
+struct Ahead {
+  Range ranges[2];
+
+  // Prefetches the fraction [done, done + part) / total of every range.
+  void slice(int64_t done, int64_t part, int64_t total) const {
+    for (const Range& r : ranges) {
+      for (int64_t b = r.bytes * done / total; b < r.bytes * (done + part) / total; b += kCacheLine) {
+        __builtin_prefetch(r.begin + b);
+      }
+    }
+  }
+};
+
+// Elements [start + group, start + 2 * group) of x clipped to [0, end): the group after the one at `start`.
+template <typename T>
+Range next_group(const T* x, int64_t start, int64_t group, int64_t end) {
+  const int64_t from = std::min(start + group, end);
+  const int64_t to = std::min(start + 2 * group, end);
+  return Range{reinterpret_cast<const char*>(x + from), (to - from) * static_cast<int64_t>(sizeof(T))};
+}
+
 // Levels of n values (n <= kLevelChunk) as int8: nearest-even, or stochastic with the counter hash.
 template <bool Stochastic>
 inline void levels(const float* x, int64_t n, float inv, float qmax, uint32_t key, uint64_t counter, int8_t* q) {
@@ -191,7 +221,8 @@ inline void pack(const int8_t* q, int64_t n, uint8_t* codes) {
 
 // Quantizes n staged fp32 values (one group) into its scale and codes; counters start at `counter`.
 template <int Bits, bool Stochastic>
-void quantize_values(const float* x, int64_t n, uint32_t key, uint64_t counter, uint8_t* codes, float* scale) {
+void quantize_values(const float* x, int64_t n, uint32_t key, uint64_t counter, uint8_t* codes, float* scale,
+                     const Ahead& ahead) {
   constexpr int kQmax = (1 << (Bits - 1)) - 1;
   const float s = scale_of(x, n, kQmax);
   *scale = s;
@@ -203,19 +234,21 @@ void quantize_values(const float* x, int64_t n, uint32_t key, uint64_t counter, 
   int8_t q[kLevelChunk];
   for (int64_t c = 0; c < n; c += kLevelChunk) {
     const int64_t m = std::min(kLevelChunk, n - c);
+    ahead.slice(c, m, n);
     levels<Stochastic>(x + c, m, inv, static_cast<float>(kQmax), key, counter + c, q);
     pack<Bits>(q, m, codes + c * Bits / 8);
   }
 }
 
 // quantize_values with the bit width and rounding chosen at run time.
-void quantize_group(const float* x, int64_t n, const Quant& p, uint64_t counter, uint8_t* codes, float* scale) {
+void quantize_group(const float* x, int64_t n, const Quant& p, uint64_t counter, uint8_t* codes, float* scale,
+                    const Ahead& ahead = {}) {
   with_bits(p.bits, [&](auto b) {
     constexpr int kBits = decltype(b)::value;
     if (p.stochastic) {
-      quantize_values<kBits, true>(x, n, p.key, counter, codes, scale);
+      quantize_values<kBits, true>(x, n, p.key, counter, codes, scale, ahead);
     } else {
-      quantize_values<kBits, false>(x, n, p.key, counter, codes, scale);
+      quantize_values<kBits, false>(x, n, p.key, counter, codes, scale, ahead);
     }
   });
 }
@@ -304,7 +337,8 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
       const int64_t start = g * group;
       const int64_t len = std::min(group, n - start);
       const float* v = stage(src, start, len, valid, hadamard, buf);
-      quantize_group(v, len, p, p.offset + start, out + start * bits / 8, sc + g);
+      quantize_group(v, len, p, p.offset + start, out + start * bits / 8, sc + g,
+                     Ahead{{next_group(src, start, group, valid)}});
     }
   });
 }
@@ -338,7 +372,8 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
         const int64_t live = std::clamp<int64_t>(valid - start, 0, len);
         for (int64_t i = 0; i < live; ++i) buf[i] = to_f32(a[start + i]) - to_f32(b[start + i]);
         for (int64_t i = live; i < len; ++i) buf[i] = 0.0f;
-        quantize_group(buf, len, p, p.offset + start, out + start * bits / 8, sc + g);
+        quantize_group(buf, len, p, p.offset + start, out + start * bits / 8, sc + g,
+                       Ahead{{next_group(a, start, group, valid), next_group(b, start, group, valid)}});
       }
     });
   });
@@ -453,7 +488,8 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
       const int64_t dest = sdp4bit::swizzled_block(in_block / slices, in_block % slices, nodes, ranks_per_node) *
                                per_block + g % per_block;
       const float* v = stage(src, g * group, group, n, hadamard, buf);
-      quantize_group(v, group, p, p.offset + g * group, out + dest * group * bits / 8, sc + dest);
+      quantize_group(v, group, p, p.offset + g * group, out + dest * group * bits / 8, sc + dest,
+                     Ahead{{next_group(src, g * group, group, n)}});
     }
   });
 }
