@@ -185,11 +185,11 @@ Range next_group(const T* x, int64_t start, int64_t group, int64_t end) {
   return Range{reinterpret_cast<const char*>(x + from), (to - from) * static_cast<int64_t>(sizeof(T))};
 }
 
-// Levels of n values (n <= kLevelChunk) as int8: nearest-even, or stochastic with the counter hash.
+// Levels of n values (n <= kLevelChunk) of a usable group as int8: nearest-even, or stochastic with the counter hash.
 template <bool Stochastic>
-inline void levels(const float* x, int64_t n, float inv, float qmax, uint32_t key, uint64_t counter, int8_t* q) {
+inline void levels(const float* x, int64_t n, float inv, int qmax, uint32_t key, uint64_t counter, int8_t* q) {
   if (!Stochastic) {
-    for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(sdp4bit::level(x[i] * inv, false, 0.0f, qmax));
+    for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(sdp4bit::level_int(x[i] * inv, false, 0.0f, qmax));
     return;
   }
   const uint32_t lo = static_cast<uint32_t>(counter);
@@ -197,12 +197,12 @@ inline void levels(const float* x, int64_t n, float inv, float qmax, uint32_t ke
     const uint32_t inner = sdp4bit::counter_key(key, static_cast<uint32_t>(counter >> 32));
     for (int64_t i = 0; i < n; ++i) {
       const float u = sdp4bit::uniform_lo(inner, lo + static_cast<uint32_t>(i));
-      q[i] = static_cast<int8_t>(sdp4bit::level(x[i] * inv, true, u, qmax));
+      q[i] = static_cast<int8_t>(sdp4bit::level_int(x[i] * inv, true, u, qmax));
     }
   } else {  // the counters cross a 2^32 boundary: hash the full 64-bit counter per element
     for (int64_t i = 0; i < n; ++i) {
       const float u = sdp4bit::uniform(key, counter, static_cast<uint64_t>(i));
-      q[i] = static_cast<int8_t>(sdp4bit::level(x[i] * inv, true, u, qmax));
+      q[i] = static_cast<int8_t>(sdp4bit::level_int(x[i] * inv, true, u, qmax));
     }
   }
 }
@@ -235,7 +235,7 @@ void quantize_values(const float* x, int64_t n, uint32_t key, uint64_t counter, 
   for (int64_t c = 0; c < n; c += kLevelChunk) {
     const int64_t m = std::min(kLevelChunk, n - c);
     ahead.slice(c, m, n);
-    levels<Stochastic>(x + c, m, inv, static_cast<float>(kQmax), key, counter + c, q);
+    levels<Stochastic>(x + c, m, inv, kQmax, key, counter + c, q);
     pack<Bits>(q, m, codes + c * Bits / 8);
   }
 }

@@ -62,18 +62,29 @@ SDP4BIT_HD bool usable(float scale) { return scale >= kFltMin; }
 // Reciprocal of a usable scale (one fp32 division per group).
 SDP4BIT_HD float inverse_scale(float scale) { return usable(scale) ? 1.0f / scale : 0.0f; }
 
-// Integer level (as fp32) for v = x * inverse_scale: nearest-even, or floor(v) + (u < v - floor(v)); clamped to
-// [-qmax, qmax] with compares (like torch.clamp, a NaN stays NaN; unlike fminf/fmaxf, it vectorises on CPUs).
-SDP4BIT_HD float level(float v, bool stochastic, float u, float qmax) {
-  float q;
+// v = x * inverse_scale rounded to an integral fp32, before the clamp: nearest-even, or floor(v) + (u < v - floor(v)).
+SDP4BIT_HD float rounded(float v, bool stochastic, float u) {
   if (stochastic) {
     const float fl = floorf(v);
-    q = fl + ((u < (v - fl)) ? 1.0f : 0.0f);
-  } else {
-    q = rintf(v);
+    return fl + ((u < (v - fl)) ? 1.0f : 0.0f);
   }
-  q = q < -qmax ? -qmax : q;
-  return q > qmax ? qmax : q;
+  return rintf(v);
+}
+
+// Integer level (as fp32): rounded(v) clamped to [-qmax, qmax] with compares (like torch.clamp, a NaN stays NaN).
+SDP4BIT_HD float level(float v, bool stochastic, float u, float qmax) {
+  const float q = rounded(v, stochastic, u);
+  const float low = q < -qmax ? -qmax : q;
+  return low > qmax ? qmax : low;
+}
+
+// The same level as an int, for v of a usable group: there |v| <= qmax * (1 + 2^-22), so rounded(v) is an integer of
+// magnitude <= qmax + 1, converts exactly, and clamping after the conversion equals clamping before it. (Integer
+// min/max vectorise well on CPUs; GCC turns the float clamp into mask juggling.)
+SDP4BIT_HD int level_int(float v, bool stochastic, float u, int qmax) {
+  const int q = static_cast<int>(rounded(v, stochastic, u));
+  const int low = q < -qmax ? -qmax : q;
+  return low > qmax ? qmax : low;
 }
 
 // Two 4-bit levels into one byte, even element in the high nibble (two's complement nibbles).
