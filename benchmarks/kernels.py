@@ -9,8 +9,10 @@ bits, numel, outputs, ms and gbps. ms is the median of --repeat timed calls afte
 bytes each call really reads plus the bytes it writes (input, codes, scales, outputs; an in-place update counts its
 tensor twice). outputs is 'new' for the codec call as a caller makes it (it allocates its outputs, and fresh pages
 cost page faults on a CPU) and 'reused' for the op's binding writing into outputs allocated once, as the copy row
-does. Compiled rows also carry vs_reference (the reference's ms over theirs, same op and outputs 'new') and vs_copy
-(their gbps over the copy's).
+does. Op rows carry copy_gbps: the same copy timed in the same rounds, one copy call after each op call, so that
+both see the same load on a shared machine (it reads lower than the copy row, whose back-to-back calls find their
+own pages warm in the TLB). Compiled rows also carry vs_reference (the reference's ms over theirs, same op and
+outputs), vs_copy (their gbps over the copy row's) and vs_copy_paired (over copy_gbps).
 
 More rows: append to ROW_PROVIDERS a function taking the Bench and returning rows (dicts with the fields above);
 `measure` times a call and builds such a row.
@@ -69,32 +71,53 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Median milliseconds of `repeat` calls after one warm-up call (CUDA: timed with events on the stream)."""
+def _call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call (CUDA: timed with events on the current stream)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
     fn()
-    times = []
+    return (time.perf_counter() - begin) * 1e3
+
+
+def time_ms(fns: list[Callable[[], object]], device: torch.device, repeat: int) -> list[float]:
+    """Median milliseconds of each function over `repeat` rounds after one warm-up call each; a round calls them
+    back to back, so functions timed together see the same load on a shared machine."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            samples.append(_call_ms(fn, device))
+    return [statistics.median(samples) for samples in times]
+
+
+Anchor = tuple[Callable[[], object], int]  # a copy call and the bytes it moves
+
+
+def copy_anchor(bench: Bench) -> Anchor:
+    """A device copy of --numel elements into a preallocated tensor: reads one tensor, writes another."""
+    src = bench.values()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src), 2 * nbytes(src)
 
 
 def measure(op: str, backend: str, bench: Bench, bits: int | None, numel: int, fn: Callable[[], object],
-            moved: int, repeat: int, **fields: Any) -> Row:
-    """One row: the median time of `fn` and the bandwidth for `moved` bytes read + written per call."""
-    ms = time_ms(fn, bench.device, repeat)
+            moved: int, repeat: int, anchor: Anchor | None = None, **fields: Any) -> Row:
+    """One row: the median time of `fn` and the bandwidth for `moved` bytes read + written per call; with an anchor,
+    also the bandwidth of that copy timed in the same rounds (copy_gbps)."""
+    ms, *anchor_ms = time_ms([fn] + ([anchor[0]] if anchor else []), bench.device, repeat)
     dtype = next(k for k, v in DTYPES.items() if v == bench.dtype)
-    return {"op": op, "backend": backend, "device": bench.device.type, "dtype": dtype, "bits": bits,
-            "numel": numel, **fields, "ms": round(ms, 3), "gbps": round(moved / ms / 1e6, 2)}
+    row = {"op": op, "backend": backend, "device": bench.device.type, "dtype": dtype, "bits": bits, "numel": numel,
+           **fields, "ms": round(ms, 3), "gbps": round(moved / ms / 1e6, 2)}
+    if anchor:
+        row["copy_gbps"] = round(anchor[1] / anchor_ms[0] / 1e6, 2)
+    return row
 
 
 # ------------------------------------------------------------------------------------------------------- cases
@@ -228,19 +251,18 @@ CASES: dict[str, Callable[[Bench, Api, ModuleType | None], Case]] = {
 # -------------------------------------------------------------------------------------------------- providers
 
 def copy_rows(bench: Bench) -> list[Row]:
-    """The bandwidth anchor: a device copy into a preallocated tensor (reads one tensor, writes another)."""
-    src = bench.values()
-    dst = torch.empty_like(src)
-    return [measure("copy", "torch", bench, None, src.numel(), lambda: dst.copy_(src), 2 * nbytes(src),
-                    bench.repeat, outputs="reused")]
+    """The bandwidth anchor on its own: the copy every ratio is taken against."""
+    fn, moved = copy_anchor(bench)
+    return [measure("copy", "torch", bench, None, bench.numel, fn, moved, bench.repeat, outputs="reused")]
 
 
-def _case_rows(bench: Bench, name: str, backend: str, api: Api, op: ModuleType | None, repeat: int) -> list[Row]:
+def _case_rows(bench: Bench, name: str, backend: str, api: Api, op: ModuleType | None, repeat: int,
+               anchor: Anchor) -> list[Row]:
     case = CASES[name](bench, api, op)
-    rows = [measure(name, backend, bench, case.bits, case.numel, case.call, case.moved, repeat,
+    rows = [measure(name, backend, bench, case.bits, case.numel, case.call, case.moved, repeat, anchor,
                     outputs="in-place" if case.in_place else "new", **case.fields)]
     if case.reuse is not None:
-        rows.append(measure(name, backend, bench, case.bits, case.numel, case.reuse, case.moved, repeat,
+        rows.append(measure(name, backend, bench, case.bits, case.numel, case.reuse, case.moved, repeat, anchor,
                             outputs="reused", **case.fields))
     return rows
 
@@ -250,20 +272,23 @@ def compiled_rows(bench: Bench) -> list[Row]:
     kind = bench.device.type
     op = load_codec_op(kind)
     api = CompiledBackend(op, kind)
-    return [row for name in bench.ops for row in _case_rows(bench, name, kind, api, op, bench.repeat)]
+    anchor = copy_anchor(bench)
+    return [row for name in bench.ops for row in _case_rows(bench, name, kind, api, op, bench.repeat, anchor)]
 
 
 def reference_rows(bench: Bench) -> list[Row]:
     """The plain-torch reference on the same device for the --ref-ops (it is slow: its own repeat count)."""
-    return [row for name in bench.ref_ops for row in _case_rows(bench, name, "reference", reference, None,
-                                                                bench.ref_repeat)]
+    anchor = copy_anchor(bench)
+    return [row for name in bench.ref_ops
+            for row in _case_rows(bench, name, "reference", reference, None, bench.ref_repeat, anchor)]
 
 
 ROW_PROVIDERS: list[Callable[[Bench], list[Row]]] = [copy_rows, compiled_rows, reference_rows]
 
 
 def add_ratios(rows: list[Row]) -> None:
-    """vs_reference and vs_copy on the compiled rows, from the reference and copy rows of the same run."""
+    """vs_reference, vs_copy and vs_copy_paired on the compiled rows: against the reference row of the same op and
+    outputs, the copy row, and the copy timed in the same rounds."""
     copy = next((r for r in rows if r["op"] == "copy"), None)
     refs = {(r["op"], r["dtype"], r["outputs"]): r for r in rows if r["backend"] == "reference"}
     for row in rows:
@@ -274,11 +299,14 @@ def add_ratios(rows: list[Row]) -> None:
             row["vs_reference"] = round(ref["ms"] / row["ms"], 1)
         if copy is not None:
             row["vs_copy"] = round(row["gbps"] / copy["gbps"], 3)
+        if row.get("copy_gbps"):
+            row["vs_copy_paired"] = round(row["gbps"] / row["copy_gbps"], 3)
 
 
 def table(rows: list[Row]) -> str:
     """The rows as an aligned text table."""
-    cols = ["op", "backend", "outputs", "dtype", "bits", "numel", "ms", "gbps", "vs_reference", "vs_copy"]
+    cols = ["op", "backend", "outputs", "dtype", "bits", "numel", "ms", "gbps", "copy_gbps", "vs_reference",
+            "vs_copy", "vs_copy_paired"]
     cells = [cols] + [["" if r.get(c) is None else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells)
