@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepspeed_sdp4bit import codec
-from deepspeed_sdp4bit.codec import reference
+from deepspeed_sdp4bit.ops import load_codec_op
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCTIONS = ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize", "diff_quantize",
@@ -141,8 +141,6 @@ print(json.dumps({{"warnings": [f"{{w.category.__name__}}: {{w.message}}" for w 
 
 def test_cpu_op_checks_its_inputs() -> None:
     """The bindings refuse bad tensors and arguments themselves (direct callers bypass the Python adapter)."""
-    from deepspeed_sdp4bit.ops import load_codec_op
-
     op = load_codec_op("cpu")
     x = torch.randn(256)
     codes, scales = torch.empty(128, dtype=torch.uint8), torch.empty(2)

@@ -8,7 +8,6 @@
 // arguments; the checks here repeat that validation for direct callers of the bindings.
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
