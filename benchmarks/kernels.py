@@ -7,8 +7,8 @@
 Every row has op, backend ('torch' for the copy, 'cpu' or 'cuda' for the compiled op, 'reference'), device, dtype,
 bits, numel, outputs, ms and gbps. ms is the median of --repeat timed calls after one warm-up call; gbps counts the
 bytes each call really reads plus the bytes it writes (input, codes, scales, outputs; an in-place update counts its
-tensor twice). outputs is 'new' for the codec call as a caller makes it (it allocates its outputs, and fresh pages
-cost page faults on a CPU) and 'reused' for the op's binding writing into outputs allocated once, as the copy row
+tensor twice). outputs is 'new' for a codec call that allocates its outputs (fresh pages cost page faults on a CPU) and
+'reused' for the same codec call writing into the caller's outputs (`out=`) allocated once, as the copy row
 does. Op rows carry copy_gbps: the same copy timed in the same rounds, one copy call after each op call, so that
 both see the same load on a shared machine (it reads lower than the copy row, whose back-to-back calls find their
 own pages warm in the TLB). Compiled rows also carry vs_reference (the reference's ms over theirs, same op and
@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout when imported; stdout carries the rows
     from deepspeed_sdp4bit.codec import reference  # noqa: E402
     from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
-    from deepspeed_sdp4bit.codec.spec import seed_key  # noqa: E402
     from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
 
 Row = dict[str, Any]
@@ -124,7 +123,7 @@ def measure(op: str, backend: str, bench: Bench, bits: int | None, numel: int, f
 
 @dataclass
 class Case:
-    """One op's calls on prepared inputs: through a backend's codec API, and (compiled) through the binding."""
+    """One op's calls on prepared inputs through a backend's codec API: allocating, and (compiled) with `out=`."""
 
     bits: int | None
     numel: int
@@ -143,8 +142,7 @@ def _quantize_case(bits: int, group: int, stochastic: bool, hadamard: bool = Fal
         x = bench.values()
         kw = dict(bits=bits, group_size=group, stochastic=stochastic, seed=SEED, hadamard=hadamard)
         codes, scales = api.quantize(x, **kw)
-        reuse = None if op is None else (lambda: op.quantize(x, codes, scales, bits, group, stochastic,
-                                                             seed_key(SEED), 0, x.numel(), hadamard))
+        reuse = None if op is None else (lambda: api.quantize(x, **kw, out=(codes, scales)))
         return Case(bits, x.numel(), nbytes(x, codes, scales), lambda: api.quantize(x, **kw), reuse,
                     dict(group_size=group, stochastic=stochastic, hadamard=hadamard))
     return make
@@ -156,7 +154,7 @@ def _dequantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     codes, scales = codes.to(bench.device), scales.to(bench.device)
     out = torch.empty_like(x)
     kw = dict(numel=x.numel(), bits=4, group_size=2048, dtype=bench.dtype)
-    reuse = None if op is None else (lambda: op.dequantize(codes, scales, out, 4, 2048))
+    reuse = None if op is None else (lambda: api.dequantize(codes, scales, **kw, out=out))
     return Case(4, x.numel(), nbytes(codes, scales, out), lambda: api.dequantize(codes, scales, **kw), reuse,
                 dict(group_size=2048))
 
@@ -176,8 +174,7 @@ def _diff_quantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     weights = (master + 1e-3).to(bench.dtype)
     kw = dict(bits=4, group_size=2048, stochastic=True, seed=SEED)
     codes, scales = api.diff_quantize(master, weights, **kw)
-    reuse = None if op is None else (lambda: op.diff_quantize(master, weights, codes, scales, 4, 2048, True,
-                                                              seed_key(SEED), 0, master.numel()))
+    reuse = None if op is None else (lambda: api.diff_quantize(master, weights, **kw, out=(codes, scales)))
     return Case(4, master.numel(), nbytes(master, weights, codes, scales),
                 lambda: api.diff_quantize(master, weights, **kw), reuse, dict(group_size=2048, new_dtype="fp32"))
 
@@ -185,7 +182,7 @@ def _diff_quantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
 def _hadamard_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     x = bench.values(bench.numel // 32 * 32)
     out = torch.empty(x.numel(), dtype=torch.float32, device=bench.device)
-    reuse = None if op is None else (lambda: op.hadamard32(x, out, True))
+    reuse = None if op is None else (lambda: api.hadamard32(x, inverse=True, out=out))
     return Case(None, x.numel(), nbytes(x, out), lambda: api.hadamard32(x, inverse=True), reuse,
                 dict(inverse=True))
 
@@ -197,8 +194,7 @@ def _swizzle_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     kw = dict(bits=8, group_size=128, nodes=nodes, ranks_per_node=rpn, slices=slices, stochastic=True, seed=SEED,
               hadamard=True)
     codes, scales = api.swizzle_quantize(x, **kw)
-    reuse = None if op is None else (lambda: op.swizzle_quantize(x, codes, scales, 8, 128, nodes, rpn, slices, True,
-                                                                 seed_key(SEED), 0, True))
+    reuse = None if op is None else (lambda: api.swizzle_quantize(x, **kw, out=(codes, scales)))
     return Case(8, x.numel(), nbytes(x, codes, scales), lambda: api.swizzle_quantize(x, **kw), reuse,
                 dict(group_size=128, layout=f"{nodes}x{rpn}x{slices}", stochastic=True, hadamard=True))
 
@@ -215,9 +211,8 @@ def _drq_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     codes, scales, numel = _pieces(bench, PIECES_INTRA, 8, 128)
     kw = dict(pieces=PIECES_INTRA, in_bits=8, in_group=128, out_bits=4, out_group=128, stochastic=True, seed=SEED)
     out_codes, out_scales = api.dequantize_reduce_quantize(codes, scales, **kw)
-    reuse = None if op is None else (lambda: op.dequantize_reduce_quantize(codes, scales, PIECES_INTRA, 8, 128,
-                                                                           out_codes, out_scales, 4, 128, True,
-                                                                           seed_key(SEED), 0))
+    reuse = None if op is None else (lambda: api.dequantize_reduce_quantize(codes, scales, **kw,
+                                                                            out=(out_codes, out_scales)))
     return Case(4, numel, nbytes(codes, scales, out_codes, out_scales),
                 lambda: api.dequantize_reduce_quantize(codes, scales, **kw), reuse,
                 dict(pieces=PIECES_INTRA, in_bits=8, in_group=128, group_size=128, stochastic=True))
@@ -227,8 +222,7 @@ def _dr_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     codes, scales, numel = _pieces(bench, PIECES_INTER, 4, 128)
     kw = dict(pieces=PIECES_INTER, bits=4, group_size=128, dtype=bench.dtype, hadamard=True, mul=1.0 / 32)
     out = api.dequantize_reduce(codes, scales, **kw)
-    reuse = None if op is None else (lambda: op.dequantize_reduce(codes, scales, PIECES_INTER, 4, 128, out, True,
-                                                                  1.0 / 32))
+    reuse = None if op is None else (lambda: api.dequantize_reduce(codes, scales, **kw, out=out))
     return Case(4, numel, nbytes(codes, scales, out), lambda: api.dequantize_reduce(codes, scales, **kw), reuse,
                 dict(pieces=PIECES_INTER, group_size=128, hadamard=True))
 

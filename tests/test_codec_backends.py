@@ -376,3 +376,25 @@ def test_reference_gives_the_same_bits_on_cuda(dtype):
     dr = dict(pieces=4, bits=8, group_size=128, dtype=dtype, hadamard=True, mul=1.0 / 3.0)
     assert_bits_equal(R.dequantize_reduce(codes.to(cuda), scales.to(cuda), **dr),
                       R.dequantize_reduce(codes, scales, **dr), "dequantize_reduce")
+
+
+def test_out_buffers_are_filled_and_checked(backend):
+    """With `out`, every producing op writes the caller's buffers (same bits as allocating) and rejects wrong ones."""
+    op, dev = backend
+    x = values(4096, torch.bfloat16, 5).to(dev)
+    kw = dict(bits=4, group_size=128, stochastic=True, seed=SEED, offset=OFFSETS[1])
+    buffers = (torch.empty(2048, dtype=torch.uint8, device=dev), torch.empty(32, device=dev))
+    got = op.quantize(x, **kw, out=buffers)
+    assert got[0] is buffers[0] and got[1] is buffers[1]
+    assert_codes_equal(got, R.quantize(x.cpu(), **kw))
+    values_out = torch.empty(4096, dtype=torch.float16, device=dev)
+    decoded = op.dequantize(*got, numel=4096, bits=4, group_size=128, out=values_out)
+    assert decoded is values_out
+    assert_bits_equal(decoded, R.dequantize(*[t.cpu() for t in got], numel=4096, bits=4, group_size=128,
+                                            dtype=torch.float16), "dequantize out")
+    reduced = torch.empty(2048, dtype=torch.float32, device=dev)
+    assert op.dequantize_reduce(*got, pieces=2, bits=4, group_size=128, out=reduced) is reduced
+    with pytest.raises(ValueError, match="do not fit 4096 elements"):
+        op.quantize(x, **kw, out=(torch.empty(2047, dtype=torch.uint8, device=dev), buffers[1]))
+    with pytest.raises(ValueError, match="out must be"):
+        op.dequantize(*got, numel=4096, bits=4, group_size=128, out=torch.empty(4095, device=dev))

@@ -12,7 +12,18 @@ from types import ModuleType
 import torch
 
 from .reference import check_swizzle_args
-from .spec import FLOAT_DTYPES, check_codes, check_group_args, codes_nbytes, num_groups, pieces_numel, seed_key
+from .spec import (
+    FLOAT_DTYPES,
+    Codes,
+    check_codes,
+    check_group_args,
+    check_out_codes,
+    check_out_values,
+    codes_nbytes,
+    num_groups,
+    pieces_numel,
+    seed_key,
+)
 
 _I64 = 1 << 63
 
@@ -23,10 +34,24 @@ def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= _I64 else value
 
 
-def _outputs(x: torch.Tensor, numel: int, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(x: torch.Tensor, numel: int, bits: int, group_size: int, out: Codes | None) -> Codes:
+    """The caller's (codes, scales) buffers after checking them, or new ones."""
+    if out is not None:
+        check_out_codes(out, x.device, numel, bits, group_size)
+        return out
     codes = torch.empty(codes_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_groups(numel, group_size), dtype=torch.float32, device=x.device)
     return codes, scales
+
+
+def _values(device: torch.device, numel: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """The caller's output tensor after checking it, or a new one of `dtype`."""
+    if out is not None:
+        check_out_values(out, device, numel)
+        return out
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype {dtype} is not one of float32, bfloat16, float16")
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 class CompiledBackend:
@@ -37,37 +62,37 @@ class CompiledBackend:
         self.kind = kind
 
     def quantize(self, x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
-                 offset: int = 0, valid: int | None = None,
-                 hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 offset: int = 0, valid: int | None = None, hadamard: bool = False,
+                 out: Codes | None = None) -> Codes:
         check_group_args(x, bits, group_size, valid, hadamard)
-        codes, scales = _outputs(x, x.numel(), bits, group_size)
+        codes, scales = _outputs(x, x.numel(), bits, group_size, out)
         self.op.quantize(x, codes, scales, bits, group_size, stochastic, seed_key(seed), _signed64(offset),
                          x.numel() if valid is None else valid, hadamard)
         return codes, scales
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         check_codes(codes, scales, numel, bits, group_size)
-        if dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dequantize: dtype {dtype} is not one of float32, bfloat16, float16")
-        out = torch.empty(numel, dtype=dtype, device=codes.device)
+        out = _values(codes.device, numel, dtype, out)
         self.op.dequantize(codes, scales, out, bits, group_size)
         return out
 
-    def hadamard32(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def hadamard32(self, x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         check_group_args(x, 8, 32, None, True)
-        out = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        if out is not None and out.dtype != torch.float32:
+            raise ValueError(f"hadamard32: out must be float32, got {out.dtype}")
+        out = _values(x.device, x.numel(), torch.float32, out)
         self.op.hadamard32(x, out, inverse)
         return out
 
     def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int,
                       stochastic: bool = False, seed: int = 0, offset: int = 0,
-                      valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      valid: int | None = None, out: Codes | None = None) -> Codes:
         if new.numel() != ref.numel():
             raise ValueError(f"diff_quantize: new has {new.numel()} elements, ref has {ref.numel()}")
         check_group_args(new, bits, group_size, valid, False)
         check_group_args(ref, bits, group_size, valid, False)
-        codes, scales = _outputs(new, new.numel(), bits, group_size)
+        codes, scales = _outputs(new, new.numel(), bits, group_size, out)
         self.op.diff_quantize(new, ref, codes, scales, bits, group_size, stochastic, seed_key(seed),
                               _signed64(offset), new.numel() if valid is None else valid)
         return codes, scales
@@ -81,35 +106,33 @@ class CompiledBackend:
 
     def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
                          slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
-                         hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         hadamard: bool = False, out: Codes | None = None) -> Codes:
         check_swizzle_args(x, bits, group_size, nodes * ranks_per_node, slices)
-        codes, scales = _outputs(x, x.numel(), bits, group_size)
+        codes, scales = _outputs(x, x.numel(), bits, group_size, out)
         self.op.swizzle_quantize(x, codes, scales, bits, group_size, nodes, ranks_per_node, slices, stochastic,
                                  seed_key(seed), _signed64(offset), hadamard)
         return codes, scales
 
     def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
                                    in_group: int, out_bits: int, out_group: int, stochastic: bool = False,
-                                   seed: int = 0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                                   seed: int = 0, offset: int = 0, out: Codes | None = None) -> Codes:
         numel = pieces_numel(codes, scales, pieces, in_bits, in_group)
         probe = torch.empty(numel, dtype=torch.float32, device="meta")
         check_group_args(probe, out_bits, out_group, None, False)
         if numel % out_group:
             raise ValueError(f"piece of {numel} elements is not a multiple of out_group {out_group}")
-        out_codes, out_scales = _outputs(codes, numel, out_bits, out_group)
+        out_codes, out_scales = _outputs(codes, numel, out_bits, out_group, out)
         self.op.dequantize_reduce_quantize(codes, scales, pieces, in_bits, in_group, out_codes, out_scales, out_bits,
                                            out_group, stochastic, seed_key(seed), _signed64(offset))
         return out_codes, out_scales
 
     def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
                           group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
-                          mul: float = 1.0) -> torch.Tensor:
+                          mul: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
         numel = pieces_numel(codes, scales, pieces, bits, group_size)
-        if dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dequantize_reduce: dtype {dtype} is not one of float32, bfloat16, float16")
         if hadamard and numel % 32:
             raise ValueError(f"hadamard needs a multiple of 32 elements, got {numel}")
-        out = torch.empty(numel, dtype=dtype, device=codes.device)
+        out = _values(codes.device, numel, dtype, out)
         self.op.dequantize_reduce(codes, scales, pieces, bits, group_size, out, hadamard, float(mul))
         return out
 

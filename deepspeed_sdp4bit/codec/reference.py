@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 
 from .spec import (
+    Codes,
     FLOAT_DTYPES,
     HADAMARD_BLOCK,
     check_codes,
     check_group_args,
+    check_out_codes,
+    check_out_values,
     num_groups,
     pieces_numel,
     qmax_for,
@@ -55,8 +58,10 @@ def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cp
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def hadamard32(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Walsh-Hadamard transform of every contiguous 32-block (fp32 butterfly, strides 1..16); inverse adds x 1/32."""
+def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Walsh-Hadamard transform of every contiguous 32-block (fp32 butterfly, strides 1..16); inverse adds x 1/32.
+
+    The result is fp32; `out`, if given, must be an fp32 tensor of x's size."""
     if x.numel() % HADAMARD_BLOCK:
         raise ValueError(f"hadamard32 needs a multiple of {HADAMARD_BLOCK} elements, got {x.numel()}")
     y = x.reshape(-1).to(torch.float32)
@@ -68,7 +73,28 @@ def hadamard32(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         h *= 2
     if inverse:
         y = y * (1.0 / HADAMARD_BLOCK)
-    return y
+    if out is not None and out.dtype != torch.float32:
+        raise ValueError(f"hadamard32: out must be float32, got {out.dtype}")
+    return _into_values(y, out)
+
+
+def _into_codes(result: Codes, out: Codes | None, device: torch.device, numel: int, bits: int,
+                group_size: int) -> Codes:
+    """Return `result`, copied into the caller's (codes, scales) buffers when it gave some."""
+    if out is None:
+        return result
+    check_out_codes(out, device, numel, bits, group_size)
+    out[0].copy_(result[0])
+    out[1].copy_(result[1])
+    return out
+
+
+def _into_values(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Return `result`, copied into the caller's tensor when it gave one."""
+    if out is None:
+        return result
+    check_out_values(out, result.device, result.numel())
+    return out.copy_(result)
 
 
 def _masked_fp32(x: torch.Tensor, valid: int | None, padded: int) -> torch.Tensor:
@@ -122,7 +148,7 @@ def unpack(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def _quantize_fp32(xf: torch.Tensor, numel: int, bits: int, group_size: int, stochastic: bool, seed: int,
-                   offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   offset: int) -> Codes:
     """Quantize a zero-padded fp32 buffer (a whole number of groups) and keep the first `numel` codes."""
     qmax = qmax_for(bits)
     groups = xf.view(-1, group_size)
@@ -136,7 +162,7 @@ def _quantize_fp32(xf: torch.Tensor, numel: int, bits: int, group_size: int, sto
 
 
 def quantize(x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
-             offset: int = 0, valid: int | None = None, hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             offset: int = 0, valid: int | None = None, hadamard: bool = False, out: Codes | None = None) -> Codes:
     """Groupwise symmetric abs-max quantization of a 1-D tensor -> (uint8 codes, fp32 scales)."""
     numel = x.numel()
     check_group_args(x, bits, group_size, valid, hadamard)
@@ -144,7 +170,8 @@ def quantize(x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = 
     xf = _masked_fp32(x, valid, padded)
     if hadamard:
         xf = torch.cat((hadamard32(xf[:numel]), xf[numel:]))
-    return _quantize_fp32(xf, numel, bits, group_size, stochastic, seed, offset)
+    result = _quantize_fp32(xf, numel, bits, group_size, stochastic, seed, offset)
+    return _into_codes(result, out, x.device, numel, bits, group_size)
 
 
 def dequantize_fp32(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int,
@@ -157,13 +184,14 @@ def dequantize_fp32(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bi
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Codes and scales -> values in `dtype` (fp32 product, one rounding to dtype)."""
-    return dequantize_fp32(codes, scales, numel=numel, bits=bits, group_size=group_size).to(dtype)
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes and scales -> values in `dtype` (or out's dtype): fp32 product, one rounding to the dtype."""
+    values = dequantize_fp32(codes, scales, numel=numel, bits=bits, group_size=group_size)
+    return _into_values(values.to(dtype if out is None else out.dtype), out)
 
 
 def diff_quantize(new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False,
-                  seed: int = 0, offset: int = 0, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int = 0, offset: int = 0, valid: int | None = None, out: Codes | None = None) -> Codes:
     """Quantize d = fp32(new) - fp32(ref) (one fp32 subtraction); elements at index >= valid read neither input."""
     if new.numel() != ref.numel():
         raise ValueError(f"diff_quantize: new has {new.numel()} elements, ref has {ref.numel()}")
@@ -172,7 +200,8 @@ def diff_quantize(new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size
     numel = new.numel()
     padded = num_groups(numel, group_size) * group_size
     d = _masked_fp32(new, valid, padded) - _masked_fp32(ref, valid, padded)
-    return _quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset)
+    return _into_codes(_quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset), out, new.device, numel,
+                       bits, group_size)
 
 
 def dequantize_add_(ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int,
@@ -200,8 +229,8 @@ def swizzle_permutation(nodes: int, ranks_per_node: int, slices: int) -> torch.T
 
 
 def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int, slices: int,
-                     stochastic: bool = False, seed: int = 0, offset: int = 0,
-                     hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     stochastic: bool = False, seed: int = 0, offset: int = 0, hadamard: bool = False,
+                     out: Codes | None = None) -> Codes:
     """Quantize x (W partitions x `slices` slices, each a whole number of groups) into the swizzled layout.
 
     Stochastic-rounding counters and Hadamard blocks follow the *input* element index, so the values are the
@@ -215,7 +244,7 @@ def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int,
     code_block = block * bits // 8
     codes = codes.view(world * slices, code_block)[perm].reshape(-1)
     scales = scales.view(world * slices, block // group_size)[perm].reshape(-1)
-    return codes, scales
+    return _into_codes((codes, scales), out, x.device, x.numel(), bits, group_size)
 
 
 def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int) -> int:
@@ -245,21 +274,24 @@ def _sum_pieces(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: in
 
 def dequantize_reduce_quantize(codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
                                in_group: int, out_bits: int, out_group: int, stochastic: bool = False, seed: int = 0,
-                               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                               offset: int = 0, out: Codes | None = None) -> Codes:
     """Sum `pieces` quantized pieces in fp32 and quantize the sum again with other bits and group size."""
     total = _sum_pieces(codes, scales, pieces, in_bits, in_group)
     check_group_args(total, out_bits, out_group, None, False)
     if total.numel() % out_group:
         raise ValueError(f"piece of {total.numel()} elements is not a multiple of out_group {out_group}")
-    return _quantize_fp32(total, total.numel(), out_bits, out_group, stochastic, seed, offset)
+    result = _quantize_fp32(total, total.numel(), out_bits, out_group, stochastic, seed, offset)
+    return _into_codes(result, out, codes.device, total.numel(), out_bits, out_group)
 
 
 def dequantize_reduce(codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int, group_size: int,
-                      dtype: torch.dtype = torch.float32, hadamard: bool = False, mul: float = 1.0) -> torch.Tensor:
-    """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform, scale by `mul`, cast."""
+                      dtype: torch.dtype = torch.float32, hadamard: bool = False, mul: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform, scale by `mul`, cast to
+    `dtype` (or out's dtype)."""
     total = _sum_pieces(codes, scales, pieces, bits, group_size)
     factor = torch.tensor(mul, dtype=torch.float32)
     if hadamard:
         total = hadamard32(total)
         factor = factor * (1.0 / HADAMARD_BLOCK)
-    return (total * factor.to(total.device)).to(dtype)
+    return _into_values((total * factor.to(total.device)).to(dtype if out is None else out.dtype), out)

@@ -9,6 +9,7 @@ MIN_GROUP = 32
 MAX_GROUP = 8192
 BITS = (4, 8)
 FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+Codes = tuple[torch.Tensor, torch.Tensor]  # (uint8 packed codes, fp32 scales)
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 
@@ -61,6 +62,22 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int
     if codes.numel() != codes_nbytes(numel, bits) or scales.numel() != num_groups(numel, group_size):
         raise ValueError(f"{codes.numel()} code bytes / {scales.numel()} scales do not fit {numel} elements at "
                          f"{bits} bits in groups of {group_size}")
+
+
+def check_out_codes(out: tuple[torch.Tensor, torch.Tensor], device: torch.device, numel: int, bits: int,
+                    group_size: int) -> None:
+    """A caller's (codes, scales) output buffers must be exactly what `numel` elements need, on `device`."""
+    codes, scales = out
+    check_codes(codes, scales, numel, bits, group_size)
+    if codes.device != device or scales.device != device:
+        raise ValueError(f"out buffers are on {codes.device}/{scales.device}, the input on {device}")
+
+
+def check_out_values(out: torch.Tensor, device: torch.device, numel: int) -> None:
+    """A caller's output tensor must be a contiguous float tensor of `numel` elements on `device`."""
+    if out.dtype not in FLOAT_DTYPES or not out.is_contiguous() or out.numel() != numel or out.device != device:
+        raise ValueError(f"out must be a contiguous float32/bfloat16/float16 tensor of {numel} elements on {device}, "
+                         f"got {out.numel()} elements of {out.dtype} on {out.device} (contiguous={out.is_contiguous()})")
 
 
 def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> int:
