@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import logger
 
@@ -71,6 +72,7 @@ class SDP4BitRuntime:
             else None
         self.reducer = self._make_reducer() if config.quantized_gradients else None
         self.optimizer_steps = 0
+        self._weights_written: Any = None
         self.last_step_bytes: dict[str, dict[str, float]] = {}
         self._at_last_step = self.comm_stats.snapshot()
 
@@ -121,6 +123,17 @@ class SDP4BitRuntime:
         if keys:
             self.store.resync({k: self.params[k].ds_tensor for k in keys})
             self._write_ds_tensors(keys)
+            self._mark_weights_written()
+
+    def _mark_weights_written(self) -> None:
+        """Record the point on this stream after which replicas and ds_tensors hold the new weights.
+
+        ZeRO-3 issues gathers on its own all-gather stream, which does not wait for the stream the optimizer step
+        and the refresh ran on; `gather` makes it wait for this event. CPUs have no streams.
+        """
+        if not get_accelerator().is_synchronized_device():
+            self._weights_written = get_accelerator().Event()
+            self._weights_written.record()
 
     def refresh(self) -> None:
         """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
@@ -134,6 +147,8 @@ class SDP4BitRuntime:
         params = sorted(params, key=lambda p: p.ds_id)
         for param in params:
             param.ds_status = ZeroParamStatus.INFLIGHT
+        if self._weights_written is not None:
+            get_accelerator().current_stream().wait_event(self._weights_written)
         if self.store is not None:
             inner = self.store.gather([p.ds_id for p in params])
         else:
@@ -155,6 +170,7 @@ class SDP4BitRuntime:
     def after_step(self) -> None:
         """Called once per successful optimizer step, before DeepSpeed's own post-step work."""
         self.refresh()
+        self._mark_weights_written()
         self.optimizer_steps += 1
         interval = self.config.verify_interval
         if interval and self.store is not None and self.optimizer_steps % interval == 0:
