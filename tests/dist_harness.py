@@ -1,16 +1,19 @@
 """Run a function on W real processes joined by torch.distributed over gloo (deepspeed.comm initialised).
 
 The function must be importable (module level) because workers are spawned. Each worker returns the function's
-result (pickled by value, tensors included) to the parent; an exception in any worker fails the call with that worker's traceback. Batch many cases
-into one call: starting W interpreters costs seconds on a 2-core machine.
+result (pickled by value, tensors included) to the parent; an exception in any worker fails the call with that
+worker's traceback, and a worker that dies without reporting (a crash, a kill) fails it with its exit code.
+Batch many cases into one call: starting W interpreters costs seconds on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -52,6 +55,28 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str,
             pass
 
 
+def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, Any], failures: list[str]) -> None:
+    """Fill results from the workers' reports until all arrived, one failed, one died silently, or time ran out."""
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+            if dead and queue.empty():
+                failures.extend(f"rank {r} exited with code {procs[r].exitcode} before reporting" for r in dead)
+                return
+            if time.monotonic() > deadline:
+                failures.append(f"no report from ranks {sorted(set(range(len(procs))) - set(results))} "
+                                f"within {timeout:.0f} s")
+                return
+            continue
+        if not ok:
+            failures.append(f"rank {rank}:\n{payload}")
+            return
+        results[rank] = pickle.loads(payload)
+
+
 def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None,
                     timeout: float = 900.0, backend: str = "gloo") -> list[Any]:
     """fn(*args) on `world` ranks (gloo on CPU, or nccl with one GPU per rank); results in rank order."""
@@ -66,15 +91,9 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
-        for _ in range(world):
-            rank, ok, payload = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = pickle.loads(payload)
-            else:
-                failures.append(f"rank {rank}:\n{payload}")
-                break
+        _collect(procs, queue, timeout, results, failures)
     finally:
-        if failures or len(results) < world:
+        if failures or len(results) < len(procs):
             for p in procs:
                 p.kill()
         for p in procs:

@@ -1,5 +1,7 @@
 """The spawn harness itself: real gloo ranks, results in rank order, worker failures surface."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,3 +27,13 @@ def test_all_ranks_run_and_reduce():
 def test_worker_failure_is_reported():
     with pytest.raises(RuntimeError, match="boom on rank 1"):
         run_distributed(2, _fail_on_rank_one, timeout=120)
+
+
+def _die() -> None:
+    os._exit(3)
+
+
+def test_silent_worker_death_fails_fast():
+    """A rank that dies without reporting fails the call with its exit code, not after the whole timeout."""
+    with pytest.raises(RuntimeError, match="rank 0 exited with code 3 before reporting"):
+        run_distributed(1, _die, timeout=600)

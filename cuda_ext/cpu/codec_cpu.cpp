@@ -378,56 +378,44 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
   });
 }
 
-void dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out, int64_t bits,
-                int64_t group) {
-  check_float(out, "out");
+// dst = the dequantized codes, or (Add) dst += them with one fp32 add and one rounding to dst's dtype.
+template <bool Add>
+void decode_into(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& dst, int64_t bits,
+                 int64_t group, const char* dst_name) {
+  check_float(dst, dst_name);
   check_bits_group(bits, group, "bits", "group_size");
-  const int64_t n = out.numel();
+  const int64_t n = dst.numel();
   check_codes(codes, scales, n, bits, group, "codes", "scales");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   const int64_t groups = group_count(n, group);
-  with_float_type(out, [&](auto tag) {
+  with_float_type(dst, [&](auto tag) {
     using T = decltype(tag);
-    T* dst = reinterpret_cast<T*>(out.data_ptr());
+    T* base = reinterpret_cast<T*>(dst.data_ptr());
     with_bits(static_cast<int>(bits), [&](auto b) {
       constexpr int kBits = decltype(b)::value;
 #pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t start = g * group;
         const float s = sc[g];
-        T* o = dst + start;
-        for_levels<kBits>(cp + start * kBits / 8, std::min(group, n - start),
-                          [&](int64_t i, int q) { o[i] = from_f32<T>(sdp4bit::dequant(q, s)); });
+        T* o = base + start;
+        for_levels<kBits>(cp + start * kBits / 8, std::min(group, n - start), [&](int64_t i, int q) {
+          const float v = sdp4bit::dequant(q, s);
+          o[i] = from_f32<T>(Add ? v + to_f32(o[i]) : v);
+        });
       }
     });
   });
 }
 
+void dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out, int64_t bits,
+                int64_t group) {
+  decode_into<false>(codes, scales, out, bits, group, "out");
+}
+
 void dequantize_add(const at::Tensor& ref, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                     int64_t group) {
-  check_float(ref, "ref");
-  check_bits_group(bits, group, "bits", "group_size");
-  const int64_t n = ref.numel();
-  check_codes(codes, scales, n, bits, group, "codes", "scales");
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const int64_t groups = group_count(n, group);
-  with_float_type(ref, [&](auto tag) {
-    using T = decltype(tag);
-    T* dst = reinterpret_cast<T*>(ref.data_ptr());
-    with_bits(static_cast<int>(bits), [&](auto b) {
-      constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t start = g * group;
-        const float s = sc[g];
-        T* o = dst + start;
-        for_levels<kBits>(cp + start * kBits / 8, std::min(group, n - start),
-                          [&](int64_t i, int q) { o[i] = from_f32<T>(sdp4bit::dequant(q, s) + to_f32(o[i])); });
-      }
-    });
-  });
+  decode_into<true>(codes, scales, ref, bits, group, "ref");
 }
 
 void hadamard32(const at::Tensor& x, const at::Tensor& out, bool inverse) {

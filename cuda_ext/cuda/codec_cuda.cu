@@ -571,36 +571,10 @@ unsigned ew_blocks(int64_t numel) {
   return static_cast<unsigned>((numel + kPerBlock - 1) / kPerBlock);
 }
 
-template <DType D>
+// dst = dequantized codes, or (kAdd) dst += them: an fp32 multiply, an fp32 add, one rounding to D (no FMA).
+template <DType D, bool kAdd>
 __global__ void __launch_bounds__(kEwThreads)
-    dequantize_kernel(const CodesInput in, const GroupIndex gi, int64_t numel, void* out, bool vec_codes,
-                      bool vec_out) {
-  const int64_t byte_limit = codes_nbytes(numel, in.bits);
-  uint32_t w[kEwChunks][2];
-  float sc[kEwChunks];
-#pragma unroll
-  for (int u = 0; u < kEwChunks; ++u) {
-    const int64_t e = ew_element(u);
-    const bool on = e < numel;
-    load_codes8(in.codes, in.bits, e, on ? byte_limit : 0, vec_codes, w[u]);
-    sc[u] = on ? in.scales[gi(e)] : 0.0f;
-  }
-#pragma unroll
-  for (int u = 0; u < kEwChunks; ++u) {
-    const int64_t e = ew_element(u);
-    if (e >= numel) continue;
-    float v[8];
-    code_levels(w[u], in.bits, v);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) v[j] = v[j] * sc[u];  // sdp4bit::dequant
-    store8<D>(out, e, numel, vec_out, v);
-  }
-}
-
-template <DType D>
-__global__ void __launch_bounds__(kEwThreads)
-    dequantize_add_kernel(const CodesInput in, const GroupIndex gi, int64_t numel, void* ref, bool vec_codes,
-                          bool vec_ref) {
+    decode_kernel(const CodesInput in, const GroupIndex gi, int64_t numel, void* dst, bool vec_codes, bool vec_dst) {
   constexpr int kSize = D == DType::kFloat32 ? 4 : 2;
   const int64_t byte_limit = codes_nbytes(numel, in.bits);
   uint32_t w[kEwChunks][2];
@@ -611,24 +585,24 @@ __global__ void __launch_bounds__(kEwThreads)
     const int64_t e = ew_element(u);
     const bool on = e < numel;
     load_codes8(in.codes, in.bits, e, on ? byte_limit : 0, vec_codes, w[u]);
-    load_raw8(static_cast<const uint8_t*>(ref), kSize, e, on ? numel : 0, vec_ref, r[u]);
+    if constexpr (kAdd) load_raw8(static_cast<const uint8_t*>(dst), kSize, e, on ? numel : 0, vec_dst, r[u]);
     sc[u] = on ? in.scales[gi(e)] : 0.0f;
   }
 #pragma unroll
   for (int u = 0; u < kEwChunks; ++u) {
     const int64_t e = ew_element(u);
     if (e >= numel) continue;
-    float q[8];
-    float base[8];
-    code_levels(w[u], in.bits, q);
-    decode8(r[u], D, base);
     float v[8];
+    code_levels(w[u], in.bits, v);
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const float delta = q[j] * sc[u];  // sdp4bit::dequant
-      v[j] = delta + base[j];
+    for (int j = 0; j < kChunk; ++j) v[j] = v[j] * sc[u];  // sdp4bit::dequant
+    if constexpr (kAdd) {
+      float base[8];
+      decode8(r[u], D, base);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) v[j] = v[j] + base[j];
     }
-    store8<D>(ref, e, numel, vec_ref, v);
+    store8<D>(dst, e, numel, vec_dst, v);
   }
 }
 
@@ -728,18 +702,11 @@ void dispatch_dtype(DType dtype, Args&&... args) {
 }
 
 template <DType D>
-struct Dequantize {
-  static void run(const CodesInput& in, int64_t numel, void* out, cudaStream_t stream) {
-    dequantize_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(
-        in, group_index(in.group_size, numel), numel, out, aligned16(in.codes), aligned16(out));
-  }
-};
-
-template <DType D>
-struct DequantizeAdd {
-  static void run(const CodesInput& in, int64_t numel, void* ref, cudaStream_t stream) {
-    dequantize_add_kernel<D><<<ew_blocks(numel), kEwThreads, 0, stream>>>(
-        in, group_index(in.group_size, numel), numel, ref, aligned16(in.codes), aligned16(ref));
+struct Decode {
+  static void run(const CodesInput& in, int64_t numel, void* dst, bool add, cudaStream_t stream) {
+    const auto kernel = add ? decode_kernel<D, true> : decode_kernel<D, false>;
+    kernel<<<ew_blocks(numel), kEwThreads, 0, stream>>>(in, group_index(in.group_size, numel), numel, dst,
+                                                        aligned16(in.codes), aligned16(dst));
   }
 };
 
@@ -783,11 +750,11 @@ void launch_dequantize_reduce_quantize(CodesInput in, int64_t pieces, const Quan
 }
 
 void launch_dequantize(CodesInput in, int64_t numel, void* out, DType out_dtype, cudaStream_t stream) {
-  dispatch_dtype<Dequantize>(out_dtype, in, numel, out, stream);
+  dispatch_dtype<Decode>(out_dtype, in, numel, out, false, stream);
 }
 
 void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dtype, cudaStream_t stream) {
-  dispatch_dtype<DequantizeAdd>(ref_dtype, in, numel, ref, stream);
+  dispatch_dtype<Decode>(ref_dtype, in, numel, ref, true, stream);
 }
 
 void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel, void* out, DType out_dtype,
