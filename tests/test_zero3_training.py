@@ -71,18 +71,24 @@ def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> bo
     return bool(((w - master).abs() <= step + ulp).all())
 
 
-def _invariants(engine: Any, before: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """Rank-local evidence for acceptance b and c."""
-    runtime = engine.sdp4bit
+def _ds_tensors_equal_replicas(runtime: Any) -> tuple[bool, list[torch.Tensor]]:
+    """Whether DeepSpeed's ds_tensor equals the gathered replica on this rank's shard of every parameter."""
     rank = torch.distributed.get_rank()
     keys = sorted(runtime.params)
     full = runtime.store.gather(keys).wait()
-    ds_equal = True
+    equal = True
     for key, tensor in zip(keys, full):
         shard = runtime.store.shard_numel(key)
         valid = runtime.store.valid_numel(key, rank)
         own = runtime.params[key].ds_tensor.reshape(-1)[:valid]
-        ds_equal &= torch.equal(_bits(own), _bits(tensor.reshape(-1)[rank * shard:rank * shard + valid]))
+        equal &= torch.equal(_bits(own), _bits(tensor.reshape(-1)[rank * shard:rank * shard + valid]))
+    return equal, full
+
+
+def _invariants(engine: Any, before: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """Rank-local evidence for acceptance b and c."""
+    runtime = engine.sdp4bit
+    ds_equal, full = _ds_tensors_equal_replicas(runtime)
     return {"checksum_ok": runtime.store.checksum().ok, "ds_tensor_equals_w": ds_equal,
             "master_within_step": _master_within_last_step(engine, before),
             "gathered": [_bits(t) for t in full], "stats": runtime.stats(), "logged": _comms_logger_bytes()}
@@ -248,3 +254,34 @@ def test_other_engines_untouched_and_weight_writers_resync(tmp_path: Any) -> Non
         assert result["edited_all_quarter"] and result["checksum_ok"]
     written = {name for _, _, names in os.walk(tmp_path) for name in names}
     assert any("sdp4bit" in name for name in written), sorted(written)
+
+
+def _corrupt_then_step(replica: str) -> dict[str, Any]:
+    """verify_interval 1: one element of one holder's replica is changed; the next step must find and repair it."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    engine = H.make_engine(H.ds_config(sdp4bit={**PAPER, "weight_replica": replica, "verify_interval": 1}))
+    H.train_steps(engine, 0, 2)
+    store = engine.sdp4bit.store
+    if torch.distributed.get_rank() == 1:
+        store._storage.view(-1)[7] += 1.0  # fault injection into private storage: one holder's copy drifts
+    detected = not store.checksum().ok
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        H.train_steps(engine, 2, 3)
+    finally:
+        logger.removeHandler(handler)
+    ds_equal, _ = _ds_tensors_equal_replicas(engine.sdp4bit)
+    return {"detected": detected, "warned": any("checksum mismatch" in w for w in warnings),
+            "ok_after": store.checksum().ok, "ds_tensor_equals_w": ds_equal}
+
+
+@pytest.mark.parametrize("replica", ["rank", "node"])
+def test_verify_finds_a_corrupted_replica_and_resyncs(replica: str) -> None:
+    for rank, result in enumerate(run_distributed(4, _corrupt_then_step, replica)):
+        assert result == {"detected": True, "warned": True, "ok_after": True, "ds_tensor_equals_w": True}, rank
