@@ -68,6 +68,8 @@ ENGINE_ERRORS = [
     ("ZeRO++ qwZ", {"zero_quantized_weights": True}, QW, "zero_optimization.zero_quantized_weights"),
     ("hpZ with qWD", {"zero_hpz_partition_size": 2}, QW, "zero_optimization.zero_hpz_partition_size"),
     ("param offload", {"offload_param": {"device": "cpu"}}, QW, "zero_optimization.offload_param"),
+    ("ZenFlow", {"zenflow": {"topk_ratio": 0.1}, "offload_optimizer": {"device": "cpu"}}, QW,
+     "zero_optimization.zenflow"),
     ("ranks per node", {}, {"ranks_per_node": 3, **QG}, "ranks_per_node"),
 ]
 
@@ -89,3 +91,18 @@ def test_deepspeed_conflicts_fail_at_initialize_naming_the_key() -> None:
     messages = run_distributed(2, _all_engine_errors)[0]
     for (name, _, _, key), message in zip(ENGINE_ERRORS, messages):
         assert key in message, f"{name}: expected an error naming {key}, got {message!r}"
+
+
+def test_masters_sharing_the_weights_storage_are_refused() -> None:
+    """If DeepSpeed ever aliased the fp32 masters to ds_tensor's storage, qWD's write-back would destroy them."""
+    from types import SimpleNamespace
+
+    from deepspeed_sdp4bit.config import SDP4BitConfig
+    from deepspeed_sdp4bit.zero3.checks import _master_problems
+
+    weights = torch.zeros(8)
+    optimizer = SimpleNamespace(fp32_partitioned_groups_flat=[torch.zeros(8), weights],
+                                fp16_partitioned_groups_flat=[torch.zeros(8), weights])
+    engine = SimpleNamespace(optimizer=optimizer)
+    assert "sub-groups [1]" in _master_problems(engine, SDP4BitConfig(quantized_weights=True))[0]
+    assert _master_problems(engine, SDP4BitConfig(quantized_gradients=True)) == []

@@ -139,21 +139,52 @@ def _check_bytes(stats: dict[str, dict[str, float]], logged: dict[str, int], dty
         assert logged.get(kind, 0) == stats[kind]["wire_bytes"], (kind, logged, stats[kind])
 
 
-def _resume_part(directory: str, uninterrupted: bool) -> list[float]:
-    """Uninterrupted: 40 steps, saving at 20. Resumed: fresh engine, load the step-20 checkpoint, steps 20..40."""
-    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=PAPER))
+def _resume_part(directory: str, uninterrupted: bool) -> dict[str, Any]:
+    """Uninterrupted: 40 steps, saving at 20. Resumed: fresh engine, load the step-20 checkpoint, steps 20..40.
+
+    The resumed process first builds another ZeRO-3 model, so its parameters get other ds_ids than at save time;
+    afterwards it checks DeepSpeed's two weights-only loads.
+    """
+    config = H.ds_config(torch.bfloat16, sdp4bit=PAPER)
     if uninterrupted:
+        engine = H.make_engine(config)
         losses = H.train_steps(engine, 0, 20)
         engine.save_checkpoint(directory, tag="step20")
-        return losses + H.train_steps(engine, 20, 40)
+        return {"losses": losses + H.train_steps(engine, 20, 40)}
+    H.make_engine(H.ds_config(torch.bfloat16))
+    engine = H.make_engine(config)
     engine.load_checkpoint(directory, tag="step20")
-    return H.train_steps(engine, 20, 40)
+    return {"losses": H.train_steps(engine, 20, 40),
+            "module_only": _weights_only_load(directory, load_module_only=True),
+            "no_optimizer_states": _weights_only_load(directory, load_optimizer_states=False)}
+
+
+def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
+    """A weights-only load: DeepSpeed rebuilds the masters from the 16-bit weights; replicas must follow them."""
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=PAPER))
+    engine.load_checkpoint(directory, tag="step20", **options)
+    runtime, rank = engine.sdp4bit, torch.distributed.get_rank()
+    ds_equal, _ = _ds_tensors_equal_replicas(runtime)
+    master_is_w = all(torch.equal(safe_get_local_fp32_param(p).reshape(-1)[:runtime.store.valid_numel(k, rank)]
+                                  .to(torch.bfloat16), p.ds_tensor.reshape(-1)[:runtime.store.valid_numel(k, rank)])
+                      for k, p in runtime.params.items())
+    return {"checksum_ok": runtime.store.checksum().ok, "ds_tensor_equals_w": ds_equal, "master_is_w": master_is_w,
+            "loss": H.train_steps(engine, 20, 21)[0]}
 
 
 def test_resume_from_checkpoint_is_bit_exact(tmp_path: Any) -> None:
-    full = run_distributed(4, _resume_part, str(tmp_path), True)[0]
-    resumed = run_distributed(4, _resume_part, str(tmp_path), False)[0]
-    assert resumed == full[20:40]
+    full = run_distributed(4, _resume_part, str(tmp_path), True)[0]["losses"]
+    resumed = run_distributed(4, _resume_part, str(tmp_path), False)
+    assert resumed[0]["losses"] == full[20:40]
+    for rank, result in enumerate(resumed):
+        for load in ("module_only", "no_optimizer_states"):
+            checks = {k: result[load][k] for k in ("checksum_ok", "ds_tensor_equals_w", "master_is_w")}
+            assert all(checks.values()), (rank, load, checks)
+    # load_optimizer_states=False loads the saved weights: the next loss is the saved run's, not the initial one.
+    assert abs(resumed[0]["no_optimizer_states"]["loss"] - full[20]) < 0.02 * full[20]
+    assert math.isfinite(resumed[0]["module_only"]["loss"])
 
 
 def _train_mode(block: dict, steps: int = 6, grad_accum: int = 1, evaluate: bool = False,
@@ -225,7 +256,8 @@ def test_world_sizes_two_and_three_train(world: int) -> None:
 
 
 def _untouched_and_hooks(directory: str) -> dict[str, Any]:
-    """Engines without the block are untouched; GatheredParameters edits and 16-bit saves keep replicas exact."""
+    """Engines without the block are untouched; GatheredParameters edits and 16-bit saves keep replicas exact;
+    offload_states is refused."""
     import deepspeed
 
     plain_before = H.train_steps(H.make_engine(H.ds_config()), 0, 5)
@@ -241,7 +273,12 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
     edited = engine.sdp4bit.store.gather([weight.ds_id]).wait()[0]
     engine.save_16bit_model(directory)
     H.train_steps(engine, 3, 5)
-    return {"plain_equal": plain_before == plain_after, "plain_has_runtime": hasattr(plain, "sdp4bit"),
+    try:
+        engine.offload_states()
+        offload_refused = False
+    except NotImplementedError as err:
+        offload_refused = "offload_states" in str(err)
+    return {"offload_refused": offload_refused, "plain_equal": plain_before == plain_after, "plain_has_runtime": hasattr(plain, "sdp4bit"),
             "plain_param_patched": any(hasattr(p, "_sdp4bit_original_all_gather_coalesced")
                                        for p in plain.module.parameters()),
             "edited_all_quarter": bool((edited == 0.25).all()), "checksum_ok": engine.sdp4bit.store.checksum().ok}
@@ -251,7 +288,7 @@ def test_other_engines_untouched_and_weight_writers_resync(tmp_path: Any) -> Non
     results = run_distributed(4, _untouched_and_hooks, str(tmp_path))
     for result in results:
         assert result["plain_equal"] and not result["plain_has_runtime"] and not result["plain_param_patched"]
-        assert result["edited_all_quarter"] and result["checksum_ok"]
+        assert result["edited_all_quarter"] and result["checksum_ok"] and result["offload_refused"]
     written = {name for _, _, names in os.walk(tmp_path) for name in names}
     assert any("sdp4bit" in name for name in written), sorted(written)
 

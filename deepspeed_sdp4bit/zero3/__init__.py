@@ -10,6 +10,7 @@ precision; otherwise it is deepspeed.initialize unchanged. `import deepspeed_sdp
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import weakref
@@ -27,7 +28,10 @@ from .runtime import SDP4BitRuntime
 
 __all__ = ["SDP4BitCompatError", "SDP4BitRuntime", "activate_engine", "initialize", "install_initialize_hook"]
 
-_RUNTIMES: "weakref.WeakSet[SDP4BitRuntime]" = weakref.WeakSet()
+# Live runtimes in creation order (the same on every rank), so hooks that resync several engines issue their
+# collectives in the same order everywhere.
+_RUNTIMES: "weakref.WeakValueDictionary[int, SDP4BitRuntime]" = weakref.WeakValueDictionary()
+_CREATED = itertools.count()
 
 
 def _load_config(config: Any) -> dict[str, Any] | None:
@@ -68,18 +72,25 @@ def _block(ds_config: dict[str, Any] | None) -> SDP4BitConfig | None:
     return cfg
 
 
+def _live_runtimes() -> list[SDP4BitRuntime]:
+    """The live runtimes, oldest first."""
+    return [runtime for _, runtime in sorted(_RUNTIMES.items(), key=lambda item: item[0])]
+
+
 def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
     """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit)."""
     check_engine(engine, cfg)
     runtime = SDP4BitRuntime(engine, cfg, build_topology(cfg.ranks_per_node))
     patches.patch_reduce_scatter()
-    patches.patch_gathered_parameters(lambda: list(_RUNTIMES))
+    patches.patch_gathered_parameters(_live_runtimes)
     patches.patch_optimizer(engine.optimizer, runtime)
     patches.patch_params([p for p in engine.module.parameters() if hasattr(p, "ds_id")], runtime)
     patches.patch_checkpoints(engine, runtime)
+    if runtime.store is not None:
+        patches.refuse_offload_states(engine)
     runtime.resync()
     engine.sdp4bit = runtime
-    _RUNTIMES.add(runtime)
+    _RUNTIMES[next(_CREATED)] = runtime
     _log_activation(runtime)
     return runtime
 

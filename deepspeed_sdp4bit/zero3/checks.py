@@ -41,6 +41,9 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
     if _offload_device(zero.offload_param) != "none":
         problems.append(f"zero_optimization.offload_param.device = {_offload_device(zero.offload_param)!r}: "
                         "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)")
+    if zero.zenflow is not None:
+        problems.append("zero_optimization.zenflow is set: ZenFlow's selective optimizer writes ds_tensor outside "
+                        "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block")
     if _offload_device(zero.offload_optimizer) == "nvme":
         problems.append("zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
                         "supported by sdp4bit; use 'cpu' or 'none'")
@@ -79,6 +82,18 @@ def _engine_problems(engine: object) -> list[str]:
     return problems
 
 
+def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
+    """qWD writes w~ into ds_tensor; an fp32 master sharing ds_tensor's storage would lose the exact weights."""
+    optimizer = engine.optimizer
+    shared = [i for i, (master, weights) in enumerate(zip(optimizer.fp32_partitioned_groups_flat,
+                                                          optimizer.fp16_partitioned_groups_flat))
+              if master.numel() and master.data_ptr() == weights.data_ptr()]
+    if cfg.quantized_weights and shared:
+        return [f"DeepSpeed keeps the fp32 masters of sub-groups {shared} in the parameters' own storage (autocast "
+                "or an fp32 model without a separate master copy); sdp4bit.quantized_weights needs separate masters"]
+    return []
+
+
 def _dtype_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
     dtypes = {p.dtype for g in engine.optimizer.fp16_groups for p in g}
     if cfg.quantized_weights and len(dtypes) > 1:
@@ -95,4 +110,4 @@ def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
         _raise([f"zero_optimization.stage = {engine.zero_optimization_stage()}: sdp4bit works with ZeRO stage 3 "
                 "only"])
     problems = _engine_problems(engine)
-    _raise(problems or _dtype_problems(engine, cfg))
+    _raise(problems or _dtype_problems(engine, cfg) or _master_problems(engine, cfg))

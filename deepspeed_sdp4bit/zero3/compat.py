@@ -24,7 +24,9 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters.__exit__", ("self", )),
     ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus", None),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", ("self", "save_dir", "tag", "client_state")),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", ("self", "load_dir", "tag")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint",
+     ("self", "load_dir", "tag", "load_optimizer_states", "load_module_only")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
 )
 
 

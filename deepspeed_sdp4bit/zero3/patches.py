@@ -7,7 +7,8 @@ Process-wide (installed once, inert for engines without an enabled "sdp4bit" blo
 Per engine (instance attributes, so other engines in the process are untouched):
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
   bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas),
-  and the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's state).
+  the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's state) and `offload_states` (refused: the
+  replicas would stay on the device).
 `compat.check_deepspeed()` verifies the version and every one of these symbols before any is touched.
 """
 
@@ -141,11 +142,28 @@ def patch_checkpoints(engine: Any, runtime: SDP4BitRuntime) -> None:
         return save(*bound.args, **bound.kwargs)
 
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(load).bind(*args, **kwargs)
+        bound.apply_defaults()
+        options = bound.arguments
         load_path, client_state = load(*args, **kwargs)
         if load_path is not None:
             client_state = dict(client_state or {})
-            runtime.load_state_dict(client_state.pop(CLIENT_STATE_KEY, None))
+            full_restore = (options["load_optimizer_states"] and not options["load_module_only"]
+                            and not engine.load_universal_checkpoint())
+            runtime.load_state_dict(client_state.pop(CLIENT_STATE_KEY, None), full_restore=full_restore)
         return load_path, client_state
 
     engine.save_checkpoint = _wrap(save, save_checkpoint)
     engine.load_checkpoint = _wrap(load, load_checkpoint)
+
+
+def refuse_offload_states(engine: Any) -> None:
+    """engine.offload_states() would move ds_tensor and the optimizer off the device but not the replicas: refuse."""
+    original = engine.offload_states
+
+    def offload_states(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("engine.offload_states() is not supported with an enabled sdp4bit block: the weight "
+                                  "replicas (engine.sdp4bit.store) would stay on the device and the weights could "
+                                  "no longer be refreshed; disable quantized_weights to use it")
+
+    engine.offload_states = _wrap(original, offload_states)

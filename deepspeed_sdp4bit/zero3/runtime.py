@@ -21,7 +21,7 @@ from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
 from ..topology import Topology
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class ParamGatherHandle:
@@ -225,7 +225,7 @@ class SDP4BitRuntime:
                                  "ranks_per_node": self.topology.ranks_per_node,
                                  "config": self.config.model_dump(), "optimizer_steps": self.optimizer_steps}
         if self.store is not None:
-            state["own_shards"] = {k: self.store.own_shard(k).detach().cpu().clone() for k in self.params}
+            state["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in sorted(self.params)]
             state["store"] = self.store.state_dict()
         if self.direct is not None:
             state["direct"] = self.direct.state_dict()
@@ -233,24 +233,42 @@ class SDP4BitRuntime:
             state["reducer"] = self.reducer.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore after DeepSpeed loaded a checkpoint (which rewrote ds_tensor from the fp32 masters); resync."""
-        if state is None:
-            logger.warning("sdp4bit: the checkpoint has no sdp4bit state (written without sdp4bit?); starting the "
-                           "replicas from the loaded weights")
+    def load_state_dict(self, state: dict[str, Any] | None, full_restore: bool = True) -> None:
+        """Restore after DeepSpeed loaded a checkpoint, then resync the replicas from ds_tensor.
+
+        full_restore: DeepSpeed restored its ZeRO state (fp32 masters included). Otherwise (load_module_only,
+        load_optimizer_states=False, universal checkpoints) DeepSpeed rebuilt the masters from the loaded 16-bit
+        weights, so the replicas start from those and the saved w~ and counters are not applied.
+        """
+        if state is None or not full_restore:
+            if state is None:
+                logger.warning("sdp4bit: the checkpoint has no sdp4bit state (written without sdp4bit?); starting "
+                               "the replicas from the loaded weights")
             self.resync()
             return
         self._check_state(state)
         self.optimizer_steps = state["optimizer_steps"]
         if self.store is not None:
-            for key, shard in state["own_shards"].items():
-                self.params[key].ds_tensor.data.copy_(shard)
+            self._restore_own_shards(state["own_shards"])
             self.store.load_state_dict(state["store"])
         if self.direct is not None:
             self.direct.load_state_dict(state["direct"])
         if self.reducer is not None:
             self.reducer.load_state_dict(state["reducer"])
         self.resync()
+
+    def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
+        """ds_tensor <- the saved w~, matched by position in ds_id order (ds_ids themselves shift between runs)."""
+        keys = sorted(self.params)
+        if len(shards) != len(keys):
+            raise RuntimeError(f"sdp4bit checkpoint holds the weights of {len(shards)} parameters; this model has "
+                               f"{len(keys)} whose gathers sdp4bit serves")
+        for index, (key, shard) in enumerate(zip(keys, shards)):
+            own = self.params[key].ds_tensor
+            if shard.numel() != own.numel():
+                raise RuntimeError(f"sdp4bit checkpoint: parameter {index} (in ds_id order) has {shard.numel()} "
+                                   f"elements on this rank's shard; this model's has {own.numel()}")
+            own.data.copy_(shard.view_as(own))
 
     def _check_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
