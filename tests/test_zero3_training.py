@@ -256,8 +256,8 @@ def test_world_sizes_two_and_three_train(world: int) -> None:
 
 
 def _untouched_and_hooks(directory: str) -> dict[str, Any]:
-    """Engines without the block are untouched; GatheredParameters edits and 16-bit saves keep replicas exact;
-    offload_states is refused."""
+    """Engines without the block are untouched; GatheredParameters edits resync the replicas, 16-bit saves (which
+    modify nothing) do not; offload_states is refused."""
     import deepspeed
 
     plain_before = H.train_steps(H.make_engine(H.ds_config()), 0, 5)
@@ -267,18 +267,22 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
     plain = H.make_engine(H.ds_config())
     plain_after = H.train_steps(plain, 0, 5)
     weight = engine.module.transformer.h[0].mlp.c_fc.weight
+    resynced = [engine.sdp4bit.stats()["weight_resync"]["wire_bytes"]]
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
         if torch.distributed.get_rank() == 0:
             weight.data.fill_(0.25)
     edited = engine.sdp4bit.store.gather([weight.ds_id]).wait()[0]
+    resynced.append(engine.sdp4bit.stats()["weight_resync"]["wire_bytes"])
     engine.save_16bit_model(directory)
+    resynced.append(engine.sdp4bit.stats()["weight_resync"]["wire_bytes"])
     H.train_steps(engine, 3, 5)
     try:
         engine.offload_states()
         offload_refused = False
     except NotImplementedError as err:
         offload_refused = "offload_states" in str(err)
-    return {"offload_refused": offload_refused, "plain_equal": plain_before == plain_after, "plain_has_runtime": hasattr(plain, "sdp4bit"),
+    return {"offload_refused": offload_refused, "edit_resynced": resynced[1] > resynced[0],
+            "save_resynced": resynced[2] > resynced[1], "plain_equal": plain_before == plain_after, "plain_has_runtime": hasattr(plain, "sdp4bit"),
             "plain_param_patched": any(hasattr(p, "_sdp4bit_original_all_gather_coalesced")
                                        for p in plain.module.parameters()),
             "edited_all_quarter": bool((edited == 0.25).all()), "checksum_ok": engine.sdp4bit.store.checksum().ok}
@@ -289,6 +293,7 @@ def test_other_engines_untouched_and_weight_writers_resync(tmp_path: Any) -> Non
     for result in results:
         assert result["plain_equal"] and not result["plain_has_runtime"] and not result["plain_param_patched"]
         assert result["edited_all_quarter"] and result["checksum_ok"] and result["offload_refused"]
+        assert result["edit_resynced"] and not result["save_resynced"], result
     written = {name for _, _, names in os.walk(tmp_path) for name in names}
     assert any("sdp4bit" in name for name in written), sorted(written)
 

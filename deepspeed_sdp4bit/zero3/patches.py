@@ -3,7 +3,7 @@
 Process-wide (installed once, inert for engines without an enabled "sdp4bit" block):
 - `deepspeed.initialize` -> activates SDP4Bit when the config has an enabled block;
 - `deepspeed.runtime.zero.stage3.reduce_scatter_coalesced` -> TLq while an SDP4Bit optimizer reduces a bucket;
-- `GatheredParameters.__exit__` -> full-precision resync of the replicas after a modifier rank rewrote weights.
+- `GatheredParameters.__exit__` -> full-precision resync of the replicas after a modifier rank changed weights.
 Per engine (instance attributes, so other engines in the process are untouched):
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
   bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas),
@@ -75,7 +75,8 @@ def patch_reduce_scatter() -> None:
 
 
 def patch_gathered_parameters(runtimes: Callable[[], list[SDP4BitRuntime]]) -> None:
-    """After GatheredParameters(modifier_rank=k) rewrote ds_tensors, resync the replicas of those parameters."""
+    """After GatheredParameters(modifier_rank=k) rewrote ds_tensors, resync the replicas of those parameters if
+    their values changed."""
     if _is_patched(GatheredParameters.__exit__):
         return
     original = GatheredParameters.__exit__
@@ -85,7 +86,7 @@ def patch_gathered_parameters(runtimes: Callable[[], list[SDP4BitRuntime]]) -> N
         if self.enabled and self.src_rank is not None:
             keys = [p.ds_id for p in self.params]
             for runtime in runtimes():
-                runtime.resync(keys)
+                runtime.resync_if_written(keys)
         return result
 
     GatheredParameters.__exit__ = _wrap(original, __exit__)

@@ -11,9 +11,11 @@ from typing import Any, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import ReduceOp
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import logger
 
+from ..collectives import comm
 from ..collectives.accounting import KINDS, CommStats
 from ..collectives.grad_reduce import TLqReducer
 from ..collectives.weight_direct import DirectQuantGather
@@ -124,6 +126,24 @@ class SDP4BitRuntime:
             self.store.resync({k: self.params[k].ds_tensor for k in keys})
             self._write_ds_tensors(keys)
             self._mark_weights_written()
+
+    def resync_if_written(self, keys: Sequence[int]) -> None:
+        """Resync these parameters only if some rank's ds_tensor no longer equals its w~ shard (collective).
+
+        Every GatheredParameters(modifier_rank=k) exit rewrites ds_tensor, also when nothing was modified
+        (save_16bit_model reads each layer that way); one flag all-reduce then replaces a full-precision resync.
+        """
+        keys = sorted(k for k in keys if k in self.params) if self.store is not None else []
+        if not keys:
+            return
+        rank = self.topology.rank
+        written = any(not torch.equal(self.params[k].ds_tensor.reshape(-1)[:self.store.valid_numel(k, rank)],
+                                      self.store.own_shard(k).reshape(-1)[:self.store.valid_numel(k, rank)])
+                      for k in keys)
+        flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
+        comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
+        if flag.item():
+            self.resync(keys)
 
     def _mark_weights_written(self) -> None:
         """Record the point on this stream after which replicas and ds_tensors hold the new weights.
