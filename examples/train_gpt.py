@@ -499,6 +499,8 @@ def main(argv: list[str] | None = None) -> dict | None:
              "vocab_size": vocab, "ln_vocab": expected_initial_loss(vocab), "sdp4bit": hasattr(engine, "sdp4bit"),
              "startup_s": startup_s, "train_s": time.perf_counter() - began}
     summary = summarise(trainer, settings, args, extra)
+    # Gloo's worker threads may still hold finished async works; left to interpreter teardown they can abort.
+    dist.destroy_process_group()
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)
