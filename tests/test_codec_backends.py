@@ -398,3 +398,5 @@ def test_out_buffers_are_filled_and_checked(backend):
         op.quantize(x, **kw, out=(torch.empty(2047, dtype=torch.uint8, device=dev), buffers[1]))
     with pytest.raises(ValueError, match="out must be"):
         op.dequantize(*got, numel=4096, bits=4, group_size=128, out=torch.empty(4095, device=dev))
+    with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
+        op.hadamard32(x, out=torch.empty(4096, dtype=torch.bfloat16, device=dev))

@@ -44,10 +44,11 @@ def _outputs(x: torch.Tensor, numel: int, bits: int, group_size: int, out: Codes
     return codes, scales
 
 
-def _values(device: torch.device, numel: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    """The caller's output tensor after checking it, or a new one of `dtype`."""
+def _values(device: torch.device, numel: int, dtype: torch.dtype, out: torch.Tensor | None,
+            dtypes: frozenset[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+    """The caller's output tensor (of one of `dtypes`) after checking it, or a new one of `dtype`."""
     if out is not None:
-        check_out_values(out, device, numel)
+        check_out_values(out, device, numel, dtypes)
         return out
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype {dtype} is not one of float32, bfloat16, float16")
@@ -79,9 +80,7 @@ class CompiledBackend:
 
     def hadamard32(self, x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         check_group_args(x, 8, 32, None, True)
-        if out is not None and out.dtype != torch.float32:
-            raise ValueError(f"hadamard32: out must be float32, got {out.dtype}")
-        out = _values(x.device, x.numel(), torch.float32, out)
+        out = _values(x.device, x.numel(), torch.float32, out, dtypes=frozenset({torch.float32}))
         self.op.hadamard32(x, out, inverse)
         return out
 

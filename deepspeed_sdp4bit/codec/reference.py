@@ -73,9 +73,7 @@ def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None 
         h *= 2
     if inverse:
         y = y * (1.0 / HADAMARD_BLOCK)
-    if out is not None and out.dtype != torch.float32:
-        raise ValueError(f"hadamard32: out must be float32, got {out.dtype}")
-    return _into_values(y, out)
+    return _into_values(y, out, dtypes=frozenset({torch.float32}))
 
 
 def _into_codes(result: Codes, out: Codes | None, device: torch.device, numel: int, bits: int,
@@ -89,11 +87,12 @@ def _into_codes(result: Codes, out: Codes | None, device: torch.device, numel: i
     return out
 
 
-def _into_values(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """Return `result`, copied into the caller's tensor when it gave one."""
+def _into_values(result: torch.Tensor, out: torch.Tensor | None,
+                 dtypes: frozenset[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+    """Return `result`, copied into the caller's tensor (of one of `dtypes`) when it gave one."""
     if out is None:
         return result
-    check_out_values(out, result.device, result.numel())
+    check_out_values(out, result.device, result.numel(), dtypes)
     return out.copy_(result)
 
 

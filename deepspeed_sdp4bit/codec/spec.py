@@ -73,10 +73,12 @@ def check_out_codes(out: tuple[torch.Tensor, torch.Tensor], device: torch.device
         raise ValueError(f"out buffers are on {codes.device}/{scales.device}, the input on {device}")
 
 
-def check_out_values(out: torch.Tensor, device: torch.device, numel: int) -> None:
-    """A caller's output tensor must be a contiguous float tensor of `numel` elements on `device`."""
-    if out.dtype not in FLOAT_DTYPES or not out.is_contiguous() or out.numel() != numel or out.device != device:
-        raise ValueError(f"out must be a contiguous float32/bfloat16/float16 tensor of {numel} elements on {device}, "
+def check_out_values(out: torch.Tensor, device: torch.device, numel: int,
+                     dtypes: frozenset[torch.dtype] = FLOAT_DTYPES) -> None:
+    """A caller's output tensor must be a contiguous tensor of `numel` elements on `device`, of one of `dtypes`."""
+    if out.dtype not in dtypes or not out.is_contiguous() or out.numel() != numel or out.device != device:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise ValueError(f"out must be a contiguous {names} tensor of {numel} elements on {device}, "
                          f"got {out.numel()} elements of {out.dtype} on {out.device} (contiguous={out.is_contiguous()})")
 
 
