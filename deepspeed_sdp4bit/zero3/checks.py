@@ -84,11 +84,13 @@ def _engine_problems(engine: object) -> list[str]:
 
 def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
     """qWD writes w~ into ds_tensor; an fp32 master sharing ds_tensor's storage would lose the exact weights."""
+    if not cfg.quantized_weights:
+        return []
     optimizer = engine.optimizer
     shared = [i for i, (master, weights) in enumerate(zip(optimizer.fp32_partitioned_groups_flat,
                                                           optimizer.fp16_partitioned_groups_flat))
               if master.numel() and master.data_ptr() == weights.data_ptr()]
-    if cfg.quantized_weights and shared:
+    if shared:
         return [f"DeepSpeed keeps the fp32 masters of sub-groups {shared} in the parameters' own storage (autocast "
                 "or an fp32 model without a separate master copy); sdp4bit.quantized_weights needs separate masters"]
     return []

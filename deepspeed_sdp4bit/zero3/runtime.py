@@ -136,14 +136,16 @@ class SDP4BitRuntime:
         keys = sorted(k for k in keys if k in self.params) if self.store is not None else []
         if not keys:
             return
-        rank = self.topology.rank
-        written = any(not torch.equal(self.params[k].ds_tensor.reshape(-1)[:self.store.valid_numel(k, rank)],
-                                      self.store.own_shard(k).reshape(-1)[:self.store.valid_numel(k, rank)])
-                      for k in keys)
+        written = any(not self._ds_tensor_is_w(k) for k in keys)
         flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
         comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
         if flag.item():
             self.resync(keys)
+
+    def _ds_tensor_is_w(self, key: int) -> bool:
+        """Whether ds_tensor equals w~ on the valid part of this rank's shard of `key`."""
+        valid = self.store.valid_numel(key, self.topology.rank)
+        return torch.equal(self.params[key].ds_tensor.reshape(-1)[:valid], self.store.own_shard(key)[:valid])
 
     def _mark_weights_written(self) -> None:
         """Record the point on this stream after which replicas and ds_tensors hold the new weights.
