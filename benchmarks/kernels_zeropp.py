@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
 from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
+from kernels import nbytes  # noqa: E402  (benchmarks/ is on the path: this script's folder)
 
 Row = dict[str, Any]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}
@@ -62,11 +63,6 @@ def time_ms(fn: Callable[[], object], device: torch.device, batch: int = 20, rou
                 fn()
             per_call.append((time.perf_counter() - begin) * 1e3 / batch)
     return statistics.median(per_call)
-
-
-def nbytes(*tensors: torch.Tensor) -> int:
-    """Bytes held by the tensors."""
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def measure(op: str, backend: str, dtype: torch.dtype, bits: int, numel: int, fn: Callable[[], object],
