@@ -298,7 +298,13 @@ def sequence_loss(engine, tokens: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- training
 class Trainer:
-    """The training loop: steps, evaluation, logging, checkpoints."""
+    """The training loop: steps, evaluation, logging, checkpoints.
+
+    Its own reductions (losses, summary) run on a private process group that `close()` destroys before exit:
+    a gloo worker thread still releasing the last collective's tensors when the interpreter finalizes aborts the
+    process ("terminate called without an active exception"), and only destroying a group joins its threads;
+    DeepSpeed keeps the world group referenced until exit.
+    """
 
     def __init__(self, args: argparse.Namespace, settings: Settings, engine, data, world: int, rank: int) -> None:
         self.args, self.settings, self.engine, self.data = args, settings, engine, data
@@ -307,6 +313,12 @@ class Trainer:
         self.meter = CommMeter(engine)
         self.out = Path(args.out)
         self.rows: list[dict[str, Any]] = []
+        self.group = dist.new_group()
+
+    def close(self) -> None:
+        """Destroy the private group; dropping the last reference joins its worker threads while Python is alive."""
+        dist.destroy_process_group(self.group)
+        self.group = None
 
     def train_batch(self, step: int, micro: int) -> torch.Tensor:
         """This rank's micro-batch: positions of the run's global sample order, independent of the world size."""
@@ -328,13 +340,13 @@ class Trainer:
     def all_mean(self, value: float) -> float:
         """Mean of a float over ranks (torch.distributed directly, so the comms logger counts only training)."""
         tensor = torch.tensor([value], dtype=torch.float64, device=self.reduce_device)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor.item() / self.world
 
     @property
     def reduce_device(self) -> torch.device:
         """Where the trainer's own all-reduces run: CPU for gloo, the accelerator otherwise."""
-        return torch.device("cpu") if dist.get_backend() == "gloo" else self.engine.device
+        return torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.engine.device
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -350,7 +362,7 @@ class Trainer:
             loss = sequence_loss(self.engine, stack(self.data, self.data.valid, chunk, self.engine.device))
             sums += torch.tensor([loss.item() * len(chunk), len(chunk)], dtype=torch.float64)
         sums = sums.to(self.reduce_device)
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=self.group)
         return (sums[0] / sums[1]).item()
 
     def run(self, start: int, bar: tqdm | None) -> None:
@@ -416,10 +428,10 @@ def write_csv_row(path: Path, row: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- summary
-def mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+def mean_over_ranks(values: dict[str, float], world: int, group: dist.ProcessGroup) -> dict[str, float]:
     """Average per-rank dicts over all ranks (a key missing on a rank counts as 0 there)."""
     gathered: list[dict[str, float] | None] = [None] * world
-    dist.all_gather_object(gathered, values)
+    dist.all_gather_object(gathered, values, group=group)
     keys = sorted({k for d in gathered for k in d})
     return {k: sum(d.get(k, 0.0) for d in gathered) / world for k in keys}
 
@@ -428,7 +440,7 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
     """Final numbers; byte counts per step are means over steady-state steps and over ranks."""
     rows = trainer.rows
     steady_from = args.steady_from if args.steady_from is not None else max(1, settings.train_iters // 10)
-    means = mean_over_ranks(steady_means(rows, steady_from), trainer.world)
+    means = mean_over_ranks(steady_means(rows, steady_from), trainer.world, trainer.group)
     timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
     tokens_per_step = settings.global_batch * settings.seq_len
     return {
@@ -499,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict | None:
              "vocab_size": vocab, "ln_vocab": expected_initial_loss(vocab), "sdp4bit": hasattr(engine, "sdp4bit"),
              "startup_s": startup_s, "train_s": time.perf_counter() - began}
     summary = summarise(trainer, settings, args, extra)
-    # Gloo's worker threads may still hold finished async works; left to interpreter teardown they can abort.
+    trainer.close()
     dist.destroy_process_group()
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
