@@ -428,19 +428,19 @@ def write_csv_row(path: Path, row: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- summary
-def mean_over_ranks(values: dict[str, float], world: int, group: dist.ProcessGroup) -> dict[str, float]:
-    """Average per-rank dicts over all ranks (a key missing on a rank counts as 0 there)."""
-    gathered: list[dict[str, float] | None] = [None] * world
+def mean_over_ranks(values: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
+    """Average per-rank dicts over the group's ranks (a key missing on a rank counts as 0 there)."""
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, values, group=group)
     keys = sorted({k for d in gathered for k in d})
-    return {k: sum(d.get(k, 0.0) for d in gathered) / world for k in keys}
+    return {k: sum(d.get(k, 0.0) for d in gathered) / len(gathered) for k in keys}
 
 
 def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, extra: dict[str, Any]) -> dict:
     """Final numbers; byte counts per step are means over steady-state steps and over ranks."""
     rows = trainer.rows
     steady_from = args.steady_from if args.steady_from is not None else max(1, settings.train_iters // 10)
-    means = mean_over_ranks(steady_means(rows, steady_from), trainer.world, trainer.group)
+    means = mean_over_ranks(steady_means(rows, steady_from), trainer.group)
     timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
     tokens_per_step = settings.global_batch * settings.seq_len
     return {
