@@ -25,7 +25,8 @@ class TopologyError(RuntimeError):
 class Topology:
     """This rank's place in a world of `nodes` x `ranks_per_node` ranks, with its process groups.
 
-    `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node.
+    `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node; `hosts` is
+    the hostname of every rank, in rank order.
     """
 
     world: int
@@ -34,6 +35,7 @@ class Topology:
     source: str
     intra: ProcessGroup | None
     inter: ProcessGroup | None
+    hosts: tuple[str, ...] = ()
 
     @property
     def nodes(self) -> int:
@@ -50,6 +52,17 @@ class Topology:
     def global_rank(self, node: int, local: int) -> int:
         """The world rank of (node, local)."""
         return node * self.ranks_per_node + local
+
+    def describe(self) -> str:
+        """The layout, where it came from and the host of each node, for the log."""
+        nodes = []
+        for node in range(self.nodes):
+            first, last = self.global_rank(node, 0), self.global_rank(node, self.ranks_per_node - 1)
+            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            nodes.append(f"node {node} = {self.hosts[first] if self.hosts else '?'} ({ranks})")
+        shared = " (several nodes share a host: simulated nodes)" if len(set(self.hosts)) < self.nodes else ""
+        return (f"{self.nodes} nodes x {self.ranks_per_node} ranks (from {self.source}): {', '.join(nodes)}"
+                f"{shared}")
 
 
 def _gather(value: object) -> list:
@@ -124,4 +137,5 @@ def build_topology(ranks_per_node: int | str = "auto") -> Topology:
     nodes = world // per_node
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
     inter = _my_group([list(range(l, world, per_node)) for l in range(per_node)], rank)
-    return Topology(world=world, rank=rank, ranks_per_node=per_node, source=source, intra=intra, inter=inter)
+    return Topology(world=world, rank=rank, ranks_per_node=per_node, source=source, intra=intra, inter=inter,
+                    hosts=tuple(hosts))

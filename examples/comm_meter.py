@@ -8,6 +8,7 @@ The trainer reduces its own metrics with torch.distributed directly, so they nev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -15,6 +16,15 @@ from deepspeed_sdp4bit.collectives.accounting import KINDS as SDP4BIT_KINDS
 
 KINDS = (*SDP4BIT_KINDS, "total")
 FIELDS = [f"{kind}_{field}" for kind in KINDS for field in ("wire", "logical")]
+LINK_FIELDS = ["link_tx_bytes", "link_tx_packets"]
+
+
+def link_counters(interface: str) -> dict[str, float]:
+    """Bytes and packets this node has sent through a network interface so far (Linux sysfs counters)."""
+    stats = Path("/sys/class/net") / interface / "statistics"
+    if not stats.is_dir():
+        raise FileNotFoundError(f"--link_counters {interface}: no such network interface ({stats} is missing)")
+    return {field: float((stats / field.removeprefix("link_")).read_text()) for field in LINK_FIELDS}
 
 
 def comms_logger_bytes() -> dict[str, int]:
@@ -34,11 +44,18 @@ def sdp4bit_bytes(engine: Any) -> dict[str, float]:
 
 
 class CommMeter:
-    """Byte counters of one engine, read as differences between start() and stop()."""
+    """Byte counters of one engine, read as differences between start() and stop().
 
-    def __init__(self, engine: Any) -> None:
+    With `link_interface`, the node's transmit counters of that network interface too (read by one rank per node,
+    so their sum over ranks is the traffic that left all nodes).
+    """
+
+    def __init__(self, engine: Any, link_interface: str | None = None) -> None:
         self.engine = engine
+        self.link_interface = link_interface
         self._last: dict[str, float] = {}
+        if link_interface is not None:
+            link_counters(link_interface)
 
     def _now(self) -> dict[str, float]:
         ops = comms_logger_bytes()
@@ -46,6 +63,8 @@ class CommMeter:
         if ops:
             now["comm_bytes"] = float(sum(ops.values()))
         now.update(sdp4bit_bytes(self.engine))
+        if self.link_interface is not None:
+            now.update(link_counters(self.link_interface))
         return now
 
     def start(self) -> None:
@@ -81,5 +100,6 @@ def steady_means(rows: list[dict[str, Any]], steady_from: int) -> dict[str, floa
     parameters the evaluation gathered, so that step's traffic is partly counted in the evaluation.
     """
     steady = [row for row in rows if row["step"] >= steady_from and not row["after_eval"]]
-    keys = sorted({k for row in steady for k in row if k.startswith("op:") or k == "comm_bytes" or k in FIELDS})
+    counted = {"comm_bytes", *FIELDS, *LINK_FIELDS}
+    keys = sorted({k for row in steady for k in row if k.startswith("op:") or k in counted})
     return {k: sum(row.get(k, 0.0) for row in steady) / len(steady) for k in keys} if steady else {}

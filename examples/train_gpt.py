@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
-from comm_meter import FIELDS, CommMeter, comm_saved, steady_means
+from comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
 from gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from token_dataset import SampleOrder, Split, TokenFile
 
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first step of the steady-state byte averages (default: 10%% of the steps, at least 1)")
     r.add_argument("--comms_logger", action="store_true",
                    help="enable DeepSpeed's comms logger (all collectives) to measure bytes per step")
+    r.add_argument("--link_counters", metavar="INTERFACE",
+                   help="count the bytes each node sends through this network interface per step (e.g. eth0)")
     r.add_argument("--zero_init", choices=("auto", "yes", "no"), default="auto",
                    help="build the model partitioned under deepspeed.zero.Init (auto: with ZeRO stage 3)")
     r.add_argument("--ds_set", action="append", default=[], metavar="KEY=VALUE",
@@ -210,6 +213,8 @@ def load_ds_config(args: argparse.Namespace, settings: Settings, world: int) -> 
     _set_precision(config, settings.precision)
     if args.comms_logger:
         config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
+    elif config.get("comms_logger", {}).get("enabled") is False:
+        del config["comms_logger"]  # DeepSpeed 0.19.8 turns the logger on for any block present, even a disabled one
     config_from_ds_config(config)
     return config
 
@@ -310,7 +315,8 @@ class Trainer:
         self.args, self.settings, self.engine, self.data = args, settings, engine, data
         self.world, self.rank = world, rank
         self.order = SampleOrder(data.train.num_samples, args.seed)
-        self.meter = CommMeter(engine)
+        node_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        self.meter = CommMeter(engine, args.link_counters if node_leader else None)
         self.out = Path(args.out)
         self.rows: list[dict[str, Any]] = []
         self.group = dist.new_group()
@@ -408,7 +414,7 @@ class Trainer:
             self.engine.save_checkpoint(self.args.save_dir, client_state={"next_step": step + 1})
 
 
-CSV_FIELDS = ["step", "loss", "lr", "val_loss", "tokens_per_s", "step_time_s", "comm_bytes", *FIELDS]
+CSV_FIELDS = ["step", "loss", "lr", "val_loss", "tokens_per_s", "step_time_s", "comm_bytes", *FIELDS, *LINK_FIELDS]
 
 
 def _csv_value(value: Any) -> str:
@@ -442,6 +448,8 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
     steady_from = args.steady_from if args.steady_from is not None else max(1, settings.train_iters // 10)
     means = mean_over_ranks(steady_means(rows, steady_from), trainer.group)
     timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
+    steady = [r["step_time_s"] for r in rows if r["step"] >= steady_from and not r["after_eval"]]
+    link = {f"{k}_per_step": means[k] * trainer.world for k in LINK_FIELDS if k in means}
     tokens_per_step = settings.global_batch * settings.seq_len
     return {
         **extra, "settings": asdict(settings), "steps": len(rows),
@@ -453,6 +461,9 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
         "comm_bytes_per_step": means.get("comm_bytes"),
         "comm_bytes_per_step_by_op": {k[3:]: v for k, v in means.items() if k.startswith("op:")},
         "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k.endswith(("_wire", "_logical"))} or None,
+        "step_time_s": statistics.median(steady) if steady else None,
+        "step0_time_s": rows[0]["step_time_s"] if rows and rows[0]["step"] == 0 else None,
+        **link,
     }
 
 

@@ -41,7 +41,8 @@ if [ "$gpus" -ge 1 ]; then
 else
   steps="${QUICKSTART_STEPS:-200}"
   launch=(deepspeed --num_accelerators 4)
-  model=(--model tiny --train_iters "$steps" --lr_decay_iters "$steps" --eval_interval 50 --precision fp32)
+  model=(--model tiny --train_iters "$steps" --lr_decay_iters "$steps" --eval_interval 50 --precision fp32
+         --comms_logger)
   baseline=configs/cpu/tiny_baseline.json
   sdp4bit=configs/cpu/tiny_sdp4bit.json
   nodes=()

@@ -109,6 +109,14 @@ def test_optimizer_block_is_refused(tmp_path: Path):
         prepared(bad, 8, model="125m")
 
 
+def test_disabled_comms_logger_block_is_dropped_and_the_flag_enables_it(tmp_path: Path):
+    """A comms_logger block with enabled false would still switch DeepSpeed 0.19.8's logger on: it is removed."""
+    path = tmp_path / "logger.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "comms_logger": {"enabled": False}}))
+    assert "comms_logger" not in prepared(path, 4, model="tiny")
+    assert prepared(path, 4, "--comms_logger", model="tiny")["comms_logger"]["enabled"] is True
+
+
 def test_ds_set_overrides_and_bad_block_is_named():
     path = ROOT / "configs/cpu/tiny_sdp4bit.json"
     config = prepared(path, 4, "--ds_set", "sdp4bit.ranks_per_node=4", "--ds_set", "zero_optimization.stage=3")

@@ -61,7 +61,7 @@ def test_prepare_then_train_two_cpu_ranks(tmp_path: Path):
                    "--deepspeed_config", str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
                    "--ds_set", "sdp4bit.ranks_per_node=1", "--data", str(prefix), "--out", str(out),
                    "--train_iters", "6", "--eval_interval", "3", "--eval_samples", "16", "--seq_len", "64",
-                   "--micro_batch", "4", "--global_batch", "8"], env, timeout=600)
+                   "--micro_batch", "4", "--global_batch", "8", "--comms_logger"], env, timeout=600)
 
     summary = json.loads(next(line for line in stdout.splitlines() if line.startswith("SUMMARY "))[8:])
     assert summary == json.loads((out / "summary.json").read_text())

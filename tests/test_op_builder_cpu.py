@@ -32,8 +32,10 @@ def _run(code: str, env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_cpu_op_compiles_into_a_fresh_cache(tmp_path: Path) -> None:
-    """CodecCPUBuilder().load() JIT-compiles into an empty TORCH_EXTENSIONS_DIR and the op equals the reference.
+def test_cpu_op_compiles_into_a_fresh_cache_and_is_reused_from_any_environment(tmp_path: Path) -> None:
+    """CodecCPUBuilder().load() JIT-compiles into an empty TORCH_EXTENSIONS_DIR and the op equals the reference;
+    loading it again from an interpreter started another way (an activated venv, or system tools first on PATH,
+    which brings a different ninja) reuses that build: the .so and the ninja log stay untouched.
 
     Where an install-time build exists (SDP4BIT_BUILD_OPS=1), load() must return it; the JIT build is then run
     explicitly, so the compile from sources is checked either way.
@@ -59,11 +61,24 @@ print(json.dumps({"file": module.__file__, "prebuilt": prebuilt, "seconds": roun
                   "equal": torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])}))
 """
     cache = tmp_path / "ext"
-    result = _run(code, dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache)))
-    assert Path(result["file"]).resolve().is_relative_to(cache.resolve()), result["file"]
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache))
+    result = _run(code, env)
+    library = Path(result["file"])
+    assert library.resolve().is_relative_to(cache.resolve()), result["file"]
     assert result["names"] == FUNCTIONS
     assert result["equal"]
     print(f"CPU codec op built in {result['seconds']} s (prebuilt module present: {result['prebuilt']})")
+
+    built = (library.stat().st_mtime_ns, (library.parent / ".ninja_log").read_text())
+    venv_bin = str(Path(sys.executable).parent)
+    system_first = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin", venv_bin])
+    for name, path in (("activated venv", os.pathsep.join([venv_bin, env["PATH"]])), ("system tools first",
+                                                                                       system_first)):
+        again = _run(code, {**env, "PATH": path})
+        assert again["file"] == result["file"] and again["equal"], name
+        assert (library.stat().st_mtime_ns, (library.parent / ".ninja_log").read_text()) == built, \
+            f"loading from an {name} rebuilt the op"
+        print(f"loaded again ({name}) in {again['seconds']} s without a rebuild")
 
 
 def test_dispatch_picks_the_cpu_op_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ def _attempt(ranks_per_node: int | str = "auto") -> dict:
         return {"error": str(exc)}
     return {"rpn": topo.ranks_per_node, "source": topo.source, "nodes": topo.nodes, "node": topo.node,
             "local": topo.local, "intra": dist.get_process_group_ranks(topo.intra),
-            "inter": dist.get_process_group_ranks(topo.inter)}
+            "inter": dist.get_process_group_ranks(topo.inter), "describe": topo.describe()}
 
 
 def _scenarios() -> dict[str, dict]:
@@ -83,6 +83,9 @@ def test_topology_detection_and_errors():
     for rank, res in enumerate(ranks):
         two = {"rpn": 2, "nodes": 2, "node": rank // 2, "local": rank % 2,
                "intra": [2 * (rank // 2), 2 * (rank // 2) + 1], "inter": [rank % 2, rank % 2 + 2]}
+        assert res["explicit2"].pop("describe") == ("2 nodes x 2 ranks (from ranks_per_node setting): node 0 = box "
+                                                    "(ranks 0-1), node 1 = box (ranks 2-3) (several nodes share a "
+                                                    "host: simulated nodes)")
         assert res["explicit2"] == {**two, "source": "ranks_per_node setting"}
         assert res["explicit1"]["nodes"] == 4 and res["explicit1"]["intra"] == [rank]
         assert res["explicit1"]["inter"] == [0, 1, 2, 3]
@@ -90,11 +93,14 @@ def test_topology_detection_and_errors():
             res["explicit3"]["error"]
         assert "ranks per node = 0" in res["explicit0"]["error"]
         assert "ranks_per_node = '2' must be 'auto' or an integer >= 1" in res["explicit_str"]["error"]
+        res["lws"].pop("describe")
         assert res["lws"] == {**two, "source": "LOCAL_WORLD_SIZE"}
         assert res["local_size"]["source"] == "LOCAL_SIZE" and res["local_size"]["intra"] == [0, 1, 2, 3]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_differs"]["error"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_unset_on_rank0"]["error"]
         assert "LOCAL_WORLD_SIZE = 'two' is not an integer" in res["lws_not_int"]["error"]
+        assert res["hosts_pairs"].pop("describe") == ("2 nodes x 2 ranks (from hostnames): node 0 = a (ranks 0-1), "
+                                                      "node 1 = b (ranks 2-3)")
         assert res["hosts_pairs"] == {**two, "source": "hostnames"}
         assert res["hosts_one"]["rpn"] == 4 and res["hosts_one"]["inter"] == [rank]
         assert "not numbered node by node" in res["hosts_interleaved"]["error"]

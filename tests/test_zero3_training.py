@@ -302,7 +302,7 @@ def _corrupt_then_step(replica: str) -> dict[str, Any]:
     """verify_interval 1: one element of one holder's replica is changed; the next step must find and repair it."""
     import logging
 
-    from deepspeed.utils import logger
+    from deepspeed_sdp4bit.log import logger
 
     engine = H.make_engine(H.ds_config(sdp4bit={**PAPER, "weight_replica": replica, "verify_interval": 1}))
     H.train_steps(engine, 0, 2)

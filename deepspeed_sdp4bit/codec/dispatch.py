@@ -77,3 +77,11 @@ def backend_name(tensor: torch.Tensor) -> str:
     """Name of the backend a call on `tensor` would use: 'reference', 'cpu' or 'cuda'."""
     backend = backend_for(tensor)
     return "reference" if backend is reference else backend.kind
+
+
+def prepare(device: torch.device | str) -> str:
+    """Load (building it on first use) the backend for tensors on `device` now; returns its name.
+
+    Called at initialize so that a JIT build or a cache load is paid there, not inside the first training step.
+    """
+    return backend_name(torch.empty(0, device=device))

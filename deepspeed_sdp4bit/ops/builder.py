@@ -7,13 +7,14 @@ DeepSpeed resolves relative ones inside its own package.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
@@ -29,6 +30,36 @@ def sources_root() -> Path:
         if (candidate / "include").is_dir():
             return candidate
     raise FileNotFoundError(f"cuda_ext/ sources not found next to or inside {_PACKAGE}")
+
+
+@contextlib.contextmanager
+def pinned_ninja() -> Iterator[None]:
+    """Put the `ninja` package's binary first on PATH while an op is built or loaded from the cache.
+
+    torch runs the first `ninja` on PATH. Two ninja versions (the pip package in a venv, a system one) keep build
+    logs in formats the other discards, so alternating between an activated venv and the interpreter called by path
+    rebuilt the op on every switch. With the package's binary pinned, every way of starting Python uses one ninja.
+    """
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, saved or os.defpath])
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved
+
+
+def _jit_load(builder: OpBuilder, verbose: bool) -> ModuleType:
+    """builder.jit_load with the pinned ninja."""
+    with pinned_ninja():
+        return builder.jit_load(verbose)
 
 
 def _try_prebuilt(name: str) -> ModuleType | None:
@@ -70,7 +101,7 @@ class CodecCPUBuilder(OpBuilder):
     def load(self, verbose: bool = False) -> ModuleType:
         if self.name in OpBuilder._loaded_ops:
             return OpBuilder._loaded_ops[self.name]
-        module = _try_prebuilt(self.absolute_name()) or self.jit_load(verbose)
+        module = _try_prebuilt(self.absolute_name()) or _jit_load(self, verbose)
         OpBuilder._loaded_ops[self.name] = module
         return module
 
@@ -129,7 +160,7 @@ class CodecCUDABuilder(CUDAOpBuilder):
         module = _try_prebuilt(self.absolute_name())
         if module is None:
             _use_cuda_toolkit(self.NAME)
-            module = self.jit_load(verbose)
+            module = _jit_load(self, verbose)
         OpBuilder._loaded_ops[self.name] = module
         return module
 

@@ -13,13 +13,15 @@ import base64
 import itertools
 import json
 import os
+import time
 import weakref
 from typing import Any, Callable
 
 import hjson
-from deepspeed.utils import logger
 
+from .. import codec
 from ..config import SDP4BitConfig, config_from_ds_config
+from ..log import logger
 from ..topology import build_topology
 from . import patches
 from .checks import check_ds_config, check_engine
@@ -80,6 +82,9 @@ def _live_runtimes() -> list[SDP4BitRuntime]:
 def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
     """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit)."""
     check_engine(engine, cfg)
+    began = time.perf_counter()
+    backend = codec.prepare(engine.device)
+    codec_s = time.perf_counter() - began
     runtime = SDP4BitRuntime(engine, cfg, build_topology(cfg.ranks_per_node))
     patches.patch_reduce_scatter()
     patches.patch_gathered_parameters(_live_runtimes)
@@ -91,11 +96,11 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
     runtime.resync()
     engine.sdp4bit = runtime
     _RUNTIMES[next(_CREATED)] = runtime
-    _log_activation(runtime)
+    _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s")
     return runtime
 
 
-def _log_activation(runtime: SDP4BitRuntime) -> None:
+def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
     topo, cfg = runtime.topology, runtime.config
     weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, replica "
                f"{cfg.weight_replica}" if runtime.store or runtime.direct else "off")
@@ -104,9 +109,9 @@ def _log_activation(runtime: SDP4BitRuntime) -> None:
              f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer else "off")
     memory = runtime.store.memory_bytes() if runtime.store else 0
     if topo.rank == 0:
-        logger.info(f"sdp4bit active: {topo.nodes} nodes x {topo.ranks_per_node} ranks (from {topo.source}); "
-                    f"weights {weights} ({len(runtime.params)} params, replica {memory / 2**20:.1f} MiB/rank); "
-                    f"gradients {grads}; quantization from step {cfg.quantization_start_step}")
+        logger.info(f"sdp4bit active: topology {topo.describe()}; codec {codec_status}; weights {weights} "
+                    f"({len(runtime.params)} params, replica {memory / 2**20:.1f} MiB/rank); gradients {grads}; "
+                    f"quantization from step {cfg.quantization_start_step}")
 
 
 def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:

@@ -13,7 +13,6 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from deepspeed.utils import logger
 
 from ..collectives import comm
 from ..collectives.accounting import KINDS, CommStats
@@ -21,6 +20,7 @@ from ..collectives.grad_reduce import TLqReducer
 from ..collectives.weight_direct import DirectQuantGather
 from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
+from ..log import logger
 from ..topology import Topology
 
 STATE_VERSION = 2

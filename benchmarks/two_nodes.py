@@ -1,0 +1,374 @@
+"""Two nodes on one machine: network namespaces with their own hostnames, joined by a shaped link.
+
+Each node is a Linux network namespace (its own interfaces, addresses and routes) whose processes also get a UTS
+namespace of their own (their own hostname), so DeepSpeed and SDP4Bit see two hosts. The nodes are joined by one
+veth pair, named the same on both sides (like eth0 on a cluster), and shaped on both ends by tc's token bucket
+filter; an optional delay needs the kernel's netem qdisc. One `deepspeed` launcher per node starts that node's
+ranks, as on a real cluster without ssh: a hostfile of both hosts, --no_ssh, --node_rank, --master_addr = node 0's
+address, GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link.
+
+    python benchmarks/two_nodes.py --check                      # can it run here? (exit 1 with the reasons if not)
+    python benchmarks/two_nodes.py --rate_mbit 50 -- examples/train_gpt.py --model tiny \\
+        --deepspeed_config configs/cpu/tiny_sdp4bit.json --ds_set sdp4bit.ranks_per_node=auto --out runs/two_nodes
+
+Needs root (network and UTS namespaces), iproute2 (`ip`, `tc`) and util-linux (`unshare`). Everything it makes is
+named sdp4bit-<pid>-*, lives only inside its own two namespaces (it never touches another interface) and is
+removed on every exit path: normal end, error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the
+runner itself. It prints the topology SDP4Bit detected on each node and the bytes that crossed the link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+PREFIX = "sdp4bit"
+LINK = "sdplink"
+HOSTS = ("sdp4bit-node0", "sdp4bit-node1")
+SUBNET = "10.213.0"
+MASTER_PORT = 29500
+TCP_OVERHEAD = 66  # Ethernet 14 + IPv4 20 + TCP with timestamps 32 bytes per packet the link counters count
+TOPOLOGY_LINE = re.compile(r"sdp4bit active: topology (.*?); codec")
+
+
+class TwoNodesError(RuntimeError):
+    """The two nodes cannot be set up here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """The shaping of the link: a rate in Mbit/s (None: unshaped) and a one-way delay in ms (0: none)."""
+
+    rate_mbit: float | None = None
+    delay_ms: float = 0.0
+
+    def label(self) -> str:
+        rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+        return rate + (f", {self.delay_ms:g} ms delay" if self.delay_ms else "")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Transmit counters of one node's end of the link, and packets its shaping queue dropped (TCP resends them)."""
+
+    tx_bytes: int
+    tx_packets: int
+    drops: int
+
+    def payload(self) -> int:
+        """TCP payload bytes: what the collectives sent, without the per-packet headers."""
+        return self.tx_bytes - TCP_OVERHEAD * self.tx_packets
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        raise TwoNodesError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
+    return done
+
+
+def problems() -> list[str]:
+    """Why the runner cannot run on this machine (empty when it can)."""
+    found = []
+    if os.geteuid() != 0:
+        found.append(f"not root (euid {os.geteuid()}): creating network and UTS namespaces needs root")
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            found.append(f"`{tool}` not found on PATH (install {package})")
+    if found:
+        return found
+    probe = f"{PREFIX}-{os.getpid()}-probe"
+    done = _run("ip", "netns", "add", probe, check=False)
+    if done.returncode != 0:
+        return [f"`ip netns add` failed: {done.stderr.strip()}"]
+    _run("ip", "netns", "del", probe, check=False)
+    return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    listing = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+
+
+def remove_namespace(name: str) -> None:
+    """Kill every process inside the namespace, then delete it (its end of the link goes with it)."""
+    for _ in range(50):
+        pids = [int(p) for p in _run("ip", "netns", "pids", name, check=False).stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    _run("ip", "netns", "del", name, check=False)
+
+
+def remove_stale() -> list[str]:
+    """Remove namespaces left by runners that were killed before their guard could clean up; returns their names."""
+    stale = []
+    for name in _namespaces():
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-node\d", name)
+        if match and not _pid_alive(int(match.group(1))):
+            remove_namespace(name)
+            stale.append(name)
+    return stale
+
+
+def _guard(names: Sequence[str]) -> None:
+    """Guard process: wait until the runner's end of the pipe closes (however it exits), then clean up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdin.buffer.read()
+    for name in names:
+        if name in _namespaces():
+            remove_namespace(name)
+
+
+class TwoNodes:
+    """Two namespaced nodes joined by one shaped link; a context manager that removes everything it made."""
+
+    def __init__(self, ranks_per_node: int = 2) -> None:
+        self.ranks_per_node = ranks_per_node
+        self.names = [f"{PREFIX}-{os.getpid()}-node{i}" for i in range(2)]
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(2)]
+        self._guard: subprocess.Popen | None = None
+        self._procs: list[subprocess.Popen] = []
+
+    # ----- set-up and tear-down
+    def __enter__(self) -> TwoNodes:
+        found = problems()
+        if found:
+            raise TwoNodesError("; ".join(found))
+        remove_stale()
+        self._guard = subprocess.Popen([sys.executable, __file__, "--guard", *self.names], stdin=subprocess.PIPE,
+                                       start_new_session=True)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        for name in self.names:
+            _run("ip", "netns", "add", name)
+        _run("ip", "link", "add", LINK, "netns", self.names[0], "type", "veth", "peer", "name", LINK, "netns",
+             self.names[1])
+        for name, address in zip(self.names, self.addresses):
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", LINK)
+            _run("ip", "-n", name, "link", "set", LINK, "up")
+
+    def close(self) -> None:
+        """Stop every process on both nodes and delete the namespaces (idempotent)."""
+        for proc in self._procs:
+            _kill_group(proc)
+        for name in self.names:
+            if name in _namespaces():
+                remove_namespace(name)
+        if self._guard is not None:
+            self._guard.stdin.close()
+            self._guard.wait(timeout=60)
+            self._guard = None
+
+    # ----- the link
+    def shape(self, link: Link) -> None:
+        """Shape both directions of the link (replacing any earlier shaping)."""
+        for name in self.names:
+            _run("tc", "-n", name, "qdisc", "del", "dev", LINK, "root", check=False)
+            parent = ["root"]
+            if link.delay_ms:
+                done = _run("tc", "-n", name, "qdisc", "add", "dev", LINK, "root", "handle", "1:", "netem", "delay",
+                            f"{link.delay_ms}ms", "limit", "100000", check=False)
+                if done.returncode != 0:
+                    raise TwoNodesError(f"a delay needs the netem qdisc, which this kernel lacks: "
+                                        f"{done.stderr.strip()}")
+                parent = ["parent", "1:1", "handle", "10:"]
+            if link.rate_mbit is not None:
+                rate_bytes = link.rate_mbit * 1e6 / 8
+                burst = max(64 * 1024, int(rate_bytes * 0.004))
+                _run("tc", "-n", name, "qdisc", "add", "dev", LINK, *parent, "tbf", "rate", f"{link.rate_mbit}mbit",
+                     "burst", str(burst), "latency", "100ms")
+
+    def counters(self) -> list[Counters]:
+        """Transmit counters of each node's end of the link (what left that node)."""
+        found = []
+        for name in self.names:
+            stats = json.loads(_run("ip", "-n", name, "-j", "-s", "link", "show", LINK).stdout)[0]["stats64"]["tx"]
+            queues = json.loads(_run("tc", "-n", name, "-s", "-j", "qdisc", "show", "dev", LINK).stdout)
+            found.append(Counters(stats["bytes"], stats["packets"], sum(q.get("drops", 0) for q in queues)))
+        return found
+
+    # ----- jobs
+    def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside the node's network namespace and a UTS namespace with the node's hostname."""
+        return ["ip", "netns", "exec", self.names[node], "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', HOSTS[node], *argv]
+
+    def launch(self, script: str, script_args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
+               ) -> list[subprocess.Popen]:
+        """Start one `deepspeed` launcher per node for one job; their output goes to log_dir/node<i>.log."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        hostfile = log_dir / "hostfile"
+        hostfile.write_text("".join(f"{host} slots={self.ranks_per_node}\n" for host in HOSTS))
+        launcher = str(Path(sys.executable).with_name("deepspeed"))
+        if not Path(launcher).is_file():
+            launcher = shutil.which("deepspeed") or "deepspeed"
+        env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": LINK, "NCCL_SOCKET_IFNAME": LINK,
+               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])}
+        procs = []
+        for node in range(2):
+            argv = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+                    self.addresses[0], "--master_port", str(MASTER_PORT), script, *script_args]
+            with (log_dir / f"node{node}.log").open("w") as log:
+                procs.append(subprocess.Popen(self.node_command(node, argv), stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, start_new_session=True))
+        self._procs.extend(procs)
+        return procs
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float, grace: float = 60.0) -> list[int]:
+        """Wait for every launcher; once one fails the others get `grace` seconds; at the timeout all are killed.
+
+        Returns the exit codes (-9 for killed ones)."""
+        deadline = time.monotonic() + timeout
+        failure_seen = False
+        while any(p.poll() is None for p in procs):
+            if not failure_seen and any(p.returncode not in (None, 0) for p in procs):
+                deadline, failure_seen = min(deadline, time.monotonic() + grace), True
+            if time.monotonic() >= deadline:
+                for proc in procs:
+                    _kill_group(proc)
+            time.sleep(0.2)
+        return [p.returncode for p in procs]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt (as Ctrl-C is) so that clean-up runs."""
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    saved = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def detected_topology(log_dir: Path) -> list[str]:
+    """The topology line SDP4Bit logged on each node that logged one (node 0 holds rank 0, which logs it)."""
+    found = []
+    for node in range(2):
+        log = log_dir / f"node{node}.log"
+        if log.exists():
+            found += [m.group(1) for m in TOPOLOGY_LINE.finditer(log.read_text(errors="replace"))]
+    return found
+
+
+def check_topology(line: str, ranks_per_node: int) -> None:
+    """Raise unless SDP4Bit found 2 nodes of `ranks_per_node` ranks, node i on host HOSTS[i]."""
+    last = 2 * ranks_per_node - 1
+    node0 = f"ranks 0-{ranks_per_node - 1}" if ranks_per_node > 1 else "rank 0"
+    node1 = f"ranks {ranks_per_node}-{last}" if ranks_per_node > 1 else f"rank {last}"
+    want = f"node 0 = {HOSTS[0]} ({node0}), node 1 = {HOSTS[1]} ({node1})"
+    if not line.startswith(f"2 nodes x {ranks_per_node} ranks") or want not in line:
+        raise TwoNodesError(f"SDP4Bit detected '{line}', expected 2 nodes x {ranks_per_node} ranks with {want}")
+
+
+def run_job(nodes: TwoNodes, script: str, script_args: Sequence[str], log_dir: Path, timeout: float,
+            env: dict[str, str] | None = None) -> dict:
+    """Launch one job on both nodes and wait; exit codes, wall time and link bytes of the whole job."""
+    before = nodes.counters()
+    began = time.monotonic()
+    codes = nodes.wait(nodes.launch(script, script_args, log_dir, env), timeout)
+    after = nodes.counters()
+    return {"exit_codes": codes, "seconds": time.monotonic() - began,
+            "link_bytes": sum(a.tx_bytes - b.tx_bytes for a, b in zip(after, before)),
+            "link_payload_bytes": sum(a.payload() - b.payload() for a, b in zip(after, before)),
+            "link_drops": sum(a.drops - b.drops for a, b in zip(after, before)),
+            "topology": detected_topology(log_dir)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only say whether the runner can run here")
+    parser.add_argument("--guard", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--rate_mbit", type=float, help="link rate in Mbit/s each way (default: unshaped)")
+    parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay in ms (needs netem)")
+    parser.add_argument("--ranks_per_node", type=int, default=2, help="ranks (slots) per node")
+    parser.add_argument("--log_dir", default="runs/two_nodes", help="launcher logs and the hostfile go here")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the job is killed")
+    parser.add_argument("script", nargs="?", help="training script, then its arguments (after --)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.guard:
+        _guard(args.guard)
+        return 0
+    if args.check:
+        found = problems()
+        for reason in found:
+            print(f"two_nodes: cannot run: {reason}", file=sys.stderr)
+        print("two_nodes: " + ("cannot run here" if found else "this machine can run two namespaced nodes"))
+        return 1 if found else 0
+    if not args.script:
+        parser.error("name the training script to run (and its arguments after --)")
+    try:
+        result = _run_cli_job(args)
+    except TwoNodesError as err:
+        print(f"two_nodes: cannot run: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("two_nodes: interrupted; both nodes and their processes were removed", file=sys.stderr)
+        return 130
+    for line in result["topology"]:
+        print(f"two_nodes: SDP4Bit detected {line}")
+    print(f"two_nodes: exit codes {result['exit_codes']} after {result['seconds']:.1f} s; "
+          f"{result['link_bytes']:,} bytes crossed the link ({result['link_payload_bytes']:,} TCP payload, "
+          f"{result['link_drops']} packets dropped by the shaper)")
+    return 0 if all(code == 0 for code in result["exit_codes"]) else 1
+
+
+def _run_cli_job(args: argparse.Namespace) -> dict:
+    """The command line's one job on a fresh pair of nodes."""
+    link = Link(args.rate_mbit, args.delay_ms)
+    with signals_raise(), TwoNodes(args.ranks_per_node) as nodes:
+        nodes.shape(link)
+        print(f"two_nodes: {HOSTS[0]} ({nodes.addresses[0]}) and {HOSTS[1]} ({nodes.addresses[1]}), "
+              f"{args.ranks_per_node} ranks each, link {link.label()}; logs in {args.log_dir}", flush=True)
+        return run_job(nodes, args.script, [a for a in args.script_args if a != "--"], Path(args.log_dir),
+                       args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

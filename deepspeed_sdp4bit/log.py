@@ -1,0 +1,16 @@
+"""The package's logger: DeepSpeed's format on stdout, at INFO by default so that activation is always visible.
+
+DeepSpeed's own logger stays at WARNING in training processes, which would hide the one line that says what
+SDP4Bit does in this run (topology, codec backend, what is quantized). SDP4BIT_LOG_LEVEL (debug, info, warning,
+error) changes the level; standard logging configuration of "deepspeed_sdp4bit" works as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from deepspeed.utils.logging import LoggerFactory, get_log_level_from_string
+
+logger: logging.Logger = LoggerFactory.create_logger(
+    name="deepspeed_sdp4bit", level=get_log_level_from_string(os.environ.get("SDP4BIT_LOG_LEVEL", "info")))
