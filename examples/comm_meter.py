@@ -15,7 +15,8 @@ import deepspeed
 from deepspeed_sdp4bit.collectives.accounting import KINDS as SDP4BIT_KINDS
 
 KINDS = (*SDP4BIT_KINDS, "total")
-FIELDS = [f"{kind}_{field}" for kind in KINDS for field in ("wire", "logical")]
+SDP4BIT_COUNTERS = {"wire": "wire_bytes", "logical": "logical_bytes", "cross": "cross_node_bytes"}
+FIELDS = [f"{kind}_{field}" for kind in KINDS for field in SDP4BIT_COUNTERS]
 LINK_FIELDS = ["link_tx_bytes", "link_tx_packets"]
 
 
@@ -36,11 +37,11 @@ def comms_logger_bytes() -> dict[str, int]:
 
 
 def sdp4bit_bytes(engine: Any) -> dict[str, float]:
-    """Cumulative SDP4Bit wire and logical bytes per kind on this rank ({} when SDP4Bit is not attached)."""
+    """Cumulative SDP4Bit wire, logical and cross-node bytes per kind on this rank ({} without SDP4Bit)."""
     if not hasattr(engine, "sdp4bit"):
         return {}
     stats = engine.sdp4bit.stats()
-    return {f"{kind}_{field}": float(stats[kind][f"{field}_bytes"]) for kind in KINDS for field in ("wire", "logical")}
+    return {f"{kind}_{field}": float(stats[kind][key]) for kind in KINDS for field, key in SDP4BIT_COUNTERS.items()}
 
 
 class CommMeter:
@@ -72,7 +73,8 @@ class CommMeter:
         self._last = self._now()
 
     def stop(self) -> dict[str, float]:
-        """Bytes since start(), per counter: comm_bytes (all collectives), op:<name>, <kind>_wire, <kind>_logical."""
+        """Bytes since start(), per counter: comm_bytes (all collectives), op:<name>, <kind>_{wire,logical,cross},
+        link_tx_{bytes,packets}."""
         now = self._now()
         return {key: value - self._last.get(key, 0.0) for key, value in now.items()}
 

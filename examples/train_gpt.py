@@ -460,7 +460,7 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
         "steady_from": steady_from,
         "comm_bytes_per_step": means.get("comm_bytes"),
         "comm_bytes_per_step_by_op": {k[3:]: v for k, v in means.items() if k.startswith("op:")},
-        "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k.endswith(("_wire", "_logical"))} or None,
+        "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k in FIELDS} or None,
         "step_time_s": statistics.median(steady) if steady else None,
         "step0_time_s": rows[0]["step_time_s"] if rows and rows[0]["step"] == 0 else None,
         **link,

@@ -81,10 +81,9 @@ for kind in ("weight_refresh", "weight_gather", "grad_intra", "grad_inter", "tot
     if logical:
         print(f"  SDP4Bit {kind:<14} {wire / 1e6:8.3f} MB passed for {logical / 1e6:8.3f} MB unquantized "
               f"({wire / logical:.1%})")
-cross = [kinds.get(f"{k}_{f}", 0.0) for f in ("wire", "logical") for k in ("weight_refresh", "grad_inter")]
-if cross[2] + cross[3]:
-    print(f"  crossing nodes (weight_refresh + grad_inter): {(cross[0] + cross[1]) / 1e6:.3f} MB for "
-          f"{(cross[2] + cross[3]) / 1e6:.3f} MB unquantized")
+if kinds.get("total_cross"):
+    print(f"  SDP4Bit sends {kinds['total_cross'] / 1e6:.3f} MB per rank per step to other nodes "
+          f"(weight_refresh + grad_inter as they travel; benchmarks/two_nodes.py measures the baseline's on a link)")
 if not s.get("sdp4bit"):
     print("WARNING: SDP4Bit was not attached to the engine in the SDP4Bit run")
 PY

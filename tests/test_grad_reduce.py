@@ -115,7 +115,7 @@ def _run_case(topo, case: Case, world: int, backend: str, inputs: list[torch.Ten
               world_groups: list) -> dict:
     """Reduce `case.calls` times with one reducer, passing each accepted form of the world group in turn."""
     codec.set_backend(backend)
-    stats = CommStats()
+    stats = CommStats(topo.ranks_per_node)
     reducer = _reducer(topo, _settings(case, world, topo.ranks_per_node), stats)
     calls = []
     for i in range(case.calls):
@@ -274,7 +274,8 @@ def test_error_within_quantizer_bound(world_run):
 
 
 def test_byte_accounting(world_run):
-    """Logical bytes are the unquantized exchanges (real chunks), wire bytes are codes plus fp32 scales."""
+    """Logical bytes are the unquantized exchanges (real chunks), wire bytes are codes plus fp32 scales; of those,
+    the inter-node all-to-all sends all but this node's split to other nodes, the intra-node one none."""
     world, ranks = world_run
     for (rpn, name, backend), got in ranks[0]["cases"].items():
         case = _case_by_name(world, name)
@@ -298,6 +299,8 @@ def test_byte_accounting(world_run):
             assert snap[kind]["wire_bytes"] == case.calls * wire, (kind, rpn, name)
             assert snap[kind]["logical_bytes"] == case.calls * dests * sum(chunks) * esize, (kind, rpn, name)
             assert snap[kind]["calls"] == case.calls
+            leaving = 0 if kind == "grad_intra" else case.calls * wire * (dests - 1) // dests
+            assert snap[kind]["cross_node_bytes"] == leaving, (kind, rpn, name)
 
 
 def test_resume_from_state_dict(world_run):

@@ -203,7 +203,7 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     esize = torch.finfo(dtype).bits // 8
     topo = build_topology(rpn)
     world, rank = topo.world, topo.rank
-    stats = CommStats()
+    stats = CommStats(topo.ranks_per_node)
     keys = [1000 + 7 * i for i in range(len(sizes))]
     store = _make_store(topo, replica, dtype, sizes, group, bucket, stochastic, seed, stats, keys)
     buckets = _buckets(sizes, world, _slots(topo, replica), bucket)
@@ -231,9 +231,15 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     wire, logical = _expected_refresh_bytes(topo, replica, sizes, group, bucket, esize)
     out["refresh_bytes"] = (snap["weight_refresh"]["wire_bytes"], snap["weight_refresh"]["logical_bytes"],
                             steps * wire, steps * logical)
+    # the inter-node all-gather's share of the wire bytes: all of them, except in rank mode with several ranks per
+    # node, where the node then gathers what arrived (nodes times the inter-node bytes)
+    inter_wire = wire if replica == "node" or topo.ranks_per_node == 1 else wire // (topo.nodes + 1)
+    out["refresh_cross_node"] = (snap["weight_refresh"]["cross_node_bytes"],
+                                 steps * inter_wire * (topo.nodes - 1))
     out.update(_consistent(store, keys, sizes))
     snap = stats.snapshot()["weight_gather"]
     out["gather_bytes"] = (snap["wire_bytes"], snap["logical_bytes"])
+    out["gather_cross_node"] = snap["cross_node_bytes"]
     gathers_inside_node = replica == "node" and topo.ranks_per_node > 1
     out["expected_gather_bytes"] = (topo.nodes * sum(shard_numel(n, world) for n in sizes) * esize
                                     if gathers_inside_node else 0)
@@ -462,10 +468,14 @@ def test_checksum_names_corrupted_region(world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_byte_accounting_and_memory(world: int) -> None:
+    """Refresh and gather bytes as computed from the layout; only the inter-node all-gather leaves a node, each
+    rank forwarding the other nodes' codes (nodes - 1 times its own); the node replica's gathers stay inside."""
     for rank, name, res in _cases(world, *STORE_CASES):
         wire, logical, want_wire, want_logical = res["refresh_bytes"]
         assert (wire, logical) == (want_wire, want_logical), (rank, name, res["refresh_bytes"])
         assert res["gather_bytes"] == (res["expected_gather_bytes"],) * 2, (rank, name, res["gather_bytes"])
+        got, want = res["refresh_cross_node"]
+        assert got == want and res["gather_cross_node"] == 0, (rank, name, got, want, res["gather_cross_node"])
         assert res["memory_bytes"][0] == res["memory_bytes"][1], (rank, name)
         if name.startswith("big") and logical:
             assert wire / logical <= 0.26, (rank, name, wire / logical)

@@ -1,7 +1,10 @@
-"""Byte accounting: logical bytes (the unquantized collective in the model's dtype) and wire bytes per kind.
+"""Byte accounting per kind: logical bytes (the unquantized collective in the model's dtype), wire bytes, and the
+wire bytes that cross nodes.
 
 Wire bytes are counted exactly as DeepSpeed's comms logger counts a collective (bytes of the input tensor this
 rank passes), because every collective of this package goes through `collectives.comm`, which adds them here.
+Cross-node bytes are what this rank sends to ranks of other nodes in those collectives (see `comm.cross_node_bytes`);
+they are counted when the stats know the ranks per node.
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ class KindBytes:
 
     logical: int = 0
     wire: int = 0
+    cross_node: int = 0
     calls: int = 0
 
 
 class CommStats:
-    """Logical and wire bytes per kind since the last reset, for this rank."""
+    """Logical, wire and cross-node bytes per kind since the last reset, for this rank.
 
-    def __init__(self) -> None:
+    `ranks_per_node` (ranks numbered node by node) lets the collectives count the bytes that leave this node; without
+    it cross-node bytes stay 0.
+    """
+
+    def __init__(self, ranks_per_node: int | None = None) -> None:
+        self.ranks_per_node = ranks_per_node
         self._kinds = {kind: KindBytes() for kind in KINDS}
 
     def _get(self, kind: str) -> KindBytes:
@@ -37,21 +46,20 @@ class CommStats:
         entry.logical += int(nbytes)
         entry.calls += 1
 
-    def add_wire(self, kind: str, nbytes: int) -> None:
-        """Record bytes actually passed to one collective."""
-        self._get(kind).wire += int(nbytes)
+    def add_wire(self, kind: str, nbytes: int, cross_node: int = 0) -> None:
+        """Record bytes actually passed to one collective, and how many of them this rank sends to other nodes."""
+        entry = self._get(kind)
+        entry.wire += int(nbytes)
+        entry.cross_node += int(cross_node)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per kind and in total: logical bytes, wire bytes, calls and wire/logical ratio."""
-        out: dict[str, dict[str, float]] = {}
-        for kind, entry in self._kinds.items():
-            out[kind] = {"logical_bytes": entry.logical, "wire_bytes": entry.wire, "calls": entry.calls,
-                         "ratio": entry.wire / entry.logical if entry.logical else float("nan")}
-        logical = sum(e.logical for e in self._kinds.values())
-        wire = sum(e.wire for e in self._kinds.values())
-        out["total"] = {"logical_bytes": logical, "wire_bytes": wire, "calls": sum(e.calls for e in self._kinds.values()),
-                        "ratio": wire / logical if logical else float("nan")}
-        return out
+        """Per kind and in total: logical, wire and cross-node bytes, calls and the wire/logical ratio."""
+        entries = dict(self._kinds)
+        entries["total"] = KindBytes(*(sum(getattr(e, name) for e in self._kinds.values())
+                                       for name in ("logical", "wire", "cross_node", "calls")))
+        return {kind: {"logical_bytes": e.logical, "wire_bytes": e.wire, "cross_node_bytes": e.cross_node,
+                       "calls": e.calls, "ratio": e.wire / e.logical if e.logical else float("nan")}
+                for kind, e in entries.items()}
 
     def reset(self) -> None:
         """Zero every counter."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import deepspeed.comm as ds_comm
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .accounting import CommStats
@@ -17,17 +18,40 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per_node: int | None) -> int:
+    """Bytes this rank sends to other nodes when it passes `nbytes` to collective `op` over `group`.
+
+    all_to_all: equal splits go straight to each member, so the splits for members on other nodes leave the node.
+    all_gather: a ring in group-rank order (gloo's algorithm, and NCCL's rings, which cross each node boundary
+    once): each rank forwards the other G - 1 inputs to the next member, so all of them leave the node when that
+    member is on another node, none otherwise.
+    """
+    if ranks_per_node is None:
+        return 0
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    rank = dist.get_rank()
+    node = rank // ranks_per_node
+    if op == "all_to_all":
+        return nbytes * sum(member // ranks_per_node != node for member in members) // len(members)
+    if op == "all_gather":
+        following = members[(members.index(rank) + 1) % len(members)]
+        return nbytes * (len(members) - 1) if following // ranks_per_node != node else 0
+    raise ValueError(f"no cross-node model for collective {op!r}")
+
+
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None, stats: CommStats,
                       kind: str, part: str, async_op: bool = False):
     """Equal-split all-to-all of `tensor` into `output` over `group`."""
-    stats.add_wire(kind, _nbytes(tensor))
+    nbytes = _nbytes(tensor)
+    stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node))
     return ds_comm.all_to_all_single(output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}")
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
                            stats: CommStats, kind: str, part: str, async_op: bool = False):
     """All-gather of equal `tensor`s into `output` (rank-major) over `group`."""
-    stats.add_wire(kind, _nbytes(tensor))
+    nbytes = _nbytes(tensor)
+    stats.add_wire(kind, nbytes, cross_node_bytes("all_gather", nbytes, group, stats.ranks_per_node))
     return ds_comm.all_gather_into_tensor(output, tensor, group=group, async_op=async_op,
                                           log_name=f"sdp4bit_{kind}_{part}")
 

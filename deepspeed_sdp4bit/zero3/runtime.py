@@ -61,7 +61,7 @@ class SDP4BitRuntime:
         self.engine = engine
         self.config = config
         self.topology = topology
-        self.comm_stats = CommStats()
+        self.comm_stats = CommStats(topology.ranks_per_node)
         self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
         if config.quantized_weights and not self.params:
             logger.warning("sdp4bit: quantized_weights is on but every trainable parameter is persistent "
