@@ -1,0 +1,130 @@
+"""SDP4Bit under the Hugging Face Trainer and under Accelerate: the examples on 4 CPU ranks acting as 2 nodes.
+
+Each integration trains 8 steps with a checkpoint at step 4 and saves the 16-bit weights, then a second launch
+resumes from that checkpoint. Checked: SDP4Bit is attached to the engine the integration built (HF "auto" values
+filled in by the integration), its statistics show quantized bytes, the loss falls, the saved weights are bf16 and
+are the trained ones, and the resume restores SDP4Bit's state (its optimizer step) and reproduces the
+uninterrupted run's losses of steps 5-8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CPU_CONFIG = EXAMPLES / "hf_ds_config_cpu.json"
+COMMON = ["--model", "tiny", "--seq_len", "64", "--max_steps", "8"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared token file of the offline corpus with a 512-token BPE vocabulary."""
+    sys.path.insert(0, str(EXAMPLES))
+    import prepare_data
+
+    prefix = tmp_path_factory.mktemp("data") / "tokens"
+    prepare_data.main(["--output_prefix", str(prefix), "--bpe_vocab_size", "512", "--limit_documents", "120",
+                       "--num_proc", "1"])
+    return prefix
+
+
+def launch(launcher: list[str], script: str, *args: str, out: Path) -> dict:
+    """Run an example under a launcher (4 ranks), fail with its output if it fails, return its SUMMARY."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", *launcher, str(EXAMPLES / script), *args, "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary == json.loads((out / "sdp4bit_summary.json").read_text())
+    return summary
+
+
+def deepspeed_launcher() -> list[str]:
+    """The `deepspeed` launcher with 4 CPU ranks on a free port."""
+    return ["deepspeed.launcher.runner", "--num_accelerators", "4", "--master_port", str(free_port())]
+
+
+def check_trained(summary: dict) -> None:
+    """SDP4Bit ran on 4 ranks with quantized traffic, and the loss fell over the 8 steps."""
+    assert summary["sdp4bit"] is True and summary["world_size"] == 4 and summary["global_step"] == 8
+    stats = summary["stats"]
+    assert 0 < stats["total"]["wire_bytes"] < stats["total"]["logical_bytes"]
+    for kind in ("weight_refresh", "grad_inter"):  # 4-bit codes plus fp32 scales: about a quarter of 16 bits
+        assert stats[kind]["calls"] > 0 and 0.2 < stats[kind]["ratio"] < 0.3, (kind, stats[kind])
+    assert 0.45 < stats["grad_intra"]["ratio"] < 0.55, stats["grad_intra"]  # 8-bit codes
+    losses = {int(step): loss for step, loss in summary["train_losses"].items()}
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.3, losses
+
+
+def check_resumed(resumed: dict, first: dict) -> None:
+    """The second launch restored SDP4Bit at step 4 and repeated the first launch's steps 5-8."""
+    assert resumed["sdp4bit"] is True and resumed["global_step"] == 8
+    assert resumed["resumed_at"] == {"step": 4, "sdp4bit_optimizer_steps": 4}
+    for step in ("5", "6", "7", "8"):
+        assert resumed["train_losses"][step] == pytest.approx(first["train_losses"][step], abs=1e-6), step
+
+
+def saved_model_loss(model_dir: Path, tokens: Path, tmp_path: Path) -> float:
+    """Load the saved weights (they must be all bf16) into a fresh model and evaluate it with a plain CPU Trainer on
+    the validation windows (the loss the distributed runs report for their evaluation)."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
+
+    sys.path.insert(0, str(EXAMPLES))
+    from hf_trainer import TokenWindows
+    from token_dataset import TokenFile
+
+    weights = load_file(model_dir / "model.safetensors")
+    assert weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
+    model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32)
+    data = TokenFile(tokens, 64, 0.05)
+    args = TrainingArguments(output_dir=str(tmp_path / "eval"), use_cpu=True, report_to="none",
+                             per_device_eval_batch_size=8)
+    trainer = Trainer(model=model, args=args, eval_dataset=TokenWindows(data, data.valid, None),
+                      data_collator=default_data_collator)
+    return trainer.evaluate()["eval_loss"]
+
+
+def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
+    flags = [*COMMON, "--deepspeed", str(CPU_CONFIG), "--use_cpu", "--bf16", "--data", str(tokens),
+             "--per_device_train_batch_size", "4", "--learning_rate", "2e-3", "--logging_steps", "1",
+             "--save_steps", "4", "--report_to", "none"]
+    first = launch(deepspeed_launcher(), "hf_trainer.py", *flags, out=tmp_path / "first")
+    check_trained(first)
+    state = json.loads((tmp_path / "first" / "trainer_state.json").read_text())
+    logged = [entry for entry in state["log_history"] if "loss" in entry]
+    assert len(logged) == 8 and all(entry["sdp4bit_wire_MB"] > 0 for entry in logged)
+    loss = saved_model_loss(tmp_path / "first", tokens, tmp_path)
+    assert loss < math.log(512) - 0.3 and loss == pytest.approx(first["eval_loss"], abs=1e-3)
+
+    resumed = launch(deepspeed_launcher(), "hf_trainer.py", *flags, "--resume_from_checkpoint",
+                     str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
+    check_resumed(resumed, first)
+    assert resumed["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-6)
+
+
+def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
+    flags = [*COMMON, "--data", str(tokens)]
+    accelerate = ["accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_deepspeed_cpu.yaml"),
+                  "--main_process_port", str(free_port())]
+    first = launch(accelerate, "hf_accelerate.py", *flags, "--save_steps", "4", out=tmp_path / "first")
+    check_trained(first)
+    assert saved_model_loss(tmp_path / "first" / "model", tokens, tmp_path) < math.log(512) - 0.3
+
+    resumed = launch(deepspeed_launcher(), "hf_accelerate.py", *flags, "--deepspeed_config", str(CPU_CONFIG),
+                     "--resume_from", str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
+    check_resumed(resumed, first)
