@@ -31,13 +31,14 @@ def set_backend(name: str) -> None:
     _forced = _check_name(name)
 
 
-def _wanted(device: torch.device) -> str:
-    """The backend a tensor on `device` should use under the current forcing."""
+def wanted(device_type: str) -> str:
+    """The backend a tensor on a device of this type should use under the current forcing, before any build:
+    'reference', 'cpu' or 'cuda' (ValueError where a forced backend does not fit the device)."""
     forced = _check_name(os.environ.get(ENV_VAR) or _forced)
     if forced == "auto":
-        return device.type if device.type in ("cpu", "cuda") else "reference"
-    if forced not in ("reference", device.type):
-        raise ValueError(f"codec backend {forced!r} is forced but the tensor is on {device.type}")
+        return device_type if device_type in ("cpu", "cuda") else "reference"
+    if forced not in ("reference", device_type):
+        raise ValueError(f"codec backend {forced!r} is forced but the tensor is on {device_type}")
     return forced
 
 
@@ -62,7 +63,7 @@ def _load(kind: str) -> Any | None:
 
 def backend_for(tensor: torch.Tensor) -> ModuleType | Any:
     """The backend object whose functions run on `tensor`'s device."""
-    kind = _wanted(tensor.device)
+    kind = wanted(tensor.device.type)
     if kind == "reference":
         return reference
     backend = _load(kind)

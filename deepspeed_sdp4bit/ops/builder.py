@@ -1,17 +1,20 @@
 """OpBuilder subclasses that build the codec op from cuda_ext/ the way DeepSpeed builds its own ops.
 
-`.load()` first imports a module prebuilt at `pip install` time (SDP4BIT_BUILD_OPS=1, see setup.py), else
-JIT-compiles into the torch extensions cache (TORCH_EXTENSIONS_DIR). Sources are absolute paths because
-DeepSpeed resolves relative ones inside its own package.
+Both builders share one `.load()`: the module prebuilt at `pip install` time (SDP4BIT_BUILD_OPS=1, see setup.py)
+if there is one, else a JIT build into the torch extensions cache (TORCH_EXTENSIONS_DIR), reused from there.
+Sources are absolute paths because DeepSpeed resolves relative ones inside its own package.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Iterator
@@ -56,31 +59,83 @@ def pinned_ninja() -> Iterator[None]:
             os.environ["PATH"] = saved
 
 
-def _jit_load(builder: OpBuilder, verbose: bool) -> ModuleType:
-    """builder.jit_load with the pinned ninja."""
-    with pinned_ninja():
-        return builder.jit_load(verbose)
-
-
-def _try_prebuilt(name: str) -> ModuleType | None:
-    """The module compiled at install time, if there is one."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-class CodecCPUBuilder(OpBuilder):
-    """The C++/OpenMP codec for CPU tensors."""
+class _CodecOp:
+    """What both codec builders share: naming, the shared header and the one load path (prebuilt, else JIT)."""
 
     BUILD_VAR = "SDP4BIT_BUILD_OPS"
-    NAME = "sdp4bit_codec_cpu"
+    NAME = ""
 
     def __init__(self) -> None:
         super().__init__(name=self.NAME)
 
     def absolute_name(self) -> str:
+        """Module name of the install-time build (setup.py installs it inside the package)."""
         return f"deepspeed_sdp4bit.ops.{self.NAME}_op"
+
+    def prebuilt_path(self) -> str | None:
+        """File of the module compiled at install time, or None where there is none (found without importing it)."""
+        spec = importlib.util.find_spec(self.absolute_name())
+        return spec.origin if spec is not None else None
+
+    def jit_library(self) -> Path:
+        """Where the JIT build of this op is written and reused from, located as torch locates it (nothing created):
+        $TORCH_EXTENSIONS_DIR/NAME/NAME.so, else torch's default root plus a pyXY_cuZZZ (or _cpu) folder."""
+        import torch
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if root is None:
+            kind = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+                    f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+            root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}"
+                                f"{getattr(sys, 'abiflags', '')}_{kind}")
+        return Path(root) / self.NAME / f"{self.NAME}.so"
+
+    def sources_newer_than(self, library: Path) -> list[str]:
+        """Sources and headers modified after `library` was built (a JIT load then rebuilds it)."""
+        built = library.stat().st_mtime
+        sources = [Path(f) for f in self.sources()]
+        folders = {f.parent for f in sources} | {sources_root() / "include"}
+        files = sources + [h for d in folders for pattern in ("*.h", "*.cuh") for h in d.glob(pattern)]
+        return sorted(f.name for f in files if f.stat().st_mtime > built)
+
+    def check_buildable(self) -> None:
+        """Raise RuntimeError naming what a JIT build here lacks; nothing is needed beyond DeepSpeed's own checks."""
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The op: already loaded, else the install-time build, else JIT-built (or taken from the JIT cache).
+
+        An install-time build that no longer imports (built for another torch, say) is reported by a warning and
+        replaced by a JIT build. The JIT build runs with the pinned ninja; RuntimeError names the cause where it
+        cannot build here.
+        """
+        if self.name in OpBuilder._loaded_ops:
+            return OpBuilder._loaded_ops[self.name]
+        module = self._prebuilt()
+        if module is None:
+            self.check_buildable()
+            with pinned_ninja():
+                module = self.jit_load(verbose)
+        OpBuilder._loaded_ops[self.name] = module
+        return module
+
+    def _prebuilt(self) -> ModuleType | None:
+        """The install-time build imported, or None where there is none or it fails to import (with a warning)."""
+        path = self.prebuilt_path()
+        if path is None:
+            return None
+        try:
+            return importlib.import_module(self.absolute_name())
+        except ImportError as err:
+            warnings.warn(f"deepspeed_sdp4bit: the prebuilt {self.NAME} op at {path} does not import ({err}); "
+                          f"building it just in time instead", RuntimeWarning, stacklevel=3)
+            return None
+
+
+class CodecCPUBuilder(_CodecOp, OpBuilder):
+    """The C++/OpenMP codec for CPU tensors."""
+
+    NAME = "sdp4bit_codec_cpu"
 
     def sources(self) -> list[str]:
         return [str(sources_root() / "cpu" / "codec_cpu.cpp")]
@@ -98,26 +153,12 @@ class CodecCPUBuilder(OpBuilder):
     def extra_ldflags(self) -> list[str]:
         return ["-fopenmp"]
 
-    def load(self, verbose: bool = False) -> ModuleType:
-        if self.name in OpBuilder._loaded_ops:
-            return OpBuilder._loaded_ops[self.name]
-        module = _try_prebuilt(self.absolute_name()) or _jit_load(self, verbose)
-        OpBuilder._loaded_ops[self.name] = module
-        return module
 
-
-class CodecCUDABuilder(CUDAOpBuilder):
+class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
     """The CUDA codec: IEEE fp32 arithmetic (no fast-math, no FMA contraction, IEEE division, no flush-to-zero) for
     bit-exactness, and buildable where no GPU is visible (a compile check) as long as a CUDA toolkit is."""
 
-    BUILD_VAR = "SDP4BIT_BUILD_OPS"
     NAME = "sdp4bit_codec_cuda"
-
-    def __init__(self) -> None:
-        super().__init__(name=self.NAME)
-
-    def absolute_name(self) -> str:
-        return f"deepspeed_sdp4bit.ops.{self.NAME}_op"
 
     def sources(self) -> list[str]:
         cuda = sources_root() / "cuda"
@@ -138,9 +179,13 @@ class CodecCUDABuilder(CUDAOpBuilder):
                 "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
                 "-U__CUDA_NO_BFLOAT162_OPERATORS__"] + self.compute_capability_args()
 
+    def check_buildable(self) -> None:
+        """A CUDA build of torch and a CUDA toolkit; points torch's extension builder at that toolkit."""
+        _use_cuda_toolkit(self.NAME)
+
     def is_compatible(self, verbose: bool = False) -> bool:
         try:
-            _use_cuda_toolkit(self.NAME)
+            self.check_buildable()
         except RuntimeError as err:
             self.error_log = str(err)
             if verbose:
@@ -150,19 +195,8 @@ class CodecCUDABuilder(CUDAOpBuilder):
 
     def builder(self) -> Extension:
         """The setup.py extension (prebuild at install time), built against the same toolkit as a JIT build."""
-        _use_cuda_toolkit(self.NAME)
+        self.check_buildable()
         return super().builder()
-
-    def load(self, verbose: bool = False) -> ModuleType:
-        """The prebuilt module, else a JIT build; RuntimeError naming the cause where no CUDA toolkit or CUDA torch."""
-        if self.name in OpBuilder._loaded_ops:
-            return OpBuilder._loaded_ops[self.name]
-        module = _try_prebuilt(self.absolute_name())
-        if module is None:
-            _use_cuda_toolkit(self.NAME)
-            module = _jit_load(self, verbose)
-        OpBuilder._loaded_ops[self.name] = module
-        return module
 
 
 def cuda_toolkit_root() -> Path:

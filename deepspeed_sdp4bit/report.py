@@ -1,0 +1,223 @@
+"""What this environment gives SDP4Bit, in the spirit of DeepSpeed's `ds_report`; builds and loads nothing.
+
+    python -m deepspeed_sdp4bit.report [--config ds_config.json]      (or the console script `sdp4bit_report`)
+
+Sections: versions (and whether this DeepSpeed is the supported one); each compiled codec op (compatible, prebuilt
+at install time, in the JIT cache and where, or what a first use will do); the codec backend tensors on each device
+type would use; the CUDA toolchain (TORCH_CUDA_ARCH_LIST, nvcc, CUDA_HOME); the node layout the launcher's
+environment implies. With --config, the file's "sdp4bit" block is validated and its ranks_per_node is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from . import __version__
+from .codec import dispatch
+from .config import SDP4BitConfigError, config_from_ds_config
+from .ops.builder import CodecCPUBuilder, CodecCUDABuilder, cuda_toolkit_root
+from .topology import ENV_SOURCES
+from .zero3.compat import TESTED_RANGE, SDP4BitCompatError, check_deepspeed
+
+Section = list[tuple[str, str]]
+
+
+def _installed(distribution: str) -> str:
+    """The installed version of a distribution, or 'not installed'."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> Section:
+    """Python, this package, torch (and its CUDA), DeepSpeed (supported or why not) and the optional integrations."""
+    try:
+        check_deepspeed()
+        support = f"supported (tested range >={TESTED_RANGE[0]},<{TESTED_RANGE[1]})"
+    except SDP4BitCompatError as err:
+        support = "NOT supported: " + "; ".join(line.strip() for line in str(err).splitlines()[1:])
+    cuda = (f"CUDA build {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible"
+            if torch.version.cuda else "CPU-only build")
+    return [("python", f"{platform.python_version()} ({sys.executable})"),
+            ("deepspeed-sdp4bit", f"{__version__} ({Path(__file__).resolve().parent})"),
+            ("torch", f"{torch.__version__} ({cuda})"),
+            ("deepspeed", f"{deepspeed.__version__}: {support}"),
+            ("transformers", _installed("transformers")),
+            ("accelerate", _installed("accelerate"))]
+
+
+def _ninja() -> str | None:
+    """Why a JIT build cannot run here (no ninja), or None."""
+    from torch.utils.cpp_extension import verify_ninja_availability
+
+    try:
+        verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def op_status(builder: CodecCPUBuilder | CodecCUDABuilder) -> str:
+    """Compatible, prebuilt, JIT-cached (where) or what the first use will do, for one codec op builder."""
+    if builder.is_compatible(verbose=False):
+        compatible = "compatible"
+    else:
+        compatible = f"NOT compatible ({builder.error_log or 'DeepSpeed reports it incompatible'})"
+    prebuilt = builder.prebuilt_path()
+    if prebuilt is not None:
+        return f"{compatible}; prebuilt at install time: {prebuilt} (loaded from there)"
+    library = builder.jit_library()
+    if library.is_file():
+        newer = builder.sources_newer_than(library)
+        fresh = f"sources changed since ({', '.join(newer)}): the first use rebuilds it" if newer else "up to date"
+        return f"{compatible}; not prebuilt; JIT-cached at {library} ({fresh})"
+    if compatible != "compatible":
+        return f"{compatible}; not prebuilt; not in the JIT cache ({library.parent}): cannot be built here"
+    missing = _ninja()
+    if missing:
+        return f"{compatible}; not prebuilt; not in the JIT cache; cannot JIT-build: {missing}"
+    return f"{compatible}; not prebuilt; not in the JIT cache: JIT-builds on first use into {library.parent}"
+
+
+def ops() -> tuple[Section, dict[str, bool]]:
+    """Each op builder's status, and whether each op can be had here (prebuilt, cached or buildable)."""
+    lines, usable = [], {}
+    for kind, builder in (("cpu", CodecCPUBuilder()), ("cuda", CodecCUDABuilder())):
+        status = op_status(builder)
+        lines.append((builder.NAME, status))
+        usable[kind] = "cannot" not in status and not status.startswith("NOT")
+    return lines, usable
+
+
+def backends(usable: dict[str, bool]) -> Section:
+    """The codec backend tensors on each device type would use (SDP4BIT_CODEC_BACKEND honoured)."""
+    forced = os.environ.get(dispatch.ENV_VAR)
+    lines = [(dispatch.ENV_VAR, forced or "unset (per device: the compiled op, else the reference)")]
+    visible = {"cpu": True, "cuda": torch.cuda.is_available()}
+    for device, present in visible.items():
+        try:
+            kind = dispatch.wanted(device)
+        except ValueError as err:
+            lines.append((f"{device} tensors", f"error: {err}"))
+            continue
+        if kind == "reference":
+            choice = "reference (plain torch)"
+        elif usable[kind]:
+            choice = f"compiled {kind} op"
+        else:
+            choice = (f"the {kind} op is forced but cannot be had: error" if forced == kind
+                      else f"reference (plain torch; the {kind} op cannot be had, one warning at first use)")
+        lines.append((f"{device} tensors", choice + ("" if present else " (no such device visible)")))
+    return lines
+
+
+def _nvcc_version(nvcc: Path) -> str:
+    """The release line of `nvcc --version`."""
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"cannot run: {err}"
+    release = [line for line in out.stdout.splitlines() if "release" in line]
+    return release[-1].strip() if release else "no version line"
+
+
+def toolchain() -> Section:
+    """TORCH_CUDA_ARCH_LIST, the CUDA toolkit the CUDA op would be built with, and its nvcc."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    default = ("unset: a CUDA op build targets the visible GPUs" if torch.cuda.is_available() else
+               "unset and no GPU visible: set it (e.g. 9.0 for H100/H200) to build the CUDA op here")
+    lines = [("TORCH_CUDA_ARCH_LIST", arch or default)]
+    try:
+        root = cuda_toolkit_root()
+    except RuntimeError as err:
+        return lines + [("nvcc", f"not found: {err}")]
+    nvcc = root / "bin" / "nvcc"
+    source = "CUDA_HOME" if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") else "found via nvcc"
+    return lines + [("CUDA toolkit", f"{root} ({source})"), ("nvcc", f"{nvcc}: {_nvcc_version(nvcc)}")]
+
+
+def topology(ranks_per_node: int | str) -> Section:
+    """The node layout the launcher's environment implies for this process (no process group is needed)."""
+    env = {name: os.environ.get(name) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *ENV_SOURCES)}
+    lines = [(name, value if value is not None else "unset") for name, value in env.items()]
+    lines.append(("hostname", socket.gethostname()))
+    per_node, source = ranks_per_node, "ranks_per_node setting"
+    if per_node == "auto":
+        found = next(((name, env[name]) for name in ENV_SOURCES if env[name] is not None), None)
+        per_node, source = (int(found[1]), found[0]) if found else (None, "the ranks' hostnames at initialize")
+    world = int(env["WORLD_SIZE"]) if env["WORLD_SIZE"] else None
+    if world is None:
+        layout = (f"not inside a launcher (WORLD_SIZE unset); ranks per node would come from {source}"
+                  + (f" = {per_node}" if per_node else ""))
+    elif per_node is None:
+        layout = f"{world} ranks; ranks per node from {source}"
+    elif world % per_node:
+        layout = f"ERROR: {per_node} ranks per node (from {source}) do not divide the world of {world}"
+    else:
+        nodes = world // per_node
+        layout = f"{nodes} node(s) x {per_node} ranks (from {source})"
+        if env["RANK"] is not None:
+            rank = int(env["RANK"])
+            layout += f"; this rank {rank} = node {rank // per_node}, local {rank % per_node}"
+    return lines + [("layout", layout)]
+
+
+def block(path: str | None) -> tuple[Section, int | str]:
+    """The --config file's "sdp4bit" block validated, and its ranks_per_node ('auto' without one)."""
+    if path is None:
+        return [], "auto"
+    try:
+        cfg = config_from_ds_config(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError, SDP4BitConfigError) as err:
+        return [(path, "ERROR: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))], "auto"
+    if cfg is None:
+        return [(path, "no \"sdp4bit\" block: DeepSpeed runs unchanged")], "auto"
+    state = "active" if cfg.active else ("enabled but changes nothing" if cfg.enabled else "disabled")
+    return [(path, f"valid \"sdp4bit\" block, {state}: {cfg.model_dump()}")], cfg.ranks_per_node
+
+
+def render(sections: list[tuple[str, Section]]) -> str:
+    """Sections as aligned `key ..... value` lines under their titles."""
+    width = max(len(key) for _, lines in sections for key, _ in lines) + 2
+    out = ["deepspeed-sdp4bit environment report", "=" * 36]
+    for title, lines in sections:
+        out += ["", title, "-" * len(title)]
+        out += [f"{key} {'.' * (width - len(key))} {value}" for key, value in lines]
+    return "\n".join(out)
+
+
+def report(config: str | None = None) -> str:
+    """The whole report as text."""
+    op_lines, usable = ops()
+    config_lines, ranks_per_node = block(config)
+    sections = [
+        ("versions", versions()), ("compiled codec ops", op_lines), ("codec backend per device", backends(usable)),
+        ("CUDA toolchain", toolchain()), ("topology of this environment", topology(ranks_per_node))]
+    if config is not None:
+        sections.append(("ds_config", config_lines))
+    return render(sections)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report; exit status 0."""
+    parser = argparse.ArgumentParser(prog="sdp4bit_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a DeepSpeed config whose \"sdp4bit\" block to validate and use")
+    args = parser.parse_args(argv)
+    print(report(args.config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
