@@ -7,9 +7,10 @@ defaults; the keys after them are this package's own. Every invalid value or unk
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from .codec.spec import MAX_GROUP, MIN_GROUP
 
@@ -28,29 +29,69 @@ def _group_size(key: str, value: int) -> int:
 
 
 class SDP4BitConfig(BaseModel):
-    """Validated settings of SDP4Bit communication for one DeepSpeed engine."""
+    """Validated settings of SDP4Bit communication for one DeepSpeed engine.
+
+    Each field's description is the documentation of its key (the README's key table is generated from them by
+    `key_table`); `flag` names the original SDP4Bit command-line flag the key follows, with its defaults.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    enabled: bool = True
-    quantized_weights: bool = False
-    weight_quantization_bits: Literal[4, 8] = 4
-    wq_group_size: int = 2048
-    quantized_gradients: bool = False
-    gradient_quantization_bits_intra: Literal[4, 8] = 8
-    gq_group_size_intra: int = 512
-    gradient_quantization_bits_inter: Literal[4, 8] = 4
-    gq_group_size_inter: int = 128
-    hadamard_transform: bool = False
-    gradient_alltoall_pipeline: int = Field(default=1, ge=1, le=64)
-    ranks_per_node: Any = "auto"
-    weight_replica: Literal["rank", "node", "off"] = "node"
-    weight_quantization: Literal["difference", "direct"] = "difference"
-    stochastic_rounding: bool = True
-    seed: int = Field(default=0, ge=0, le=_U64_MAX)
-    quantization_start_step: int = Field(default=0, ge=0)
-    verify_interval: int = Field(default=0, ge=0)
-    refresh_bucket_size: int = Field(default=200_000_000, ge=1)
+    enabled: bool = Field(True, description="`false` leaves DeepSpeed untouched (so a block can stay in the file)")
+    quantized_weights: bool = Field(False, description=(
+        "qWD: after each optimizer step, all-gather 4-bit differences between the fp32 master and the model weights "
+        "instead of gathering weights in 16 bits"), json_schema_extra={"flag": "--quantized-weights"})
+    weight_quantization_bits: Literal[4, 8] = Field(4, description="bits of the weight differences: 4 or 8",
+                                                    json_schema_extra={"flag": "--weight-quantization-bits"})
+    wq_group_size: int = Field(2048, description=(
+        f"elements per fp32 scale of the weight differences; a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}]"),
+        json_schema_extra={"flag": "--wq-group-size"})
+    quantized_gradients: bool = Field(False, description=(
+        "TLq: replace ZeRO-3's gradient reduce-scatter by the two-level quantized all-to-all (needs "
+        "`zero_optimization.reduce_scatter: true`)"), json_schema_extra={"flag": "--quantized-gradients"})
+    gradient_quantization_bits_intra: Literal[4, 8] = Field(8, description=(
+        "bits of the intra-node all-to-all: 4 or 8"), json_schema_extra={"flag": "--gradient-quantization-bits-intra"})
+    gq_group_size_intra: int = Field(512, description=(
+        f"elements per scale, intra-node (the paper's runs use 128); multiple of {MIN_GROUP} in "
+        f"[{MIN_GROUP}, {MAX_GROUP}]"), json_schema_extra={"flag": "--gq-group-size-intra"})
+    gradient_quantization_bits_inter: Literal[4, 8] = Field(4, description=(
+        "bits of the inter-node all-to-all: 4 or 8"), json_schema_extra={"flag": "--gradient-quantization-bits-inter"})
+    gq_group_size_inter: int = Field(128, description=(
+        f"elements per scale, inter-node; multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}]"),
+        json_schema_extra={"flag": "--gq-group-size-inter"})
+    hadamard_transform: bool = Field(False, description=(
+        "HS: 32-point Walsh-Hadamard transform of the gradients before quantizing (needs `quantized_gradients`)"),
+        json_schema_extra={"flag": "--hadamard-transform"})
+    gradient_alltoall_pipeline: int = Field(1, ge=1, le=64, description=(
+        "split each rank's gradient part into this many slices (1 to 64) so slice i's inter-node all-to-all overlaps "
+        "slice i+1's intra-node one (needs `quantized_gradients`)"),
+        json_schema_extra={"flag": "--gradient-alltoall-pipeline"})
+    quantization_start_step: int = Field(0, ge=0, description=(
+        "optimizer steps before this one communicate in full precision"),
+        json_schema_extra={"flag": "--gradients-quantization-start-iteration",
+                           "flag_note": "not in the original README; ours applies to weights too"})
+    ranks_per_node: Literal["auto"] | PositiveInt = Field("auto", description=(
+        "ranks per node for the two levels: an integer lets one machine act as several nodes; `\"auto\"` takes "
+        "`LOCAL_WORLD_SIZE` (torchrun), `LOCAL_SIZE` (deepspeed launcher) or the ranks' hostnames. Ranks must be "
+        "numbered node by node"))
+    weight_replica: Literal["rank", "node", "off"] = Field("node", description=(
+        "who holds the model weights between steps: `\"node\"` one copy per node, split over its ranks "
+        "(forward/backward gather inside the node in full precision; only 4-bit differences cross nodes); `\"rank\"` "
+        "a full copy on every rank (the paper's layout: gathers are local copies, memory = one more model per rank); "
+        "`\"off\"` no replica (only with `weight_quantization: \"direct\"`)"))
+    weight_quantization: Literal["difference", "direct"] = Field("difference", description=(
+        "`\"difference\"` is qWD; `\"direct\"` quantizes the weights themselves at every gather (qW, the "
+        "ZeRO++-style baseline of the paper's ablation; it hurts at 4 bits)"))
+    stochastic_rounding: bool = Field(True, description=(
+        "stochastic rounding (reproducible: a counter-based hash, no RNG state) or round-to-nearest"),
+        json_schema_extra={"flag_note": "the original always rounds stochastically"})
+    seed: int = Field(0, ge=0, le=_U64_MAX, description="seed of the stochastic rounding, 0 to 2^64-1")
+    verify_interval: int = Field(0, ge=0, description=(
+        "every N optimizer steps compare a checksum of the weight replicas across holders and resync in full "
+        "precision on a mismatch (logged); 0 = never"))
+    refresh_bucket_size: int = Field(200_000_000, ge=1, description=(
+        "elements per bucket of the weight-difference all-gather (bucket k+1 is encoded while bucket k is in "
+        "flight)"))
 
     @field_validator("wq_group_size", "gq_group_size_intra", "gq_group_size_inter")
     @classmethod
@@ -60,6 +101,7 @@ class SDP4BitConfig(BaseModel):
     @field_validator("ranks_per_node", mode="before")
     @classmethod
     def _check_ranks_per_node(cls, value: Any) -> str | int:
+        """One clear message for any other value (the union's own errors would list each member's)."""
         if value == "auto" or (type(value) is int and value >= 1):
             return value
         raise ValueError("ranks_per_node must be 'auto' or an integer >= 1")
@@ -80,6 +122,17 @@ class SDP4BitConfig(BaseModel):
     def active(self) -> bool:
         """Whether this block changes any communication at all."""
         return self.enabled and (self.quantized_weights or self.quantized_gradients)
+
+
+def key_table() -> str:
+    """The README's table of keys (markdown), generated from the fields: key, default, description, original flag."""
+    rows = ["| key | default | meaning | original flag |", "|---|---|---|---|"]
+    for name, field in SDP4BitConfig.model_fields.items():
+        extra = field.json_schema_extra or {}
+        flag = f"`{extra['flag']}`" if "flag" in extra else "—"
+        note = f" ({extra['flag_note']})" if "flag_note" in extra else ""
+        rows.append(f"| `{name}` | `{json.dumps(field.default)}` | {field.description} | {flag}{note} |")
+    return "\n".join(rows)
 
 
 def _describe(error: dict[str, Any]) -> str:
