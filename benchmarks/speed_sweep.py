@@ -1,0 +1,277 @@
+"""Step time against link speed on two real (namespaced) nodes: plain ZeRO-3, ZeRO++ hpZ and SDP4Bit variants.
+
+Every point is a real two-node job (benchmarks/two_nodes.py: one `deepspeed` launcher per node, 2 CPU ranks each,
+the link between them shaped by tc) training the example GPT (examples/train_gpt.py) with DeepSpeed's comms logger
+off, since it synchronizes after every collective. Per run: the median step time over the steady steps, step 0's
+time, tokens/s, and the bytes that left each node through the link per step (interface counters; TCP/IP headers
+removed: `link_payload`), beside what the accounting says crossed (SDP4Bit's cross-node bytes per kind plus
+DeepSpeed's own collectives from benchmarks/cost_model.py).
+
+    python benchmarks/speed_sweep.py                       # the whole sweep (hours on 2 cores; resumable)
+    python benchmarks/speed_sweep.py --rates 50 --variants zero3 sdp4bit_node --dtypes fp32 --repeats 1
+    python benchmarks/speed_sweep.py --report              # table and plot from what is already measured
+
+Results accumulate as JSON lines in OUT/runs.jsonl (a point already there is not run again); OUT/table.md and
+OUT/step_time.png summarise them: per (dtype, variant, rate) the median over repeats of the runs' median step
+times, its spread (min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cost_model  # noqa: E402  (benchmarks/ is put on the path above)
+from two_nodes import LINK, TCP_OVERHEAD, Link, TwoNodes, TwoNodesError, check_topology, run_job, \
+    signals_raise  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = str(ROOT / "configs/cpu/tiny_baseline.json")
+SDP4BIT = str(ROOT / "configs/cpu/tiny_sdp4bit.json")
+DATA = ROOT / "data/pydoc/tokens"
+TRAINER = str(ROOT / "examples/train_gpt.py")
+AUTO = "sdp4bit.ranks_per_node=auto"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A configuration of the sweep: a config file plus --ds_set overrides."""
+
+    name: str
+    label: str
+    config: str
+    overrides: tuple[str, ...] = ()
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("zero3", "ZeRO-3", BASELINE),
+    Variant("hpz", "ZeRO++ hpZ", BASELINE, ("zero_optimization.zero_hpz_partition_size=2",)),
+    Variant("sdp4bit_node", "SDP4Bit (node replica)", SDP4BIT, (AUTO,)),
+    Variant("sdp4bit_rank", "SDP4Bit (rank replica)", SDP4BIT, (AUTO, "sdp4bit.weight_replica=rank")),
+    Variant("qwd", "qWD only", SDP4BIT, (AUTO, "sdp4bit.quantized_gradients=false",
+                                           "sdp4bit.hadamard_transform=false")),
+    Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
+)}
+RATES = ("25", "50", "200", "1000", "unshaped")
+
+
+def parse_rate(rate: str) -> float | None:
+    """A rate in Mbit/s, or None for the unshaped link."""
+    return None if rate == "unshaped" else float(rate)
+
+
+def point_key(record: dict) -> tuple:
+    return record["variant"], record["dtype"], record["rate"], record["repeat"]
+
+
+def load_runs(path: Path) -> list[dict]:
+    """The runs measured so far (one JSON object per line)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_args(variant: Variant, dtype: str, steps: int, out: Path) -> list[str]:
+    """train_gpt.py's arguments for one run."""
+    args = ["--model", "tiny", "--deepspeed_config", variant.config, "--precision", dtype, "--data",
+            str(DATA), "--train_iters", str(steps), "--lr_decay_iters", str(steps),
+            "--eval_interval", str(10 * steps), "--steady_from", "3", "--link_counters", LINK, "--out", str(out)]
+    for override in variant.overrides:
+        args += ["--ds_set", override]
+    return args
+
+
+def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: int, steps: int, out: Path) -> dict:
+    """One run on the shaped link; the record written to runs.jsonl."""
+    nodes.shape(Link(parse_rate(rate)))
+    run_dir = out / "logs" / f"{variant.name}-{dtype}-{rate}-{repeat}"
+    job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
+    record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "exit_codes": job["exit_codes"],
+              "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"]}
+    summary_path = run_dir / "summary.json"
+    if any(job["exit_codes"]) or not summary_path.exists():
+        record["error"] = f"job failed; see {run_dir}/node0.log and node1.log"
+        return record
+    summary = json.loads(summary_path.read_text())
+    if variant.config == SDP4BIT:
+        check_topology(job["topology"][0], nodes.ranks_per_node)
+    link_bytes = summary["link_tx_bytes_per_step"]
+    link_payload = link_bytes - TCP_OVERHEAD * summary["link_tx_packets_per_step"]
+    accounted = cost_model.accounted_cross_node_bytes(summary, variant.name, dtype)
+    record.update({"step_s": summary["step_time_s"], "step0_s": summary["step0_time_s"],
+                   "tokens_per_s": summary["settings"]["global_batch"] * summary["settings"]["seq_len"]
+                   / summary["step_time_s"],
+                   "step_times": [r for r in _steady_step_times(run_dir / "log.csv", summary["steady_from"])],
+                   "link_bytes": link_bytes, "link_payload": link_payload, "accounted_cross": accounted,
+                   "accounted_vs_link": accounted / link_payload - 1 if link_payload else None,
+                   "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"),
+                   "train_s": summary["train_s"], "startup_s": summary["startup_s"]})
+    return record
+
+
+def _steady_step_times(csv_path: Path, steady_from: int) -> list[float]:
+    """Step times (s) of the steady steps from the run's log.csv."""
+    lines = csv_path.read_text().splitlines()
+    header = lines[0].split(",")
+    step, seconds = header.index("step"), header.index("step_time_s")
+    return [float(row.split(",")[seconds]) for row in lines[1:] if int(row.split(",")[step]) >= steady_from]
+
+
+def plan(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:
+    """Points in run order: repeats outermost, then rate, dtype and variant, so drifts spread over all variants."""
+    for repeat in range(args.repeats):
+        for rate in args.rates:
+            for dtype in args.dtypes:
+                for name in args.variants:
+                    yield repeat, rate, dtype, VARIANTS[name]
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Run every planned point not yet in runs.jsonl."""
+    runs_path = args.out / "runs.jsonl"
+    done = {point_key(r) for r in load_runs(runs_path) if "error" not in r}
+    todo = [p for p in plan(args) if (p[3].name, p[2], p[1], p[0]) not in done]
+    print(f"speed_sweep: {len(todo)} runs to do ({len(done)} already measured) -> {runs_path}", flush=True)
+    with signals_raise(), TwoNodes(ranks_per_node=2) as nodes:
+        for index, (repeat, rate, dtype, variant) in enumerate(todo):
+            record = measure(nodes, variant, dtype, rate, repeat, args.steps, args.out)
+            with runs_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            status = record.get("error") or (f"step {record['step_s']:.3f} s, step0 {record['step0_s']:.2f} s, "
+                                             f"link {record['link_payload'] / 1e6:.3f} MB/step "
+                                             f"(accounted {record['accounted_vs_link']:+.1%})")
+            print(f"[{index + 1}/{len(todo)}] {variant.name} {dtype} {rate}: {status}", flush=True)
+
+
+def aggregate(runs: Sequence[dict]) -> list[dict]:
+    """One row per (dtype, variant, rate): medians over repeats, spread, speed-up over ZeRO-3, bytes."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        if "error" not in run:
+            groups.setdefault((run["dtype"], run["variant"], run["rate"]), []).append(run)
+    rows = []
+    for (dtype, variant, rate), members in groups.items():
+        times = [m["step_s"] for m in members]
+        rows.append({"dtype": dtype, "variant": variant, "rate": rate, "repeats": len(members),
+                     "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                     "step0_s": statistics.median(m["step0_s"] for m in members),
+                     "tokens_per_s": statistics.median(m["tokens_per_s"] for m in members),
+                     "link_payload": statistics.median(m["link_payload"] for m in members),
+                     "accounted_cross": statistics.median(m["accounted_cross"] for m in members),
+                     "drops": sum(m["drops"] for m in members)})
+    base = {(r["dtype"], r["rate"]): r for r in rows if r["variant"] == "zero3"}
+    for row in rows:
+        ref = base.get((row["dtype"], row["rate"]))
+        row["speedup"] = ref["step_s"] / row["step_s"] if ref else None
+        row["bytes_vs_zero3"] = row["link_payload"] / ref["link_payload"] if ref else None
+    order = {name: i for i, name in enumerate(VARIANTS)}
+    return sorted(rows, key=lambda r: (r["dtype"], RATES.index(r["rate"]) if r["rate"] in RATES else 99,
+                                       order.get(r["variant"], 99)))
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The markdown table of the aggregated rows."""
+    lines = ["| dtype | link Mbit/s | variant | step s (median) | spread s | step 0 s | tokens/s | speed-up | "
+             "link MB/step | accounted MB/step | accounted/link | bytes vs ZeRO-3 |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        vs = f"{r['bytes_vs_zero3']:.3f}" if r["bytes_vs_zero3"] else ""
+        lines.append(f"| {r['dtype']} | {r['rate']} | {VARIANTS[r['variant']].label} | {r['step_s']:.3f} | "
+                     f"{r['min_s']:.3f}-{r['max_s']:.3f} ({r['repeats']}) | {r['step0_s']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {speedup} | {r['link_payload'] / 1e6:.3f} | "
+                     f"{r['accounted_cross'] / 1e6:.3f} | {r['accounted_cross'] / r['link_payload']:.3f} | {vs} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: Path) -> None:
+    """Step time vs link rate (one line per variant, one panel per dtype) and link bytes per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(5.5 * (len(dtypes) + 1), 4.5), squeeze=False)
+    unshaped_x = 5000.0
+    for ax, dtype in zip(axes[0], dtypes):
+        for name, variant in VARIANTS.items():
+            points = sorted((parse_rate(r["rate"]) or unshaped_x, r["step_s"], r["min_s"], r["max_s"])
+                            for r in rows if r["dtype"] == dtype and r["variant"] == name)
+            if points:
+                xs, ys, lo, hi = zip(*points)
+                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                            marker="o", capsize=3, label=variant.label)
+        ax.set(xscale="log", yscale="log", xlabel="link rate, Mbit/s each way (rightmost: unshaped)",
+               ylabel="median step time, s", title=f"tiny GPT, 2 nodes x 2 CPU ranks, {dtype}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[0][-1]
+    names = [n for n in VARIANTS if any(r["variant"] == n for r in rows)]
+    for offset, dtype in enumerate(dtypes):
+        values = [statistics.median([r["link_payload"] / 1e6 for r in rows if r["variant"] == n
+                                     and r["dtype"] == dtype] or [0.0]) for n in names]
+        ax.bar([i + 0.4 * offset for i in range(len(names))], values, width=0.4, label=dtype)
+    ax.set_xticks([i + 0.2 for i in range(len(names))], [VARIANTS[n].label for n in names], rotation=30,
+                  ha="right", fontsize=8)
+    ax.set(ylabel="MB per step across the link (both ways)", title="bytes that crossed the link")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(out: Path) -> None:
+    """Write OUT/table.md and OUT/step_time.png from OUT/runs.jsonl and print the table."""
+    rows = aggregate(load_runs(out / "runs.jsonl"))
+    if not rows:
+        print("speed_sweep: nothing measured yet")
+        return
+    text = table(rows)
+    (out / "table.md").write_text(text)
+    plot(rows, out / "step_time.png")
+    print(text)
+    print(f"speed_sweep: wrote {out / 'table.md'} and {out / 'step_time.png'}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=list(RATES), help="Mbit/s each way, or 'unshaped'")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--repeats", type=int, default=2, help="runs per point")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (steady from step 3)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "speed_sweep")
+    parser.add_argument("--report", action="store_true", help="only write the table and plot")
+    args = parser.parse_args(argv)
+    for rate in args.rates:
+        if rate != "unshaped":
+            float(rate)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report and not DATA.with_suffix(".json").exists():
+        print(f"speed_sweep: no data at {DATA}; prepare it first: python examples/prepare_data.py --output_prefix "
+              f"{DATA.relative_to(ROOT)}", file=sys.stderr)
+        return 1
+    if not args.report:
+        try:
+            sweep(args)
+        except TwoNodesError as err:
+            print(f"speed_sweep: cannot run: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("speed_sweep: interrupted; finished runs are kept in runs.jsonl", file=sys.stderr)
+            return 130
+    report(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

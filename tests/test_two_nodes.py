@@ -1,0 +1,139 @@
+"""Two real nodes on one machine (benchmarks/two_nodes.py): a short SDP4Bit training job across a shaped link, the
+topology SDP4Bit finds from the two hostnames, the bytes on the link against the accounting, and clean-up on every
+exit path (normal end, Ctrl-C, SIGKILL of the runner).
+
+Needs root, iproute2 and util-linux; where they are missing the tests skip with the runner's own reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cost_model  # noqa: E402  (benchmarks/ is put on the path above)
+import two_nodes  # noqa: E402
+
+REASONS = two_nodes.problems()
+pytestmark = pytest.mark.skipif(bool(REASONS), reason="two namespaced nodes cannot run here: " + "; ".join(REASONS))
+
+
+def _ours(pid: int) -> list[str]:
+    """Namespaces a runner with this pid created that still exist."""
+    return [name for name in two_nodes._namespaces() if name.startswith(f"{two_nodes.PREFIX}-{pid}-")]
+
+
+@pytest.mark.slow
+def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
+    data = tmp_path / "data" / "tokens"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "prepare_data.py"), "--output_prefix", str(data),
+                    "--bpe_vocab_size", "512", "--num_proc", "1"], check=True, capture_output=True, timeout=300)
+    out = tmp_path / "run"
+    args = ["--model", "tiny", "--deepspeed_config", str(ROOT / "configs/cpu/tiny_sdp4bit.json"), "--ds_set",
+            "sdp4bit.ranks_per_node=auto", "--precision", "fp32", "--data", str(data), "--train_iters", "6",
+            "--steady_from", "2", "--eval_interval", "100", "--eval_samples", "16", "--seq_len", "64",
+            "--link_counters", two_nodes.LINK, "--out", str(out)]
+    with two_nodes.TwoNodes(ranks_per_node=2) as nodes:
+        nodes.shape(two_nodes.Link(rate_mbit=200))
+        job = two_nodes.run_job(nodes, str(ROOT / "examples" / "train_gpt.py"), args, tmp_path / "logs",
+                                timeout=900)
+        names = list(nodes.names)
+    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(2))
+    assert job["exit_codes"] == [0, 0], logs
+    assert not [n for n in names if n in two_nodes._namespaces()], "the runner left its namespaces behind"
+    assert len(job["topology"]) == 1, job["topology"]
+    two_nodes.check_topology(job["topology"][0], 2)
+    assert "(from LOCAL_SIZE)" in job["topology"][0]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sdp4bit"] is True and summary["world_size"] == 4
+    payload = summary["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * summary["link_tx_packets_per_step"]
+    accounted = cost_model.accounted_cross_node_bytes(summary, "sdp4bit_node", "fp32")
+    # what the collectives pass across nodes, plus gloo's own framing of each message (a few hundred bytes)
+    assert 0.85 * payload <= accounted <= payload, (accounted, payload)
+    assert job["link_payload_bytes"] >= payload * summary["steps"] * 0.9
+
+
+def _start_runner(tmp_path: Path) -> subprocess.Popen:
+    """The runner's command line with a job that would run for ten minutes; returns once both nodes exist."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    runner = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--rate_mbit", "100",
+                               "--log_dir", str(tmp_path / "logs"), "--", str(script)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+            len(_ours(runner.pid)) == 2 and "wait.py" in _processes(runner.pid)):
+        time.sleep(0.2)
+    assert len(_ours(runner.pid)) == 2, "the runner did not create its two namespaces"
+    return runner
+
+
+def _processes(pid: int) -> str:
+    """Command lines of every process inside the runner's namespaces."""
+    found = []
+    for name in _ours(pid):
+        for member in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            try:
+                found.append(Path(f"/proc/{member}/cmdline").read_text().replace("\0", " "))
+            except OSError:
+                pass
+    return "\n".join(found)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _ours(pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_ctrl_c_stops_the_job_and_removes_both_nodes(tmp_path: Path) -> None:
+    runner = _start_runner(tmp_path)
+    runner.send_signal(signal.SIGINT)
+    output, _ = runner.communicate(timeout=60)
+    assert runner.returncode == 130, output
+    assert "interrupted; both nodes and their processes were removed" in output
+    assert not _ours(runner.pid)
+
+
+def test_killed_runner_leaves_nothing(tmp_path: Path) -> None:
+    """SIGKILL gives the runner no chance to clean up: its guard process removes the nodes and their processes."""
+    runner = _start_runner(tmp_path)
+    victims = [int(p) for n in _ours(runner.pid) for p in
+               subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+    assert victims
+    os.kill(runner.pid, signal.SIGKILL)
+    runner.wait(timeout=30)
+    assert _gone_within(runner.pid, 30), two_nodes._namespaces()
+    time.sleep(0.5)
+    assert not [v for v in victims if Path(f"/proc/{v}").exists() and
+                "wait.py" in Path(f"/proc/{v}/cmdline").read_text()], "processes of the nodes survived"
+
+
+def test_check_and_delay_shaping() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "can run two namespaced nodes" in done.stdout
+    with two_nodes.TwoNodes() as nodes:
+        names = list(nodes.names)
+        try:
+            nodes.shape(two_nodes.Link(rate_mbit=50, delay_ms=5))
+        except two_nodes.TwoNodesError as err:  # kernels without the netem qdisc cannot delay
+            assert "a delay needs the netem qdisc" in str(err)
+        else:
+            shown = subprocess.run(["tc", "-n", names[0], "qdisc", "show", "dev", two_nodes.LINK],
+                                   capture_output=True, text=True).stdout
+            assert "netem" in shown and "delay 5ms" in shown and "tbf" in shown, shown
+    assert not [n for n in names if n in two_nodes._namespaces()]
