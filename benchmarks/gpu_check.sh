@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# The GPU check, in one command, for a session lent a GPU (docs/gpu_check.md says how to run it).
+# The GPU check in one command, on a machine with an NVIDIA GPU (docs/gpu_check.md says how to run and read it).
 #
-# Installs deepspeed and its missing pure-Python dependencies from .wheelhouse, JIT-builds our CUDA codec op and
-# DeepSpeed's ZeRO++ quantizer op (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16, in parallel), runs the GPU tests (the
-# codec's bit-exactness and smoke tests first, the rest after the benchmarks), runs the kernel benchmarks
-# (benchmarks/kernels.py --device cuda with ZeRO++'s rows plugged in, and the head-to-head of
-# benchmarks/kernels_zeropp.py: ZeRO++'s kernels beside ours on the same sizes, with the H200 targets), writes
+# Installs what is missing of deepspeed, hjson, pydantic, pytest and ninja (with pip, or offline from a wheel folder
+# given as GPU_CHECK_WHEELS), JIT-builds our CUDA codec op and DeepSpeed's ZeRO++ quantizer op in parallel, runs the
+# GPU tests (the codec's bit-exactness and smoke tests first, the rest after the benchmarks), runs the kernel
+# benchmarks (benchmarks/kernels.py --device cuda with ZeRO++'s rows plugged in, and the head-to-head of
+# benchmarks/kernels_zeropp.py: ZeRO++'s kernels beside ours on the same sizes, with the H200 speed targets), writes
 # every log under $OUT and prints a short summary last. Each step has a time limit inside an overall budget
-# (GPU_CHECK_BUDGET_S, default 540 s), so the summary always comes back.
+# (GPU_CHECK_BUDGET_S, default 1800 s), so the summary always comes out.
+#   PYTHON              interpreter with a CUDA build of torch (default python3)
+#   OUT                 log folder (default runs/gpu_check)
+#   GPU_CHECK_WHEELS    optional folder of wheels to install from without network (pip --no-index --find-links)
+#   TORCH_CUDA_ARCH_LIST, MAX_JOBS   architectures and parallel compiles of the op builds (default: the visible
+#                       GPUs' architectures, all cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/runs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/sdp4bit_torch_extensions}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/sdp4bit_torch_extensions}
 PY=${PYTHON:-python3}
 BEGIN=$(date +%s)
-DEADLINE=$((BEGIN + ${GPU_CHECK_BUDGET_S:-540}))
+DEADLINE=$((BEGIN + ${GPU_CHECK_BUDGET_S:-1800}))
 : > "$OUT/steps.tsv"
 
 # step NAME LIMIT_S LOG CMD...: run CMD with its output in $OUT/LOG, at most LIMIT_S and never past the deadline
@@ -70,7 +75,23 @@ CODEC_TESTS=(tests/test_codec_backends.py tests/test_op_builder_cuda.py)
 step env 30 setup.log bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; \
   $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
   nvcc --version | tail -1; git log --oneline -1"
-step install 150 setup.log "$PY" -m pip install --no-index --find-links .wheelhouse deepspeed hjson pydantic
+# install: what the interpreter lacks (module:requirement), from GPU_CHECK_WHEELS without network when it is set.
+install() {
+  local missing=() spec
+  for spec in deepspeed:deepspeed==0.19.8 hjson:hjson pydantic:pydantic pytest:pytest ninja:ninja; do
+    "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
+  done
+  if ((${#missing[@]} == 0)); then
+    echo "nothing to install"
+  elif [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+    "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELS" "${missing[@]}"
+  else
+    "$PY" -m pip install "${missing[@]}"
+  fi
+}
+export -f install
+export PY
+step install 300 setup.log bash -c install
 step build 360 build.log "$PY" "$BUILD_OPS"
 step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
   --durations=10 "${CODEC_TESTS[@]}"
@@ -129,7 +150,7 @@ for r in measured:
     gbps = r.get("gbps") if r.get("gbps") is not None else ("ERR" if r.get("error") else "-")
     print(f"{str(r.get('op'))[:26]:<27}{str(r.get('backend'))[:9]:<10}{str(r.get('dtype', '')):<6}"
           f"{str(r.get('bits', '')):>4} {extra[:39]:<40}{ms:>9}{gbps!s:>8}")
-print("\ntargets (H200):")
+print("\nspeed targets (set for an H200):")
 for r in measured:
     if "target" in r:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[r["passed"]]

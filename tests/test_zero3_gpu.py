@@ -1,4 +1,4 @@
-"""Issue 4 g: ZeRO-3 with SDP4Bit on a CUDA device (runs in the GPU check, benchmarks/gpu_check.sh).
+"""ZeRO-3 with SDP4Bit trains on a CUDA device (these tests run in the GPU check, benchmarks/gpu_check.sh).
 
 One GPU means one rank (NCCL allows one rank per device), so these tests exercise the CUDA codec inside real
 training, bf16, and fp16 with dynamic loss scaling where an overflow step is skipped and must leave the model
