@@ -1,4 +1,4 @@
-"""Adapter giving a compiled codec op (CPU or CUDA, same bindings) the reference's Python signatures.
+"""The `CodecBackend` over a compiled codec op (CPU or CUDA module, or anything else with the `CodecOp` bindings).
 
 The adapter validates arguments with the same checks as the reference, allocates the outputs the caller asked
 for, and passes the stochastic-rounding key and counter offset as computed once in Python (spec.seed_key), so the
@@ -7,13 +7,12 @@ kernels implement only the per-element arithmetic.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from .reference import check_swizzle_args
 from .spec import (
     FLOAT_DTYPES,
+    CodecOp,
     Codes,
     check_codes,
     check_group_args,
@@ -56,9 +55,9 @@ def _values(device: torch.device, numel: int, dtype: torch.dtype, out: torch.Ten
 
 
 class CompiledBackend:
-    """The reference API over a compiled extension module `op` of kind 'cpu' or 'cuda'."""
+    """`CodecBackend` (the reference's API) over a compiled op of kind 'cpu' or 'cuda' with the `CodecOp` bindings."""
 
-    def __init__(self, op: ModuleType, kind: str) -> None:
+    def __init__(self, op: CodecOp, kind: str) -> None:
         self.op = op
         self.kind = kind
 

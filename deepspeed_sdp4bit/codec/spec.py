@@ -1,6 +1,13 @@
-"""Constants and argument checks shared by every codec backend (the contract's numbers live here)."""
+"""The codec's contract: its constants, argument checks and the two protocols every backend implements.
+
+`CodecBackend` is the Python API of the ops (the reference module, the compiled backend over a CPU or CUDA op, and
+the host-emulated CUDA kernels in the tests all satisfy it; `deepspeed_sdp4bit.codec`'s public functions are made
+from it). `CodecOp` is the binding API of a compiled op module (the C++ and CUDA ops, and the emulation).
+"""
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -113,3 +120,91 @@ def split_counter(offset: int) -> tuple[int, int]:
     """A 64-bit counter offset as (low 32 bits, high 32 bits)."""
     offset &= _M64
     return offset & _M32, offset >> 32
+
+
+@runtime_checkable
+class CodecBackend(Protocol):
+    """The codec ops with their Python signatures: the single definition the backends and the public API follow.
+
+    Producing ops take an optional `out` (a (codes, scales) pair, or a values tensor whose dtype is used) so callers
+    can reuse buffers; without it the outputs are allocated per call. Stochastic rounding draws from a counter-based
+    hash of (seed, offset + element index), so a call is reproducible and needs no RNG state.
+    """
+
+    def quantize(self, x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
+                 offset: int = 0, valid: int | None = None, hadamard: bool = False,
+                 out: Codes | None = None) -> Codes:
+        """Groupwise symmetric abs-max quantization of a contiguous tensor -> (uint8 codes, fp32 scales); elements
+        at index >= valid are read as zero, `hadamard` transforms each 32-block first."""
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
+                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Codes and scales -> `numel` values in `dtype` (or in `out`, in its dtype): fp32 product, one rounding."""
+
+    def hadamard32(self, x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """32-point Walsh-Hadamard transform of each contiguous 32-block, in fp32; the inverse includes the 1/32."""
+
+    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int,
+                      stochastic: bool = False, seed: int = 0, offset: int = 0, valid: int | None = None,
+                      out: Codes | None = None) -> Codes:
+        """Quantize fp32(new) - fp32(ref) in one pass (qWD sender); elements at index >= valid read neither input."""
+
+    def dequantize_add_(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                        group_size: int) -> torch.Tensor:
+        """ref <- dtype(fp32(q) * scale + fp32(ref)) in place, bit-identical on every backend (qWD receiver)."""
+
+    def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
+                         slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
+                         hadamard: bool = False, out: Codes | None = None) -> Codes:
+        """Quantize a rank's full gradient buffer into the layout the two-level all-to-all sends (TLq step 1)."""
+
+    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
+                                   in_group: int, out_bits: int, out_group: int, stochastic: bool = False,
+                                   seed: int = 0, offset: int = 0, out: Codes | None = None) -> Codes:
+        """Sum `pieces` received pieces in fp32 and requantize the sum with other bits and group size (TLq step 3)."""
+
+    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
+                          group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
+                          mul: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum `pieces` received pieces in fp32, undo the Hadamard transform if asked, scale by `mul`, cast to
+        `dtype` or out's (TLq step 5)."""
+
+
+@runtime_checkable
+class CodecOp(Protocol):
+    """A compiled op module's bindings (cuda_ext/cpu/codec_cpu.cpp, cuda_ext/cuda/binding.cpp): positional
+    arguments, caller-allocated outputs, the stochastic-rounding key from `seed_key` and the counter offset as the
+    int64 with the same bits. Arguments are checked by the `CodecBackend` adapter before any call."""
+
+    def quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                 stochastic: bool, key: int, offset: int, valid: int, hadamard: bool, /) -> None:
+        """codes, scales <- quantize(x)."""
+
+    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      bits: int, group_size: int, stochastic: bool, key: int, offset: int, valid: int, /) -> None:
+        """codes, scales <- quantize(new - ref)."""
+
+    def swizzle_quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                         group_size: int, nodes: int, ranks_per_node: int, slices: int, stochastic: bool, key: int,
+                         offset: int, hadamard: bool, /) -> None:
+        """codes, scales <- the swizzled quantization of x."""
+
+    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, in_bits: int,
+                                   in_group: int, out_codes: torch.Tensor, out_scales: torch.Tensor, out_bits: int,
+                                   out_group: int, stochastic: bool, key: int, offset: int, /) -> None:
+        """out_codes, out_scales <- quantize(sum of the pieces)."""
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int,
+                   group_size: int, /) -> None:
+        """out <- dequantize(codes, scales)."""
+
+    def dequantize_add(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                       group_size: int, /) -> None:
+        """ref += dequantize(codes, scales)."""
+
+    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int,
+                          group_size: int, out: torch.Tensor, hadamard: bool, mul: float, /) -> None:
+        """out <- mul x (inverse Hadamard of) the sum of the pieces."""
+
+    def hadamard32(self, x: torch.Tensor, out: torch.Tensor, inverse: bool, /) -> None:
+        """out <- hadamard32(x)."""

@@ -1,0 +1,67 @@
+"""Every codec backend implements the one `CodecBackend` protocol, and the public functions are made from it.
+
+The reference module, the compiled backend (over the CPU op, the CUDA op or the host-emulated CUDA kernels, which
+share the `CodecOp` bindings) and `deepspeed_sdp4bit.codec`'s functions all have the protocol's signatures.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from deepspeed_sdp4bit import codec
+from deepspeed_sdp4bit.codec import CodecBackend, CodecOp, reference
+from deepspeed_sdp4bit.codec.compiled import CompiledBackend
+from deepspeed_sdp4bit.ops import load_codec_op
+from cuda_emulation.emulated_op import EmulatedCudaOp
+
+OPS = [name for name in vars(CodecBackend) if not name.startswith("_")]
+BINDINGS = [name for name in vars(CodecOp) if not name.startswith("_")]
+
+
+def parameters(function: object, drop_self: bool) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of each parameter, without `self` for methods looked up on a class."""
+    params = list(inspect.signature(function).parameters.values())[1 if drop_self else 0:]
+    return [(p.name, p.kind, p.default) for p in params]
+
+
+def test_the_protocols_list_every_op():
+    assert sorted(OPS) == ["dequantize", "dequantize_add_", "dequantize_reduce", "dequantize_reduce_quantize",
+                           "diff_quantize", "hadamard32", "quantize", "swizzle_quantize"]
+    assert sorted(BINDINGS) == ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize",
+                                "diff_quantize", "hadamard32", "quantize", "swizzle_quantize"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_backends_and_public_functions_have_the_protocols_signatures(name: str):
+    want = parameters(getattr(CodecBackend, name), drop_self=True)
+    assert parameters(getattr(reference, name), drop_self=False) == want
+    assert parameters(getattr(CompiledBackend, name), drop_self=True) == want
+    public = getattr(codec, name)
+    assert parameters(public, drop_self=False) == want
+    assert public.__doc__ == getattr(CodecBackend, name).__doc__ and public.__name__ == name
+
+
+def test_backends_are_instances_of_the_protocol():
+    assert isinstance(reference, CodecBackend)
+    cpu_op = load_codec_op("cpu")
+    assert isinstance(cpu_op, CodecOp)
+    assert isinstance(CompiledBackend(cpu_op, "cpu"), CodecBackend)
+
+
+@pytest.mark.parametrize("name", BINDINGS)
+def test_the_emulated_cuda_op_has_the_binding_signatures(name: str):
+    want = [param[0] for param in parameters(getattr(CodecOp, name), drop_self=True)]
+    assert [param[0] for param in parameters(getattr(EmulatedCudaOp, name), drop_self=True)] == want
+
+
+def test_public_functions_dispatch_on_the_first_tensor():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    kw = dict(bits=4, group_size=128, stochastic=True, seed=7, offset=3)
+    for got, want in zip(codec.quantize(x, **kw), reference.quantize(x, **kw)):
+        assert torch.equal(got, want)
+    codes, scales = reference.quantize(x, **kw)
+    by_keyword = codec.dequantize(codes=codes, scales=scales, numel=x.numel(), bits=4, group_size=128)
+    assert torch.equal(by_keyword, reference.dequantize(codes, scales, numel=x.numel(), bits=4, group_size=128))
