@@ -19,7 +19,8 @@ from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
-from .weight_store import GATHER_KIND, GatherHandle, check_quant_args, shard_numel, valid_numel
+from .sharding import shard_numel, valid_numel
+from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
 
 
 class DirectQuantGather:

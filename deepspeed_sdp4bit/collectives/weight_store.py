@@ -1,8 +1,7 @@
 """qWD: the model weights w~ as persistent replicas, refreshed by all-gathering 4-bit weight differences.
 
-A parameter of n elements is split over W ranks into shards of ps = ceil(n/W) elements; shard r covers
-[r*ps, r*ps + ps) of the flat parameter and only its first clamp(n - r*ps, 0, ps) elements are valid. Replica
-modes (rank r = (node, local) with D ranks per node and N nodes):
+Parameters are sharded as ZeRO-3 shards them (sharding.py: W shards of ps = ceil(n/W) elements, the last ones
+partly padding). Replica modes (rank r = (node, local) with D ranks per node and N nodes):
 
 - "rank": every rank holds all W shards of every parameter (the paper's layout; gathers are local copies);
 - "node": rank (n, l) holds the shards of ranks (n', l) for every node n', so each node holds one full copy and
@@ -33,6 +32,7 @@ from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
+from .sharding import shard_numel, valid_numel
 
 REFRESH_KIND = "weight_refresh"
 RESYNC_KIND = "weight_resync"
@@ -41,17 +41,6 @@ _M32 = 0xFFFFFFFF
 _HASH_CHUNK = 1 << 22
 
 Rows = list[tuple[int, list[torch.Tensor]]]
-
-
-def shard_numel(numel: int, world: int) -> int:
-    """ZeRO-3's shard size ps = ceil(n / W)."""
-    return -(-numel // world)
-
-
-def valid_numel(numel: int, world: int, rank: int) -> int:
-    """Valid elements of shard `rank`: clamp(n - rank*ps, 0, ps); the rest of the shard is padding."""
-    ps = shard_numel(numel, world)
-    return max(0, min(ps, numel - rank * ps))
 
 
 def check_quant_args(bits: int, group_size: int, dtype: torch.dtype | None = None) -> None:
@@ -122,6 +111,26 @@ class _Bucket:
     def numel(self) -> int:
         """Elements of the bucket in one slot (the sum of its parameters' ps)."""
         return self.stop - self.start
+
+
+@dataclass
+class _InFlight:
+    """One bucket's all-gather across nodes in flight: the parts sent (referenced until `wait`), where they land
+    ([nodes, part] each) and the works."""
+
+    bucket: _Bucket
+    kind: str
+    names: tuple[str, ...]
+    sent: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    works: list[Any]
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for the all-gathers, release the sent parts and return the received ones."""
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], []
+        return self.outs
 
 
 def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HASH_CHUNK) -> torch.Tensor:
@@ -293,49 +302,46 @@ class WeightStore:
     def _exchange(self, params: list[_Param], kind: str, names: tuple[str, ...],
                   encode: Callable[[_Bucket], list[torch.Tensor]], apply: Callable[[_Bucket, Rows], None]) -> None:
         """Encode, all-gather and apply bucket by bucket; bucket k+1 is encoded while bucket k is in flight."""
-        pending: tuple[_Bucket, list[torch.Tensor], list[Any]] | None = None
+        pending: _InFlight | None = None
         for bucket in self._buckets(params):
-            parts = encode(bucket)
-            started = (bucket, *self._start_inter(parts, kind, names, self._logical(bucket)))
+            started = self._start_inter(bucket, encode(bucket), kind, names)
             if pending is not None:
-                self._finish(*pending, kind, names, apply)
+                self._finish(pending, apply)
             pending = started
         if pending is not None:
-            self._finish(*pending, kind, names, apply)
+            self._finish(pending, apply)
 
     def _logical(self, bucket: _Bucket) -> int:
         """Bytes one rank would send in the unquantized all-gather of its own shards of `bucket`."""
         return bucket.numel * self._elem
 
-    def _start_inter(self, parts: list[torch.Tensor], kind: str, names: tuple[str, ...], logical: int
-                     ) -> tuple[list[torch.Tensor], list[Any]]:
-        """Start the all-gather of `parts` among the ranks with this local index; outputs are [nodes, part]."""
+    def _start_inter(self, bucket: _Bucket, parts: list[torch.Tensor], kind: str, names: tuple[str, ...]
+                     ) -> _InFlight:
+        """Start the all-gather of `parts` among the ranks with this local index (nothing to send on one node)."""
         nodes = self._topo.nodes
         if nodes == 1:
-            return [part.view(1, -1) for part in parts], []
-        self._stats.add_logical(kind, logical)
+            return _InFlight(bucket, kind, names, parts, [part.view(1, -1) for part in parts], [])
+        self._stats.add_logical(kind, self._logical(bucket))
         outs = [part.new_empty(nodes, part.numel()) for part in parts]
         works = [comm.all_gather_into_tensor(out.view(-1), part, self._topo.inter, self._stats, kind, name,
                                              async_op=True) for out, part, name in zip(outs, parts, names)]
-        return outs, works
+        return _InFlight(bucket, kind, names, parts, outs, works)
 
-    def _finish(self, bucket: _Bucket, outs: list[torch.Tensor], works: list[Any], kind: str,
-                names: tuple[str, ...], apply: Callable[[_Bucket, Rows], None]) -> None:
+    def _finish(self, inflight: _InFlight, apply: Callable[[_Bucket, Rows], None]) -> None:
         """Complete a bucket: wait, route inside the node ("rank" mode), apply every received run."""
-        for work in works:
-            work.wait()
+        outs = inflight.wait()
         topo = self._topo
         per_node = topo.ranks_per_node
         if self._replica == "node" or per_node == 1:
             rows = [(topo.global_rank(n, topo.local), [out[n] for out in outs]) for n in range(topo.nodes)]
         else:
-            self._stats.add_logical(kind, self._logical(bucket) * topo.nodes)
+            self._stats.add_logical(inflight.kind, self._logical(inflight.bucket) * topo.nodes)
             full = [out.new_empty(per_node, *out.shape) for out in outs]
-            for dst, out, name in zip(full, outs, names):
-                comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, kind, name)
+            for dst, out, name in zip(full, outs, inflight.names):
+                comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, inflight.kind, name)
             rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])
                     for l in range(per_node) for n in range(topo.nodes)]
-        apply(bucket, rows)
+        apply(inflight.bucket, rows)
 
     def _own_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """This rank's new shards of `bucket` as one contiguous run: the valid prefixes, zeros for the padding.
