@@ -18,10 +18,11 @@
 
 namespace {
 
+using sdp4bit::codes_nbytes;
 using sdp4bit::kHadamard;
-
-constexpr int64_t kMinGroup = 32;
-constexpr int64_t kMaxGroup = 8192;
+using sdp4bit::kMaxGroup;
+using sdp4bit::kMinGroup;
+using sdp4bit::num_groups;
 constexpr int64_t kLevelChunk = 256;  // levels computed per pass before packing (and a prefetch slice issued)
 constexpr int64_t kCacheLine = 64;
 constexpr int64_t kMinElementsPerThread = 1 << 15;
@@ -84,10 +85,6 @@ void check_bits_group(int64_t bits, int64_t group, const char* bits_name, const 
               group);
 }
 
-int64_t code_bytes(int64_t numel, int64_t bits) { return bits == 8 ? numel : (numel + 1) / 2; }
-
-int64_t group_count(int64_t numel, int64_t group) { return (numel + group - 1) / group; }
-
 // Codes (uint8) and scales (fp32) must be exactly the buffers `numel` elements need.
 void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t numel, int64_t bits, int64_t group,
                  const char* codes_name, const char* scales_name) {
@@ -97,11 +94,11 @@ void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t nume
               codes.scalar_type());
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "sdp4bit codec (cpu): ", scales_name, " must be float32, got ",
               scales.scalar_type());
-  TORCH_CHECK(codes.numel() == code_bytes(numel, bits), "sdp4bit codec (cpu): ", codes_name, " has ",
-              codes.numel(), " bytes, ", numel, " elements at ", bits, " bits need ", code_bytes(numel, bits));
-  TORCH_CHECK(scales.numel() == group_count(numel, group), "sdp4bit codec (cpu): ", scales_name, " has ",
+  TORCH_CHECK(codes.numel() == codes_nbytes(numel, bits), "sdp4bit codec (cpu): ", codes_name, " has ",
+              codes.numel(), " bytes, ", numel, " elements at ", bits, " bits need ", codes_nbytes(numel, bits));
+  TORCH_CHECK(scales.numel() == num_groups(numel, group), "sdp4bit codec (cpu): ", scales_name, " has ",
               scales.numel(), " entries, ", numel, " elements in groups of ", group, " need ",
-              group_count(numel, group));
+              num_groups(numel, group));
 }
 
 uint32_t check_key(int64_t key) {
@@ -222,11 +219,11 @@ inline void pack(const int8_t* q, int64_t n, uint8_t* codes) {
 template <int Bits, bool Stochastic>
 void quantize_values(const float* x, int64_t n, uint32_t key, uint64_t counter, uint8_t* codes, float* scale,
                      const Ahead& ahead) {
-  constexpr int kQmax = (1 << (Bits - 1)) - 1;
+  constexpr int kQmax = sdp4bit::qmax_for(Bits);
   const float s = scale_of(x, n, kQmax);
   *scale = s;
   if (!sdp4bit::usable(s)) {
-    std::memset(codes, 0, static_cast<size_t>(code_bytes(n, Bits)));
+    std::memset(codes, 0, static_cast<size_t>(codes_nbytes(n, Bits)));
     return;
   }
   const float inv = sdp4bit::inverse_scale(s);
@@ -324,7 +321,7 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   TORCH_CHECK(!hadamard || n % kHadamard == 0, "sdp4bit codec (cpu): hadamard needs a multiple of ", kHadamard,
               " elements, got ", n);
   const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
-  const int64_t groups = group_count(n, group);
+  const int64_t groups = num_groups(n, group);
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
   with_float_type(x, [&](auto tag) {
@@ -354,7 +351,7 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
   check_codes(codes, scales, n, bits, group, "codes", "scales");
   TORCH_CHECK(valid >= 0 && valid <= n, "sdp4bit codec (cpu): valid must be in [0, ", n, "], got ", valid);
   const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
-  const int64_t groups = group_count(n, group);
+  const int64_t groups = num_groups(n, group);
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
   with_float_type(new_values, [&](auto new_tag) {
@@ -388,7 +385,7 @@ void decode_into(const at::Tensor& codes, const at::Tensor& scales, const at::Te
   check_codes(codes, scales, n, bits, group, "codes", "scales");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
-  const int64_t groups = group_count(n, group);
+  const int64_t groups = num_groups(n, group);
   with_float_type(dst, [&](auto tag) {
     using T = decltype(tag);
     T* base = reinterpret_cast<T*>(dst.data_ptr());
@@ -427,7 +424,7 @@ void hadamard32(const at::Tensor& x, const at::Tensor& out, bool inverse) {
               " elements, got ", n);
   TORCH_CHECK(out.numel() == n, "sdp4bit codec (cpu): out has ", out.numel(), " elements, x has ", n);
   float* dst = out.data_ptr<float>();
-  const int64_t chunks = group_count(n, kMaxGroup);
+  const int64_t chunks = num_groups(n, kMaxGroup);
   with_float_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* src = reinterpret_cast<const T*>(x.data_ptr());

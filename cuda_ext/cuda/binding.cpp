@@ -11,19 +11,19 @@
 #include <cstdint>
 
 #include "codec_cuda.cuh"
+#include "sdp4bit_codec_math.h"
 
 namespace {
 
 namespace gpu = sdp4bit::gpu;
 
-constexpr int64_t kMinGroup = 32;
-constexpr int64_t kMaxGroup = 8192;
-constexpr int64_t kHadamard = 32;
+using sdp4bit::codes_nbytes;
+using sdp4bit::kHadamard;
+using sdp4bit::kMaxGroup;
+using sdp4bit::kMinGroup;
+using sdp4bit::num_groups;
+
 constexpr int64_t kMaxSwizzleNumel = int64_t{1} << 37;
-
-int64_t codes_nbytes(int64_t numel, int64_t bits) { return bits == 8 ? numel : (numel + 1) / 2; }
-
-int64_t num_groups(int64_t numel, int64_t group_size) { return (numel + group_size - 1) / group_size; }
 
 // A CUDA tensor, contiguous, on the same device as `first` (the call's first tensor).
 void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& first) {

@@ -35,11 +35,6 @@ constexpr int kEwChunks = 4;     // element-wise kernels: chunks per thread, blo
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Bytes of packed codes for `numel` elements (spec.codes_nbytes).
-__host__ __device__ __forceinline__ int64_t codes_nbytes(int64_t numel, int bits) {
-  return bits == 8 ? numel : (numel + 1) / 2;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Memory: 8-element chunks in and out.
 
@@ -471,7 +466,7 @@ struct ReduceSource {
 template <bool kStochastic, int TT, int S>
 __device__ __forceinline__ void encode_store(const float (&v)[S][8], int64_t base, int lane, int chunks, bool live,
                                              int64_t og, float inv, bool ok, const QuantTarget& t, bool vec) {
-  const float qmax = static_cast<float>((1 << (t.bits - 1)) - 1);
+  const float qmax = static_cast<float>(qmax_for(t.bits));
   const int64_t byte_limit = codes_nbytes(t.numel, t.bits);
   const int64_t group_bytes = int64_t(t.group_size) * t.bits / 8;
 #pragma unroll
@@ -514,7 +509,7 @@ __global__ void __launch_bounds__(team_block_threads<TT>())
   }
   m = team_max<TT>(m);
 
-  const float scale = group_scale(m, nonfinite(m), (1 << (t.bits - 1)) - 1);
+  const float scale = group_scale(m, nonfinite(m), qmax_for(t.bits));
   const float inv = inverse_scale(scale);
   const bool ok = usable(scale);
   const int64_t og = live ? order(g) : 0;

@@ -16,10 +16,25 @@
 
 namespace sdp4bit {
 
+// The contract's sizes (deepspeed_sdp4bit/codec/spec.py): Hadamard blocks of 32; group sizes are multiples of
+// kMinGroup in [kMinGroup, kMaxGroup], so Hadamard blocks and nibble pairs never straddle groups.
 constexpr int kHadamard = 32;
+constexpr int64_t kMinGroup = 32;
+constexpr int64_t kMaxGroup = 8192;
 constexpr float kFltMin = 1.17549435082228750797e-38f;  // smallest normal fp32; smaller scales encode as zero
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr float kU24 = 5.9604644775390625e-08f;  // 2^-24
+
+// Largest level magnitude at `bits` (4 or 8): 7 (levels -7..7) or 127 (spec.qmax_for).
+SDP4BIT_HD constexpr int qmax_for(int bits) { return (1 << (bits - 1)) - 1; }
+
+// Bytes of packed codes for `numel` elements: one per element at 8 bits, one per pair at 4 (spec.codes_nbytes).
+SDP4BIT_HD constexpr int64_t codes_nbytes(int64_t numel, int64_t bits) { return bits == 8 ? numel : (numel + 1) / 2; }
+
+// Quantization groups of `numel` elements, the last one possibly partial (spec.num_groups).
+SDP4BIT_HD constexpr int64_t num_groups(int64_t numel, int64_t group_size) {
+  return (numel + group_size - 1) / group_size;
+}
 
 // Wellons' lowbias32 integer hash.
 SDP4BIT_HD uint32_t mix32(uint32_t x) {
