@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 CPU_CONFIG = EXAMPLES / "hf_ds_config_cpu.json"
 COMMON = ["--model", "tiny", "--seq_len", "64", "--max_steps", "8"]
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +98,7 @@ def saved_model_loss(model_dir: Path, tokens: Path, tmp_path: Path) -> float:
     return trainer.evaluate()["eval_loss"]
 
 
+@pytest.mark.slow
 def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
     flags = [*COMMON, "--deepspeed", str(CPU_CONFIG), "--use_cpu", "--bf16", "--data", str(tokens),
              "--per_device_train_batch_size", "4", "--learning_rate", "2e-3", "--logging_steps", "1",
@@ -117,6 +117,7 @@ def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
     assert resumed["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
     flags = [*COMMON, "--data", str(tokens)]
     accelerate = ["accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_deepspeed_cpu.yaml"),
@@ -128,3 +129,32 @@ def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
     resumed = launch(deepspeed_launcher(), "hf_accelerate.py", *flags, "--deepspeed_config", str(CPU_CONFIG),
                      "--resume_from", str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
     check_resumed(resumed, first)
+
+
+def test_dataset_option_cuts_a_tokenized_local_file_into_blocks(tmp_path: Path):
+    """--dataset with a local jsonl file and a tokenizer folder: every text tokenized with an end-of-text token
+    after it, concatenated and cut into seq_len blocks (the remainder dropped), labels equal to the inputs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(EXAMPLES))
+    import hf_trainer
+
+    texts = [f"document {i} " + "word " * (i % 7 + 3) for i in range(40)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"body": text}) + "\n" for text in texts))
+    vocab = {word: i for i, word in enumerate(["<eot>", "document", "word"] + [str(i) for i in range(40)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<eot>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+
+    args = hf_trainer.ScriptArguments(model="tiny", dataset=str(data), text_column="body",
+                                      tokenizer=str(tmp_path / "tokenizer"), seq_len=16, valid_fraction=0.25)
+    train, valid, vocab_size = hf_trainer.hub_datasets(args)
+    stream = [t for text in texts for t in tokenizer(text)["input_ids"] + [0]]
+    assert vocab_size == len(vocab)
+    assert len(train) + len(valid) == len(stream) // 16 and len(valid) == math.ceil(0.25 * (len(stream) // 16))
+    blocks = {tuple(stream[i:i + 16]) for i in range(0, len(stream) // 16 * 16, 16)}
+    for row in (*train, *valid):
+        assert torch.equal(row["input_ids"], row["labels"]) and tuple(row["input_ids"].tolist()) in blocks
