@@ -107,13 +107,16 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     link_bytes = summary["link_tx_bytes_per_step"]
     link_payload = link_bytes - TCP_OVERHEAD * summary["link_tx_packets_per_step"]
     accounted = cost_model.accounted_cross_node_bytes(summary, variant.name, dtype)
+    model = cost_model.sweep_bytes(summary, variant.name, dtype)
     record.update({"step_s": summary["step_time_s"], "step0_s": summary["step0_time_s"],
                    "tokens_per_s": summary["settings"]["global_batch"] * summary["settings"]["seq_len"]
                    / summary["step_time_s"],
                    "step_times": [r for r in _steady_step_times(run_dir / "log.csv", summary["steady_from"])],
                    "link_bytes": link_bytes, "link_payload": link_payload, "accounted_cross": accounted,
                    "accounted_vs_link": accounted / link_payload - 1 if link_payload else None,
-                   "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"),
+                   "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"), "world": summary["world_size"],
+                   "model_wire": model.wire,
+                   "model_cross": model.cross,
                    "train_s": summary["train_s"], "startup_s": summary["startup_s"]})
     return record
 
