@@ -9,7 +9,7 @@ Trainer from its own arguments (batch sizes, accumulation, clipping, bf16) and f
       --dataset wikitext --dataset_config wikitext-2-raw-v1 --bf16 --output_dir runs/hf_gpt2
   # CPU ranks: the tiny GPT of examples/gpt_models.py from scratch on a prepared token file, 4 ranks as 2 nodes
   deepspeed --num_accelerators 4 examples/hf_trainer.py --deepspeed examples/hf_ds_config_cpu.json --use_cpu \
-      --model tiny --data data/pydoc/tokens --max_steps 50 --output_dir runs/hf_tiny
+      --bf16 --model tiny --data data/pydoc/tokens --learning_rate 2e-3 --max_steps 50 --output_dir runs/hf_tiny
 
 Besides the Trainer's own output (checkpoints, `trainer_state.json`, the 16-bit `model.safetensors` written by
 `save_model`), rank 0 writes `sdp4bit_summary.json` in --output_dir and prints it as one `SUMMARY {...}` line:
