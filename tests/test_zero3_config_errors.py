@@ -1,4 +1,4 @@
-"""Issue 4 f: every invalid "sdp4bit" block or conflicting DeepSpeed setting fails at initialize, naming its key.
+"""Every invalid "sdp4bit" block or conflicting DeepSpeed setting fails at initialize, naming its key.
 
 Block errors are raised by deepspeed.initialize before DeepSpeed builds anything, so they run in this process.
 Conflicts with DeepSpeed settings need a real engine (they are checked right after DeepSpeed builds it, before any

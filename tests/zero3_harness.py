@@ -65,14 +65,16 @@ def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, g
     return config
 
 
-def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 2e-3) -> Any:
-    """deepspeed.initialize on the tiny model with a torch AdamW (avoids JIT-building DeepSpeed's Adam)."""
+def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 2e-3, model: torch.nn.Module | None = None) -> Any:
+    """deepspeed.initialize on the tiny model (or `model`) with a torch AdamW over its trainable parameters (avoids
+    JIT-building DeepSpeed's Adam)."""
     import deepspeed
 
     import deepspeed_sdp4bit  # noqa: F401  (routes deepspeed.initialize through SDP4Bit)
 
-    model = tiny_gpt2(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model = tiny_gpt2(seed) if model is None else model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config))
     return engine
 
@@ -91,3 +93,53 @@ def train_steps(engine: Any, first: int, last: int) -> list[float]:
             total += loss.item()
         losses.append(total / engine.gradient_accumulation_steps())
     return losses
+
+
+def fetch(param: torch.nn.Parameter) -> torch.Tensor:
+    """The full weights the engine's forward would compute with: the parameter's own ZeRO-3 gather, then release.
+
+    This is the call ZeRO-3's fetch coordinator makes (`param.all_gather_coalesced([...])`, then `wait()`), so it goes
+    through whatever serves the parameter's gathers (SDP4Bit's replicas or DeepSpeed's own all-gather).
+    """
+    param.all_gather_coalesced([param]).wait()
+    full = param.data.detach().clone()
+    param.partition()
+    return full
+
+
+def own_shard_of(full: torch.Tensor, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's part of the gathered tensor, DeepSpeed's ds_tensor) over the valid elements of this rank's shard."""
+    from deepspeed_sdp4bit.collectives.sharding import valid_numel
+
+    rank, shard = torch.distributed.get_rank(), param.ds_tensor.numel()
+    valid = valid_numel(param.ds_numel, torch.distributed.get_world_size(), rank)
+    return full.reshape(-1)[rank * shard:rank * shard + valid], param.ds_tensor.reshape(-1)[:valid]
+
+
+def served_equals_ds_tensor(module: torch.nn.Module) -> bool:
+    """Whether every ZeRO-3 parameter of `module` is served with exactly the weights DeepSpeed holds in ds_tensor."""
+    for param in (p for p in module.parameters() if not p.ds_persist):
+        served, held = own_shard_of(fetch(param), param)
+        if not torch.equal(served, held):
+            return False
+    return True
+
+
+class LogCapture:
+    """Collects the messages the package logger emits at WARNING and above while the context is open."""
+
+    def __enter__(self) -> list[str]:
+        import logging
+
+        from deepspeed_sdp4bit.log import logger
+
+        self.messages: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc: Any) -> None:
+        from deepspeed_sdp4bit.log import logger
+
+        logger.removeHandler(self.handler)

@@ -1,20 +1,27 @@
 """DeepSpeed settings an enabled "sdp4bit" block cannot work with, reported together at initialize.
 
-`check_ds_config` reads the DeepSpeed config (with DeepSpeed's own ZeRO config model, so defaults match) before
-DeepSpeed builds anything; `check_engine` checks what only the built engine shows.
+`check_ds_config` reads the DeepSpeed config (with DeepSpeed's own config models, so defaults and DeepSpeed's own
+errors match) before DeepSpeed builds anything; `check_engine` checks what only the built engine shows;
+`check_replica_memory` checks that the weight replicas fit before they are allocated.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import ReduceOp
+from deepspeed.compile.config import CompileConfig
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from ..collectives import comm
 from ..config import SDP4BitConfig, SDP4BitConfigError
+from ..topology import Topology
 
 
 def _offload_device(offload: object) -> str:
@@ -50,14 +57,25 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
     return problems
 
 
+def _section(ds_config: dict[str, Any], key: str) -> None:
+    """A DeepSpeed section that is not an object (null included) would fail deep inside DeepSpeed; name it instead.
+
+    zero_optimization may also be a boolean (DeepSpeed's deprecated form)."""
+    allowed = (dict, bool) if key == "zero_optimization" else (dict,)
+    if key in ds_config and not isinstance(ds_config[key], allowed):
+        raise SDP4BitConfigError(f"{key} = {ds_config[key]!r}: DeepSpeed expects a JSON object of settings here")
+
+
 def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
-    """Raise SDP4BitConfigError for DeepSpeed settings that conflict with the block, before DeepSpeed builds."""
-    try:
-        zero = DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
-    except Exception:  # DeepSpeed itself reports an invalid zero_optimization section, with its own message
-        return
-    problems = _zero_problems(zero, cfg)
-    if ds_config.get("compile", {}).get("deepcompile", False):
+    """Raise SDP4BitConfigError for DeepSpeed settings that conflict with the block, before DeepSpeed builds.
+
+    An invalid zero_optimization or compile section raises DeepSpeed's own validation error (naming the field), as
+    DeepSpeed would a moment later.
+    """
+    _section(ds_config, "zero_optimization")
+    _section(ds_config, "compile")
+    problems = _zero_problems(get_zero_config(ds_config), cfg)
+    if CompileConfig(**ds_config.get("compile", {})).deepcompile:
         problems.append("compile.deepcompile = true: DeepCompile's own ZeRO-3 ops bypass sdp4bit; turn it off")
     _raise(problems)
 
@@ -82,17 +100,43 @@ def _engine_problems(engine: object) -> list[str]:
     return problems
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """Address of the memory block a tensor lives in (views of one buffer share it, whatever their offsets)."""
+    return tensor.untyped_storage().data_ptr()
+
+
 def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
-    """qWD writes w~ into ds_tensor; an fp32 master sharing ds_tensor's storage would lose the exact weights."""
+    """qWD writes w~ into ds_tensor; an fp32 master in the same memory as the weights would lose the exact values.
+
+    DeepSpeed 0.19.8 means to reuse the weights as masters when they already have the masters' dtype and device
+    (fp32 or torch_autocast models), but compares a torch.device with a device string there, which never matches,
+    so it always copies; a DeepSpeed that fixes that comparison aliases them, and this check then refuses.
+    """
     if not cfg.quantized_weights:
         return []
     optimizer = engine.optimizer
-    shared = [i for i, (master, weights) in enumerate(zip(optimizer.fp32_partitioned_groups_flat,
-                                                          optimizer.fp16_partitioned_groups_flat))
-              if master.numel() and master.data_ptr() == weights.data_ptr()]
+    weights = {_storage(t) for t in optimizer.fp16_partitioned_groups_flat if t is not None and t.numel()}
+    shared = [i for i, master in enumerate(optimizer.fp32_partitioned_groups_flat)
+              if master.numel() and _storage(master) in weights]
     if shared:
         return [f"DeepSpeed keeps the fp32 masters of sub-groups {shared} in the parameters' own storage (autocast "
                 "or an fp32 model without a separate master copy); sdp4bit.quantized_weights needs separate masters"]
+    return []
+
+
+def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
+    """The replicas live where ds_tensor lives; partitions off the compute device (zero.Init(remote_device='cpu')
+    without parameter offload) would put them there too."""
+    if not cfg.quantized_weights:
+        return []
+    compute = torch.device(engine.device).type
+    elsewhere = sorted({str(p.ds_tensor.device) for g in engine.optimizer.fp16_groups for p in g
+                        if p.ds_tensor.device.type != compute})
+    if elsewhere:
+        return [f"ZeRO-3 keeps parameter partitions (ds_tensor) on {elsewhere} while the engine computes on "
+                f"{engine.device} (deepspeed.zero.Init(remote_device=...) without zero_optimization.offload_param): "
+                "sdp4bit.quantized_weights would keep its replicas there too; build the model under zero.Init "
+                "without remote_device"]
     return []
 
 
@@ -112,4 +156,38 @@ def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
         _raise([f"zero_optimization.stage = {engine.zero_optimization_stage()}: sdp4bit works with ZeRO stage 3 "
                 "only"])
     problems = _engine_problems(engine)
-    _raise(problems or _dtype_problems(engine, cfg) or _master_problems(engine, cfg))
+    _raise(problems or _dtype_problems(engine, cfg) or _device_problems(engine, cfg) or _master_problems(engine, cfg))
+
+
+def _free_bytes() -> int:
+    """Memory this rank can still allocate on its device: the accelerator's free memory (plus what torch's caching
+    allocator holds unused); on CPU the machine's available memory shared by the ranks of this machine."""
+    accelerator = get_accelerator()
+    free = accelerator.available_memory()
+    if accelerator.is_synchronized_device():
+        return free // int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return free + accelerator.memory_reserved() - accelerator.memory_allocated()
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in MiB or GiB, readable at any scale."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def check_replica_memory(need: int, cfg: SDP4BitConfig, topology: Topology, device: torch.device) -> None:
+    """Raise SDP4BitConfigError on every rank if the replicas (`need` bytes per rank) do not fit on some rank
+    (collective: the smallest free memory of all ranks decides)."""
+    free = torch.tensor([float(_free_bytes())], dtype=torch.float64, device=get_accelerator().current_device_name())
+    comm.all_reduce(free, None, ReduceOp.MIN, "sdp4bit_replica_memory")
+    if need <= free.item():
+        return
+    if cfg.weight_replica == "rank":
+        what = "the whole model"
+        fix = (f"use weight_replica 'node' ({_size(need // topology.world * topology.nodes)} per rank with "
+               f"{topology.ranks_per_node} ranks per node) or free memory")
+    else:
+        what = f"one copy of the model per node, 1/{topology.ranks_per_node} of it on each rank"
+        fix = "use more ranks per node or free memory"
+    raise SDP4BitConfigError(f"sdp4bit.weight_replica = {cfg.weight_replica!r}: the weight replicas need {_size(need)} "
+                             f"on every rank ({what}), but the rank with the least free memory has "
+                             f"{_size(free.item())} free on its {torch.device(device).type}; {fix}")

@@ -1,4 +1,5 @@
-"""The DeepSpeed versions this package was tested with, and a check that every symbol it patches still exists.
+"""The DeepSpeed versions this package was tested with, and a check that every symbol it patches (or calls
+outside DeepSpeed's public API) still exists with the parameters it relies on.
 
 A monkeypatch on a moved or renamed internal would silently do nothing; instead, activation fails with the list
 of what changed.
@@ -14,19 +15,23 @@ from packaging.version import Version
 
 TESTED_RANGE = (Version("0.19.8"), Version("0.19.9"))  # [low, high)
 
-# (module, attribute path, parameter names the patched callable must have, or None for "any attribute").
+# (module, attribute path, parameter names the callable must have, or None for "any attribute").
 PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed", "initialize", ("args", "model", "config", "config_params")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", ("self", "args", "model", "config")),
     ("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", ("tensors", "group")),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._post_step", ("self", "timer_names")),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
      ("self", "params_to_reduce", "communication_data_type")),
-    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters.__exit__", ("self", )),
+    ("deepspeed.runtime.zero.partition_parameters", "Init._partition",
+     ("self", "param_list", "force", "has_been_updated", "free_data")),
     ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus", None),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", ("self", "save_dir", "tag", "client_state")),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint",
      ("self", "load_dir", "tag", "load_optimizer_states", "load_module_only")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._get_ckpt_name", ("self", "checkpoints_path", "tag")),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self", )),
 )
 
 

@@ -2,13 +2,17 @@
 
 Process-wide (installed once, inert for engines without an enabled "sdp4bit" block):
 - `deepspeed.initialize` -> activates SDP4Bit when the config has an enabled block;
+- `DeepSpeedEngine.__init__` -> refuses a model whose parameters a live SDP4Bit engine still serves, and warns when
+  an engine with an enabled block was built without SDP4Bit (a `deepspeed.initialize` imported before this package);
 - `deepspeed.runtime.zero.stage3.reduce_scatter_coalesced` -> TLq while an SDP4Bit optimizer reduces a bucket;
-- `GatheredParameters.__exit__` -> full-precision resync of the replicas after a modifier rank changed weights.
-Per engine (instance attributes, so other engines in the process are untouched):
+- `Init._partition` (every ZeRO-3 partition, including `GatheredParameters(modifier_rank=...)`'s exit and
+  `Module.apply` under `zero.Init`) -> after a partition that rewrote ds_tensor, the replicas of those parameters
+  are resynced when their values changed.
+Per engine (instance attributes, so other engines in the process are untouched; undone by `engine.destroy()`):
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
-  bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas),
-  the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's state) and `offload_states` (refused: the
-  replicas would stay on the device).
+  bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas; each such parameter
+  also names its runtime in `_sdp4bit_runtime`), the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's
+  state), `offload_states` (refused: the replicas would stay on the device) and `destroy` (undoes all of this).
 `compat.check_deepspeed()` verifies the version and every one of these symbols before any is touched.
 """
 
@@ -17,18 +21,21 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import deepspeed
 import deepspeed.runtime.zero.stage3 as stage3
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.partition_parameters import Init
 
+from . import state
 from .runtime import MultipleHandles, SDP4BitRuntime
 
 _ACTIVE: contextvars.ContextVar[SDP4BitRuntime | None] = contextvars.ContextVar("sdp4bit_active", default=None)
+_ACTIVATING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdp4bit_activating", default=False)
 _MARK = "__sdp4bit_original__"
+_OWNER = "_sdp4bit_runtime"
 _ORIGINAL_GATHER = "_sdp4bit_original_all_gather_coalesced"
-CLIENT_STATE_KEY = "sdp4bit"
 
 
 def _wrap(original: Callable, wrapper: Callable) -> Callable:
@@ -40,6 +47,11 @@ def _wrap(original: Callable, wrapper: Callable) -> Callable:
 
 def _is_patched(func: Callable) -> bool:
     return hasattr(func, _MARK)
+
+
+def owner(param: Any) -> SDP4BitRuntime | None:
+    """The runtime serving this parameter's gathers, or None."""
+    return getattr(param, _OWNER, None)
 
 
 # ----- process-wide patches
@@ -60,6 +72,30 @@ def original_initialize() -> Callable:
     return getattr(deepspeed.initialize, _MARK, deepspeed.initialize)
 
 
+def activating(original: Callable, args: tuple, kwargs: dict) -> Any:
+    """original(*args, **kwargs) with the engine it builds marked as built by SDP4Bit's activation."""
+    token = _ACTIVATING.set(True)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _ACTIVATING.reset(token)
+
+
+def patch_engine_init(before: Callable[[Any], None], after: Callable[[Any, bool], None]) -> None:
+    """Call `before(model)` before every DeepSpeedEngine is built and `after(engine, activating)` once it is."""
+    if _is_patched(DeepSpeedEngine.__init__):
+        return
+    original = DeepSpeedEngine.__init__
+    signature = inspect.signature(original)
+
+    def __init__(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+        before(signature.bind(self, *args, **kwargs).arguments.get("model"))
+        original(self, *args, **kwargs)
+        after(self, _ACTIVATING.get())
+
+    DeepSpeedEngine.__init__ = _wrap(original, __init__)
+
+
 def patch_reduce_scatter() -> None:
     """Make ZeRO-3's reduce-scatter use TLq while an SDP4Bit optimizer is reducing a bucket."""
     if _is_patched(stage3.reduce_scatter_coalesced):
@@ -74,30 +110,49 @@ def patch_reduce_scatter() -> None:
     stage3.reduce_scatter_coalesced = _wrap(original, reduce_scatter_coalesced)
 
 
-def patch_gathered_parameters(runtimes: Callable[[], list[SDP4BitRuntime]]) -> None:
-    """After GatheredParameters(modifier_rank=k) rewrote ds_tensors, resync the replicas of those parameters if
-    their values changed."""
-    if _is_patched(GatheredParameters.__exit__):
+def patch_partition() -> None:
+    """After a partition that wrote the parameters' values into ds_tensor (has_been_updated), resync the replicas of
+    those parameters whose values changed on some rank, runtime by runtime in creation order."""
+    if _is_patched(Init._partition):
         return
-    original = GatheredParameters.__exit__
+    original = Init._partition
 
-    def __exit__(self: GatheredParameters, *exc: Any) -> Any:
-        result = original(self, *exc)
-        if self.enabled and self.src_rank is not None:
-            keys = [p.ds_id for p in self.params]
-            for runtime in runtimes():
-                runtime.resync_if_written(keys)
+    def _partition(self: Init, param_list: Any, force: bool = False, has_been_updated: bool = False,
+                   free_data: bool = True) -> Any:
+        result = original(self, param_list, force=force, has_been_updated=has_been_updated, free_data=free_data)
+        if has_been_updated:
+            written: dict[SDP4BitRuntime, list[int]] = {}
+            for param in param_list:
+                if owner(param) is not None:
+                    written.setdefault(owner(param), []).append(param.ds_id)
+            for runtime in sorted(written, key=lambda r: r.created):
+                runtime.resync_if_written(written[runtime])
         return result
 
-    GatheredParameters.__exit__ = _wrap(original, __exit__)
+    Init._partition = _wrap(original, _partition)
 
 
 # ----- per-engine patches
+def _install(runtime: SDP4BitRuntime, obj: Any, name: str, wrapper: Callable) -> Callable:
+    """Set obj.name to wrapper (wrapping the current attribute) and record how to undo it; returns the original."""
+    original = getattr(obj, name)
+    own = name in vars(obj)
+    installed = _wrap(original, wrapper)
+    setattr(obj, name, installed)
+
+    def undo() -> None:
+        if vars(obj).get(name) is installed:
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)
+
+    runtime.undo_patches.append(undo)
+    return original
+
+
 def patch_optimizer(optimizer: Any, runtime: SDP4BitRuntime) -> None:
     """Refresh before DeepSpeed's post-step work (which regathers persistent params); mark buckets as ours."""
-    post_step = optimizer._post_step
-    avg_scatter = optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads
-
     def _post_step(timer_names: Any) -> Any:
         runtime.after_step()
         return post_step(timer_names)
@@ -109,36 +164,56 @@ def patch_optimizer(optimizer: Any, runtime: SDP4BitRuntime) -> None:
         finally:
             _ACTIVE.reset(token)
 
-    optimizer._post_step = _wrap(post_step, _post_step)
-    optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads = _wrap(avg_scatter, avg_scatter_grads)
+    post_step = _install(runtime, optimizer, "_post_step", _post_step)
+    avg_scatter = _install(runtime, optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
 
 
 def patch_params(params: list[Any], runtime: SDP4BitRuntime) -> None:
-    """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed."""
+    """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed.
 
-    def all_gather_coalesced(params: list[Any], safe_mode: bool = False, quantize: bool = False) -> Any:
+    ZeRO-3's fetch coordinator calls the first parameter's `all_gather_coalesced` for a whole group, in an order
+    that differs between ranks. A group holding only this engine's parameters is split the same way whichever comes
+    first; a group that also holds parameters of another model or engine goes entirely to DeepSpeed's own gather
+    (what a rank whose group starts with such a parameter runs), so every rank runs the same collectives.
+    """
+    def all_gather_coalesced(params: Iterable[Any], safe_mode: bool = False, quantize: bool = False) -> Any:
+        params = list(params)
+        if any(owner(p) is not runtime for p in params):
+            runtime.note_mixed_fetch(params)
+            return deepspeed_gather(params, safe_mode=safe_mode, quantize=quantize)
         ours = [p for p in params if runtime.manages(p)]
         theirs = [p for p in params if not runtime.manages(p)]
         handles = [runtime.gather(ours)] if ours else []
         if theirs:
-            original = getattr(theirs[0], _ORIGINAL_GATHER)
-            handles.append(original(theirs, safe_mode=safe_mode, quantize=quantize))
+            handles.append(deepspeed_gather(theirs, safe_mode=safe_mode, quantize=quantize))
         return handles[0] if len(handles) == 1 else MultipleHandles(handles)
 
+    deepspeed_gather = params[0].all_gather_coalesced  # DeepSpeed's closure: any parameter's serves any group
     for param in params:
-        if not hasattr(param, _ORIGINAL_GATHER):
-            setattr(param, _ORIGINAL_GATHER, param.all_gather_coalesced)
+        setattr(param, _ORIGINAL_GATHER, param.all_gather_coalesced)
+        setattr(param, _OWNER, runtime)
         param.all_gather_coalesced = all_gather_coalesced
+
+    def undo() -> None:
+        for param in params:
+            if owner(param) is runtime:
+                param.all_gather_coalesced = getattr(param, _ORIGINAL_GATHER)
+                delattr(param, _ORIGINAL_GATHER)
+                delattr(param, _OWNER)
+
+    runtime.undo_patches.append(undo)
 
 
 def patch_checkpoints(engine: Any, runtime: SDP4BitRuntime) -> None:
-    """Save SDP4Bit's state as per-rank client state; restore it (and resync) after every load."""
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    """Save SDP4Bit's state as per-rank client state; restore it (and resync) after every load.
 
+    A load that fails because this rank's model-states file (which holds the sdp4bit state) cannot be read names
+    that file.
+    """
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
         bound = inspect.signature(save).bind(*args, **kwargs)
         client_state = dict(bound.arguments.get("client_state") or {})
-        client_state[CLIENT_STATE_KEY] = runtime.state_dict()
+        client_state[state.CLIENT_STATE_KEY] = runtime.state_dict()
         bound.arguments["client_state"] = client_state
         return save(*bound.args, **bound.kwargs)
 
@@ -146,25 +221,55 @@ def patch_checkpoints(engine: Any, runtime: SDP4BitRuntime) -> None:
         bound = inspect.signature(load).bind(*args, **kwargs)
         bound.apply_defaults()
         options = bound.arguments
-        load_path, client_state = load(*args, **kwargs)
+        try:
+            load_path, client_state = load(*args, **kwargs)
+        except Exception as exc:
+            _raise_if_unreadable(engine, options["load_dir"], options["tag"], exc)
+            raise
         if load_path is not None:
             client_state = dict(client_state or {})
             full_restore = (options["load_optimizer_states"] and not options["load_module_only"]
                             and not engine.load_universal_checkpoint())
-            runtime.load_state_dict(client_state.pop(CLIENT_STATE_KEY, None), full_restore=full_restore)
+            runtime.load_state_dict(client_state.pop(state.CLIENT_STATE_KEY, None), full_restore=full_restore,
+                                    source=str(load_path))
         return load_path, client_state
 
-    engine.save_checkpoint = _wrap(save, save_checkpoint)
-    engine.load_checkpoint = _wrap(load, load_checkpoint)
+    save = _install(runtime, engine, "save_checkpoint", save_checkpoint)
+    load = _install(runtime, engine, "load_checkpoint", load_checkpoint)
 
 
-def refuse_offload_states(engine: Any) -> None:
+def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception) -> None:
+    """After a failed load: if this rank's model-states file cannot be read, raise an error naming it."""
+    try:
+        path = state.model_states_file(engine, load_dir, tag)
+    except OSError:
+        return
+    problem = state.unreadable(path)
+    if problem is not None:
+        raise RuntimeError(f"sdp4bit: cannot load the checkpoint: {path} (this rank's DeepSpeed model states, which "
+                           f"hold its sdp4bit state) cannot be read: {problem}") from error
+
+
+def refuse_offload_states(engine: Any, runtime: SDP4BitRuntime) -> None:
     """engine.offload_states() would move ds_tensor and the optimizer off the device but not the replicas: refuse."""
-    original = engine.offload_states
-
     def offload_states(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("engine.offload_states() is not supported with an enabled sdp4bit block: the weight "
                                   "replicas (engine.sdp4bit.store) would stay on the device and the weights could "
                                   "no longer be refreshed; disable quantized_weights to use it")
 
-    engine.offload_states = _wrap(original, offload_states)
+    _install(runtime, engine, "offload_states", offload_states)
+
+
+def patch_destroy(engine: Any, runtime: SDP4BitRuntime, release: Callable[[SDP4BitRuntime], None]) -> None:
+    """engine.destroy() first releases SDP4Bit (undoes these patches, frees the replicas), then DeepSpeed's."""
+    def destroy(*args: Any, **kwargs: Any) -> Any:
+        release(runtime)
+        return original(*args, **kwargs)
+
+    original = _install(runtime, engine, "destroy", destroy)
+
+
+def undo(runtime: SDP4BitRuntime) -> None:
+    """Undo every per-engine patch of this runtime, newest first."""
+    while runtime.undo_patches:
+        runtime.undo_patches.pop()()

@@ -2,12 +2,14 @@
 
 `engine.sdp4bit` is an `SDP4BitRuntime`. It owns the weight store (qWD) or the direct gather (qW ablation), the
 TLq reducer, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to the model weights w~ on
-every shard. The patches in `patches.py` call into it; it never patches anything itself.
+every shard. The patches in `patches.py` call into it; it never patches anything itself, but holds the callables that
+undo its engine's patches (`undo_patches`), which `close()`'s caller runs when the engine is destroyed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -17,13 +19,16 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from ..collectives import comm
 from ..collectives.accounting import KINDS, CommStats
 from ..collectives.grad_reduce import TLqReducer
+from ..collectives.sharding import shard_numel
 from ..collectives.weight_direct import DirectQuantGather
 from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
+from . import advice, state
+from .checks import check_replica_memory
 
-STATE_VERSION = 2
+WEIGHT_KINDS = frozenset(kind for kind in KINDS if kind.startswith("weight_"))
 
 
 class ParamGatherHandle:
@@ -54,27 +59,49 @@ class MultipleHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-class SDP4BitRuntime:
-    """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`)."""
+class SentBytes(CommStats):
+    """CommStats whose weight kinds count logical bytes in the dtype DeepSpeed would send.
 
-    def __init__(self, engine: Any, config: SDP4BitConfig, topology: Topology) -> None:
+    That is the parameter dtype, except under torch_autocast, where DeepSpeed gathers some fp32 parameters in a
+    16-bit dtype; the runtime sets `weight_scale` (sent bytes / parameter bytes of the parameters involved) around
+    each weight collective.
+    """
+
+    weight_scale = 1.0
+
+    def add_logical(self, kind: str, nbytes: int) -> None:
+        """Record one logical operation, scaled to the sent dtype for the weight kinds."""
+        super().add_logical(kind, round(nbytes * self.weight_scale) if kind in WEIGHT_KINDS else nbytes)
+
+
+class SDP4BitRuntime:
+    """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`).
+
+    `created` orders runtimes the same way on every rank (collectives of several runtimes run in that order);
+    `closed` is True once the engine was destroyed: the runtime then serves nothing and holds no replicas.
+    """
+
+    def __init__(self, engine: Any, config: SDP4BitConfig, topology: Topology, created: int = 0) -> None:
         self.engine = engine
-        self.config = config
         self.topology = topology
-        self.comm_stats = CommStats(topology.ranks_per_node)
+        self.created = created
+        self.closed = False
+        self.undo_patches: list[Callable[[], None]] = []
+        self.comm_stats = SentBytes(topology.ranks_per_node)
         self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
-        if config.quantized_weights and not self.params:
-            logger.warning("sdp4bit: quantized_weights is on but every trainable parameter is persistent "
-                           "(numel <= stage3_param_persistence_threshold); DeepSpeed gathers them in full precision")
-            config = config.model_copy(update={"quantized_weights": False})
-            self.config = config
+        self.coverage = advice.coverage(engine.module, self.params)
+        threshold = engine._config.zero_config.param_persistence_threshold
+        self.config = config = advice.weight_config(config, topology, self.coverage, threshold)
+        self._sent_sizes = advice.sent_element_sizes(engine, self.params, config, topology)
         self.store = self._make_store() if config.quantized_weights and config.weight_quantization == "difference" \
             else None
         self.direct = self._make_direct() if config.quantized_weights and config.weight_quantization == "direct" \
             else None
         self.reducer = self._make_reducer() if config.quantized_gradients else None
         self.optimizer_steps = 0
+        self.checksum_mismatches = 0
         self._weights_written: Any = None
+        self._warned_mixed_fetch = False
         self.last_step_bytes: dict[str, dict[str, float]] = {}
         self._at_last_step = self.comm_stats.snapshot()
 
@@ -86,6 +113,7 @@ class SDP4BitRuntime:
                             device=first.ds_tensor.device)
         for key, param in self.params.items():
             store.add(key, param.ds_numel)
+        check_replica_memory(store.memory_bytes(), cfg, self.topology, first.ds_tensor.device)
         store.finalize()
         return store
 
@@ -111,6 +139,23 @@ class SDP4BitRuntime:
         """Whether this parameter's gathers are served by SDP4Bit."""
         return getattr(param, "ds_id", None) in self.params and (self.store is not None or self.direct_active())
 
+    @contextmanager
+    def _counting(self, keys: Sequence[int]) -> Iterator[None]:
+        """Count the weight collectives on `keys` in the dtype DeepSpeed would send them in (see SentBytes)."""
+        if not self._sent_sizes:
+            yield
+            return
+        own = sent = 0
+        for key in keys:
+            numel, size = shard_numel(self.params[key].ds_numel, self.topology.world), self.params[key].element_size()
+            own += numel * size
+            sent += numel * self._sent_sizes.get(key, size)
+        self.comm_stats.weight_scale = sent / own if own else 1.0
+        try:
+            yield
+        finally:
+            self.comm_stats.weight_scale = 1.0
+
     # ----- weights
     def _write_ds_tensors(self, keys: Sequence[int]) -> None:
         """ds_tensor <- w~ on this rank's shard, keeping DeepSpeed's view of the weights equal to the model's."""
@@ -123,9 +168,16 @@ class SDP4BitRuntime:
             return
         keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
         if keys:
-            self.store.resync({k: self.params[k].ds_tensor for k in keys})
+            with self._counting(keys):
+                self.store.resync({k: self.params[k].ds_tensor for k in keys})
             self._write_ds_tensors(keys)
             self._mark_weights_written()
+
+    def begin(self) -> None:
+        """The start-up sync: replicas from every rank's ds_tensor in full precision (collective); the per-step byte
+        counts (last_step_bytes) start after it, the cumulative ones (stats()) include it."""
+        self.resync()
+        self._at_last_step = self.comm_stats.snapshot()
 
     def resync_if_written(self, keys: Sequence[int]) -> None:
         """Resync these parameters only if some rank's ds_tensor no longer equals its w~ shard (collective).
@@ -161,7 +213,8 @@ class SDP4BitRuntime:
         """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
         if self.store is None:
             return
-        self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
+        with self._counting(list(self.params)):
+            self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
         self._write_ds_tensors(list(self.params))
 
     def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
@@ -171,11 +224,23 @@ class SDP4BitRuntime:
             param.ds_status = ZeroParamStatus.INFLIGHT
         if self._weights_written is not None:
             get_accelerator().current_stream().wait_event(self._weights_written)
-        if self.store is not None:
-            inner = self.store.gather([p.ds_id for p in params])
-        else:
-            inner = self.direct.gather([p.ds_tensor for p in params], [p.ds_numel for p in params])
+        with self._counting([p.ds_id for p in params]):
+            if self.store is not None:
+                inner = self.store.gather([p.ds_id for p in params])
+            else:
+                inner = self.direct.gather([p.ds_tensor for p in params], [p.ds_numel for p in params])
         return ParamGatherHandle(params, inner)
+
+    def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Say once that a fetch mixing this engine's parameters with others' goes to DeepSpeed's own gather."""
+        if self._warned_mixed_fetch:
+            return
+        self._warned_mixed_fetch = True
+        foreign = sorted(p.ds_id for p in params if p.ds_id not in self.params)
+        logger.warning(f"sdp4bit: a ZeRO-3 fetch on rank {self.topology.rank} mixes parameters of this engine with "
+                       f"parameters of another model or engine (ds_ids {foreign[:8]}), e.g. through "
+                       "deepspeed.zero.register_external_parameter; such fetches are gathered by DeepSpeed in full "
+                       "precision from ds_tensor on every rank")
 
     def direct_active(self) -> bool:
         """Whether direct weight quantization serves gathers now (full precision before the start step)."""
@@ -203,10 +268,21 @@ class SDP4BitRuntime:
         """Checksum every replica region across holders; on a mismatch log it and resync in full precision."""
         report = self.store.checksum()
         if not report.ok:
+            self.checksum_mismatches += 1
             logger.warning(f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
                            f"(param ds_id, shard) regions {report.mismatches[:8]}; resyncing in full precision")
             self.resync()
         return report.ok
+
+    def close(self) -> None:
+        """Drop the replicas and collectives: the engine was destroyed (its patches are undone by the caller)."""
+        self.store = self.direct = self.reducer = None
+        self.params = {}
+        self.closed = True
+
+    def describe(self) -> str:
+        """Which engine this runtime belongs to, for messages."""
+        return f"the SDP4Bit engine #{self.created} on {type(self.engine.module).__name__}"
 
     # ----- telemetry
     def stats(self) -> dict[str, dict[str, float]]:
@@ -242,42 +318,71 @@ class SDP4BitRuntime:
 
     # ----- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs beyond DeepSpeed's checkpoint: w~ on this shard and the rounding counters."""
-        state: dict[str, Any] = {"version": STATE_VERSION, "world": self.topology.world,
+        """What a resume needs beyond DeepSpeed's checkpoint: w~ on this shard and the rounding counters, sealed
+        with a digest."""
+        saved: dict[str, Any] = {"version": state.STATE_VERSION, "world": self.topology.world,
                                  "ranks_per_node": self.topology.ranks_per_node,
                                  "config": self.config.model_dump(), "optimizer_steps": self.optimizer_steps}
         if self.store is not None:
-            state["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in sorted(self.params)]
-            state["store"] = self.store.state_dict()
+            saved["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in sorted(self.params)]
+            saved["store"] = self.store.state_dict()
         if self.direct is not None:
-            state["direct"] = self.direct.state_dict()
+            saved["direct"] = self.direct.state_dict()
         if self.reducer is not None:
-            state["reducer"] = self.reducer.state_dict()
-        return state
+            saved["reducer"] = self.reducer.state_dict()
+        return state.sealed(saved)
 
-    def load_state_dict(self, state: dict[str, Any] | None, full_restore: bool = True) -> None:
-        """Restore after DeepSpeed loaded a checkpoint, then resync the replicas from ds_tensor.
+    def load_state_dict(self, saved: Any, full_restore: bool = True, source: str = "the checkpoint") -> None:
+        """Restore after DeepSpeed loaded a checkpoint, then resync the replicas from ds_tensor (collective).
 
         full_restore: DeepSpeed restored its ZeRO state (fp32 masters included). Otherwise (load_module_only,
         load_optimizer_states=False, universal checkpoints) DeepSpeed rebuilt the masters from the loaded 16-bit
-        weights, so the replicas start from those and the saved w~ and counters are not applied.
+        weights, so the replicas start from those and the saved w~ and counters are not applied. The saved state is
+        applied only if every rank's is present and intact; `source` (this rank's model-states file) is named when
+        it is not.
         """
-        if state is None or not full_restore:
-            if state is None:
-                logger.warning("sdp4bit: the checkpoint has no sdp4bit state (written without sdp4bit?); starting "
-                               "the replicas from the loaded weights")
-            self.resync()
-            return
-        self._check_state(state)
-        self.optimizer_steps = state["optimizer_steps"]
-        if self.store is not None:
-            self._restore_own_shards(state["own_shards"])
-            self.store.load_state_dict(state["store"])
-        if self.direct is not None:
-            self.direct.load_state_dict(state["direct"])
-        if self.reducer is not None:
-            self.reducer.load_state_dict(state["reducer"])
+        if full_restore and self._intact_on_every_rank(saved, source):
+            self._apply_state(saved)
         self.resync()
+
+    def _intact_on_every_rank(self, saved: Any, source: str) -> bool:
+        """Whether every rank loaded an intact sdp4bit state (one all-reduce; the same answer on every rank).
+
+        A state that is missing on some rank or damaged is ignored on all ranks, with a warning naming the files;
+        the replicas then start from the weights DeepSpeed loaded.
+        """
+        rank = self.topology.rank
+        problem = "no sdp4bit state" if saved is None else state.damage(saved)
+        codes = torch.zeros(self.topology.world, dtype=torch.int32, device=get_accelerator().current_device_name())
+        codes[rank] = 0 if problem is None else (1 if saved is None else 2)
+        comm.all_reduce(codes, None, ReduceOp.MAX, "sdp4bit_checkpoint_state")
+        codes = codes.tolist()
+        if not any(codes):
+            return True
+        damaged = [r for r, code in enumerate(codes) if code == 2]
+        if codes[rank] == 2:
+            logger.warning(f"sdp4bit: {source}: the sdp4bit state saved by rank {rank} is unusable: {problem}")
+        if rank == 0 and damaged:
+            logger.warning(f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
+                           "rank and the replicas start from the weights DeepSpeed loaded (a full-precision resync): "
+                           "training continues correctly, but not bit for bit like an uninterrupted run")
+        elif rank == 0:
+            logger.warning(f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
+                           f"{[r for r, code in enumerate(codes) if code]} (written without sdp4bit?); starting the "
+                           "replicas from the loaded weights")
+        return False
+
+    def _apply_state(self, saved: dict[str, Any]) -> None:
+        """Restore the counters and this rank's w~ shards from an intact state of this topology and block."""
+        self._check_state(saved)
+        self.optimizer_steps = saved["optimizer_steps"]
+        if self.store is not None:
+            self._restore_own_shards(saved["own_shards"])
+            self.store.load_state_dict(saved["store"])
+        if self.direct is not None:
+            self.direct.load_state_dict(saved["direct"])
+        if self.reducer is not None:
+            self.reducer.load_state_dict(saved["reducer"])
 
     def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
         """ds_tensor <- the saved w~, matched by position in ds_id order (ds_ids themselves shift between runs)."""
@@ -292,14 +397,13 @@ class SDP4BitRuntime:
                                    f"elements on this rank's shard; this model's has {own.numel()}")
             own.data.copy_(shard.view_as(own))
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise RuntimeError(f"sdp4bit checkpoint state version {state.get('version')} is not {STATE_VERSION}")
-        saved = (state["world"], state["ranks_per_node"])
-        if saved != (self.topology.world, self.topology.ranks_per_node):
-            raise RuntimeError(f"sdp4bit checkpoint was written with world {saved[0]} and {saved[1]} ranks per node; "
+    def _check_state(self, saved: dict[str, Any]) -> None:
+        """The saved state must come from the same topology and weight mode (the same on every rank)."""
+        layout = (saved["world"], saved["ranks_per_node"])
+        if layout != (self.topology.world, self.topology.ranks_per_node):
+            raise RuntimeError(f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
                                f"this run has {self.topology.world} and {self.topology.ranks_per_node}")
-        weights_saved = "own_shards" in state
+        weights_saved = "own_shards" in saved
         if weights_saved != (self.store is not None):
             raise RuntimeError("sdp4bit checkpoint and this run disagree on quantized_weights with weight "
                                "differences; load with the same sdp4bit block")

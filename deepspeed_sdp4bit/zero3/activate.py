@@ -1,0 +1,179 @@
+"""Activation: from a `deepspeed.initialize` call with an enabled "sdp4bit" block to an engine with `engine.sdp4bit`.
+
+`initialize` has deepspeed.initialize's signature. When the DeepSpeed config holds an enabled "sdp4bit" block it
+validates the block (before DeepSpeed builds anything), builds the engine with DeepSpeed, checks the engine's
+settings, builds the topology and collectives, patches the engine (see patches.py) and syncs the replicas in full
+precision; otherwise it is deepspeed.initialize unchanged. `import deepspeed_sdp4bit` routes plain
+`deepspeed.initialize` calls (HF Trainer, Accelerate) through it, and watches every DeepSpeedEngine built: a model
+whose parameters a live SDP4Bit engine still serves is refused, and an engine built with an enabled block but
+without SDP4Bit (an initialize imported before this package) is reported.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import itertools
+import json
+import os
+import time
+from typing import Any, Callable
+
+import hjson
+import torch.distributed as dist
+
+from .. import codec
+from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
+from ..log import logger
+from ..topology import build_topology
+from . import patches
+from .checks import check_ds_config, check_engine
+from .compat import check_deepspeed
+from .runtime import SDP4BitRuntime
+
+_CREATED = itertools.count()
+
+
+def _load_config(config: Any) -> dict[str, Any] | None:
+    """The ds_config as a dict from what deepspeed.initialize accepts: a dict, a JSON/HJSON path, or base64."""
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
+        with open(config, encoding="utf-8") as handle:
+            return hjson.load(handle)
+    try:
+        return json.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+    except (ValueError, TypeError):
+        return None
+
+
+def _ds_config(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Find the ds_config the way deepspeed.initialize does: config, then config_params, then args.deepspeed_config."""
+    bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    for candidate in (bound.get("config"), bound.get("config_params"),
+                      getattr(bound.get("args"), "deepspeed_config", None)):
+        loaded = _load_config(candidate)
+        if loaded is not None:
+            return loaded
+    return None
+
+
+def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConfig | None:
+    """The validated block if it is present, enabled and active (errors name the key), else None."""
+    cfg = config_from_ds_config(ds_config) if isinstance(ds_config, dict) else None
+    if cfg is None or not cfg.enabled:
+        return None
+    if not cfg.active:
+        if not quiet:
+            logger.warning("sdp4bit: the block is enabled but neither quantized_weights nor quantized_gradients is "
+                           "on; DeepSpeed's communication is unchanged")
+        return None
+    return cfg
+
+
+def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
+    """What deepspeed.initialize checks before DeepSpeed builds: the block, then the DeepSpeed settings it needs.
+
+    Returns the block when SDP4Bit is to be activated, None when DeepSpeed runs unchanged; raises
+    SDP4BitConfigError (or DeepSpeed's own validation error for an invalid ZeRO section) naming the key.
+    """
+    cfg = _block(ds_config)
+    if cfg is not None:
+        check_ds_config(ds_config, cfg)
+    return cfg
+
+
+def _refuse_served_model(model: Any) -> None:
+    """A new engine on parameters a live SDP4Bit engine still serves would train on that engine's replicas."""
+    parameters = model.parameters() if hasattr(model, "parameters") else ()
+    owners = sorted({patches.owner(p) for p in parameters} - {None}, key=lambda r: r.created)
+    if owners:
+        raise SDP4BitConfigError(
+            f"this model's parameters are still served by {owners[0].describe()}, which was not destroyed: a new "
+            "engine on them would compute with that engine's weight replicas, which nothing refreshes any more "
+            "(DeepSpeed itself also keeps the old engine's hooks on the model). Call engine.destroy() on the old "
+            "engine before wrapping the model again")
+
+
+def _report_unactivated(engine: Any, activating: bool) -> None:
+    """Warn when an engine whose config enables SDP4Bit was built without it."""
+    if activating:
+        return
+    try:
+        enabled, detail = _block(getattr(engine._config, "_param_dict", None), quiet=True) is not None, ""
+    except SDP4BitConfigError as exc:
+        enabled, detail = True, f" (and the block is invalid: {exc})"
+    if enabled and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("sdp4bit: this DeepSpeed engine's config enables the \"sdp4bit\" block, but the engine was "
+                       "built by a deepspeed.initialize that does not go through deepspeed_sdp4bit (imported with "
+                       "`from deepspeed import initialize` before `import deepspeed_sdp4bit`, or a DeepSpeedEngine "
+                       f"built directly){detail}: SDP4Bit is NOT active and all communication is DeepSpeed's own. "
+                       "Import deepspeed_sdp4bit before taking deepspeed.initialize, or call "
+                       "deepspeed_sdp4bit.initialize(...)")
+
+
+def release(runtime: SDP4BitRuntime) -> None:
+    """Give the engine's model back to DeepSpeed (engine.destroy()): undo the patches, drop the replicas."""
+    patches.undo(runtime)
+    runtime.close()
+
+
+def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
+    """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit)."""
+    check_engine(engine, cfg)
+    _refuse_served_model(engine.module)
+    began = time.perf_counter()
+    backend = codec.prepare(engine.device)
+    codec_s = time.perf_counter() - began
+    runtime = SDP4BitRuntime(engine, cfg, build_topology(cfg.ranks_per_node), created=next(_CREATED))
+    patches.patch_reduce_scatter()
+    patches.patch_partition()
+    patches.patch_optimizer(engine.optimizer, runtime)
+    patches.patch_params([p for p in engine.module.parameters() if hasattr(p, "ds_id")], runtime)
+    patches.patch_checkpoints(engine, runtime)
+    if runtime.store is not None:
+        patches.refuse_offload_states(engine, runtime)
+    patches.patch_destroy(engine, runtime, release)
+    runtime.begin()
+    engine.sdp4bit = runtime
+    _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s")
+    return runtime
+
+
+def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
+    topo, cfg = runtime.topology, runtime.config
+    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, replica "
+               f"{cfg.weight_replica}" if runtime.store or runtime.direct else "off")
+    grads = (f"{cfg.gradient_quantization_bits_intra}/{cfg.gradient_quantization_bits_inter}-bit "
+             f"g{cfg.gq_group_size_intra}/{cfg.gq_group_size_inter}, hadamard {cfg.hadamard_transform}, pipeline "
+             f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer else "off")
+    memory = runtime.store.memory_bytes() if runtime.store else 0
+    served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
+    if topo.rank == 0:
+        logger.info(f"sdp4bit active: topology {topo.describe()}; codec {codec_status}; weights {weights} "
+                    f"({len(runtime.params)} params, {served:.1%} of the model's elements, replica "
+                    f"{memory / 2**20:.1f} MiB/rank); gradients {grads}; "
+                    f"quantization from step {cfg.quantization_start_step}")
+
+
+def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
+    """deepspeed.initialize, plus SDP4Bit when the config has an enabled block."""
+    ds_config = _ds_config(original, args, kwargs)
+    cfg = checked_block(ds_config) if ds_config is not None else None
+    if cfg is None:
+        return original(*args, **kwargs)
+    check_deepspeed()
+    result = patches.activating(original, args, kwargs)
+    activate_engine(result[0], cfg)
+    return result
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """deepspeed.initialize with SDP4Bit activated by the config's "sdp4bit" block (same signature and return)."""
+    return _activate(patches.original_initialize(), args, kwargs)
+
+
+def install_initialize_hook() -> None:
+    """Make plain deepspeed.initialize calls activate SDP4Bit, and watch every engine built (idempotent)."""
+    patches.patch_initialize(_activate)
+    patches.patch_engine_init(_refuse_served_model, _report_unactivated)

@@ -1,0 +1,80 @@
+"""SDP4Bit's part of a DeepSpeed checkpoint: its format version, its integrity digest, and unreadable files.
+
+Every rank saves its state inside its own DeepSpeed model-states file (`client_state["sdp4bit"]`): this rank's shards
+of the model weights w~ and the stochastic-rounding counters, with a digest over all of it. A state whose digest no
+longer matches was damaged after it was written, and is never applied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+
+STATE_VERSION = 3
+CLIENT_STATE_KEY = "sdp4bit"
+DIGEST_KEY = "digest"
+
+
+def _feed(hasher: Any, value: Any) -> None:
+    """Hash a state value canonically: dicts by sorted key, tensors by dtype, shape and raw bytes, scalars by repr."""
+    if isinstance(value, dict):
+        hasher.update(b"{")
+        for key in sorted(value, key=str):
+            _feed(hasher, key)
+            _feed(hasher, value[key])
+        hasher.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        hasher.update(b"[")
+        for item in value:
+            _feed(hasher, item)
+        hasher.update(b"]")
+    elif isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        hasher.update(f"tensor {tensor.dtype} {tuple(tensor.shape)}:".encode())
+        hasher.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    else:
+        hasher.update(f"{type(value).__name__} {value!r};".encode())
+
+
+def digest(state: dict[str, Any]) -> str:
+    """The digest of everything in a state except the digest itself."""
+    hasher = hashlib.blake2b(digest_size=16)
+    _feed(hasher, {key: value for key, value in state.items() if key != DIGEST_KEY})
+    return hasher.hexdigest()
+
+
+def sealed(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with its digest added (what is saved)."""
+    return {**state, DIGEST_KEY: digest(state)}
+
+
+def damage(state: Any) -> str | None:
+    """Why a saved state cannot be applied (not a dict, another format version, a digest mismatch), or None."""
+    if not isinstance(state, dict):
+        return f"it is a {type(state).__name__}, not the dict sdp4bit saves"
+    if state.get("version") != STATE_VERSION:
+        return f"format version {state.get('version')!r}; this package reads version {STATE_VERSION}"
+    if state.get(DIGEST_KEY) != digest(state):
+        return "its digest does not match its contents (the file was changed or damaged after it was written)"
+    return None
+
+
+def model_states_file(engine: Any, load_dir: str, tag: Any) -> str:
+    """This rank's DeepSpeed model-states file of a checkpoint (where its sdp4bit state lives); tag None reads
+    the checkpoint's `latest` file as DeepSpeed does."""
+    if tag is None:
+        with open(os.path.join(load_dir, "latest"), encoding="utf-8") as handle:
+            tag = handle.read().strip()
+    return engine._get_ckpt_name(load_dir, tag)
+
+
+def unreadable(path: str) -> str | None:
+    """Why torch cannot load this file (missing, truncated, not a torch file), or None if it loads."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # any failure to read is the answer; the caller names the file
+        return f"{type(exc).__name__}: {exc}"
+    return None

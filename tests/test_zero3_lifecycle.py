@@ -1,0 +1,202 @@
+"""Engine lifecycle on real DeepSpeed engines and gloo ranks: what SDP4Bit installs on a model's parameters leaves
+with its engine, a fetch that mixes parameters of several models runs the same collectives on every rank, and every
+DeepSpeed path that rewrites ds_tensor keeps the replicas equal to it.
+
+Each check compares what a parameter's own ZeRO-3 gather serves (the weights the forward computes with) with
+DeepSpeed's ds_tensor, or with a known written value, on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+import zero3_harness as H
+from dist_harness import run_distributed
+
+pytestmark = pytest.mark.slow
+
+# 2 ranks as 2 nodes: the node replica holds every shard on every rank, TLq runs its inter-node level.
+BLOCK = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 1,
+         "verify_interval": 1}
+TIMEOUT = 300.0  # a hang (ranks issuing different collectives) fails the test instead of stalling CI
+
+
+def _engine(model: torch.nn.Module, sdp4bit: dict | None) -> Any:
+    import deepspeed
+
+    import deepspeed_sdp4bit  # noqa: F401
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=H.ds_config(sdp4bit=sdp4bit))
+    return engine
+
+
+def _rewrap_after_destroy() -> dict[str, Any]:
+    """An SDP4Bit engine trains, is destroyed, and a plain engine wraps the same model and trains on."""
+    model = H.tiny_gpt2(0)
+    engine = _engine(model, BLOCK)
+    H.train_steps(engine, 0, 2)
+    engine.destroy()
+    plain = _engine(model, None)
+    losses = H.train_steps(plain, 2, 5)
+    return {"served_is_ds_tensor": H.served_equals_ds_tensor(plain.module), "losses": losses,
+            "patched": sorted(name for p in model.parameters() for name in vars(p) if name.startswith("_sdp4bit"))}
+
+
+def test_plain_engine_after_destroy_trains_on_its_own_weights() -> None:
+    for rank, result in enumerate(run_distributed(2, _rewrap_after_destroy, timeout=TIMEOUT)):
+        assert result["served_is_ds_tensor"], f"rank {rank}: the plain engine computes with stale SDP4Bit replicas"
+        assert result["patched"] == [], (rank, result["patched"])
+
+
+def _rewrap_without_destroy() -> str:
+    """A second engine on a model whose SDP4Bit engine is still alive: refused, naming the engine to destroy."""
+    model = H.tiny_gpt2(0)
+    H.train_steps(_engine(model, BLOCK), 0, 1)
+    try:
+        _engine(model, None)
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def test_second_engine_on_a_model_with_a_live_sdp4bit_engine_is_refused() -> None:
+    for message in run_distributed(2, _rewrap_without_destroy, timeout=TIMEOUT):
+        assert "SDP4BitConfigError" in message and "destroy()" in message, message
+
+
+class Wrapper(torch.nn.Module):
+    """A module around a shared model (a value head, an adapter wrapper): each engine wraps its own wrapper."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs)
+
+
+def _drop_deepspeed_references(engine: Any) -> None:
+    """Remove what DeepSpeed 0.19.8 keeps of a destroyed engine: its top module in parameter_offload's
+    FWD_MODULE_STACK and the backward functions (closures over its offload object) left on every submodule.
+
+    With them a destroyed engine lives as long as its model; without them (a DeepSpeed that releases what destroy()
+    should release) its remains are garbage that only the cyclic GC frees, at a different moment on every rank.
+    """
+    from deepspeed.runtime.zero import parameter_offload
+
+    parameter_offload.FWD_MODULE_STACK.remove(engine.module)
+    for module in engine.module.modules():
+        module.__dict__.pop("pre_bwd_fn", None)
+        module.__dict__.pop("post_bwd_fn", None)
+
+
+def _gc_on_one_rank() -> dict[str, Any]:
+    """Engine A (around wrapper 1) is destroyed and dropped; B wraps the same model in wrapper 2. Only rank 0 runs the
+    cyclic GC, which frees A's remains there, before a GatheredParameters edit: the resync that follows must not
+    depend on which dead engines the GC has collected on which rank. destroy() also releases A's replicas.
+
+    The model is built partitioned under zero.Init, so its parameters do not reference the first engine (DeepSpeed's
+    own conversion of a whole model keeps a reference to the module it converted).
+    """
+    import deepspeed
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  imported before zero.Init patches tensor creation
+
+    gc.disable()
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=H.ds_config(sdp4bit=BLOCK)):
+            model = H.tiny_gpt2(0)
+        first = _engine(Wrapper(model), BLOCK)
+        H.train_steps(first, 0, 1)
+        replicas = weakref.ref(first.sdp4bit.store)
+        first.destroy()
+        _drop_deepspeed_references(first)
+        del first
+        engine = _engine(Wrapper(model), BLOCK)
+        H.train_steps(engine, 1, 2)
+        if torch.distributed.get_rank() == 0:
+            gc.collect()
+        weight = model.transformer.h[0].mlp.c_fc.weight
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                weight.data.fill_(0.25)
+        edited = H.fetch(weight)
+        served = H.served_equals_ds_tensor(model)
+        losses = H.train_steps(engine, 2, 4)
+        return {"edited": bool((edited == 0.25).all()), "served_is_ds_tensor": served,
+                "checksum_ok": engine.sdp4bit.store.checksum().ok, "released": replicas() is None, "losses": losses}
+    finally:
+        gc.enable()
+
+
+def test_resync_after_an_edit_does_not_depend_on_the_garbage_collector() -> None:
+    results = run_distributed(2, _gc_on_one_rank, timeout=TIMEOUT)
+    for rank, result in enumerate(results):
+        checks = {k: result[k] for k in ("edited", "served_is_ds_tensor", "checksum_ok", "released")}
+        assert all(checks.values()), (rank, checks)
+    assert results[0]["losses"] != results[1]["losses"]  # ranks train on different data, in the same collectives
+
+
+def _mixed_fetch() -> dict[str, Any]:
+    """One ZeRO-3 fetch holding a parameter SDP4Bit serves and one of another model, listed in a different order on
+    each rank (the fetch coordinator builds its groups from a set, whose order follows id())."""
+    import deepspeed
+
+    other = _engine(H.tiny_gpt2(1), None)
+    engine = _engine(H.tiny_gpt2(0), BLOCK)
+    H.train_steps(engine, 0, 1)
+    ours = engine.module.transformer.h[0].mlp.c_fc.weight
+    theirs = other.module.transformer.h[0].mlp.c_fc.weight
+    with deepspeed.zero.GatheredParameters([ours, theirs]):
+        reference = [ours.data.clone(), theirs.data.clone()]
+    group = [ours, theirs] if torch.distributed.get_rank() % 2 else [theirs, ours]
+    group[0].all_gather_coalesced(group).wait()
+    served = [ours.data.clone(), theirs.data.clone()]
+    for param in group:
+        param.partition()
+    losses = H.train_steps(engine, 1, 3) + H.train_steps(other, 0, 2)
+    return {"equal": [torch.equal(a, b) for a, b in zip(served, reference)], "losses": losses,
+            "checksum_ok": engine.sdp4bit.store.checksum().ok}
+
+
+def test_fetch_mixing_models_runs_the_same_collectives_on_every_rank() -> None:
+    for rank, result in enumerate(run_distributed(2, _mixed_fetch, timeout=TIMEOUT)):
+        assert result["equal"] == [True, True] and result["checksum_ok"], (rank, result)
+
+
+def _writers() -> dict[str, Any]:
+    """ds_tensor rewritten by Module.apply inside zero.Init and by partition(has_been_updated=True)."""
+    import deepspeed
+
+    config = H.ds_config(sdp4bit=BLOCK)
+    engine = _engine(H.tiny_gpt2(0), BLOCK)
+    H.train_steps(engine, 0, 2)
+    target = engine.module.transformer.h[0].mlp.c_fc
+
+    def fill(module: torch.nn.Module) -> None:
+        if module is target:
+            module.weight.data.fill_(0.125)
+
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        engine.module.apply(fill)
+    applied = H.fetch(target.weight)
+    weight = engine.module.transformer.h[1].attn.c_attn.weight
+    weight.all_gather_coalesced([weight]).wait()
+    weight.data.fill_(0.5)
+    weight.partition(has_been_updated=True)
+    partitioned = H.fetch(weight)
+    served = H.served_equals_ds_tensor(engine.module)
+    losses = H.train_steps(engine, 2, 4)
+    return {"applied": bool((applied == 0.125).all()), "partitioned": bool((partitioned == 0.5).all()),
+            "served_is_ds_tensor": served, "checksum_ok": engine.sdp4bit.store.checksum().ok, "losses": losses}
+
+
+def test_ds_tensor_writers_outside_the_optimizer_resync_the_replicas() -> None:
+    for rank, result in enumerate(run_distributed(2, _writers, timeout=TIMEOUT)):
+        checks = {k: result[k] for k in ("applied", "partitioned", "served_is_ds_tensor", "checksum_ok")}
+        assert all(checks.values()), (rank, checks)
