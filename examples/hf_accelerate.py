@@ -38,7 +38,7 @@ import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the c
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,  # noqa: E402
-                        token_file_datasets)
+                        settle_gloo_before_exit, token_file_datasets)
 
 
 @dataclass
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = {"sdp4bit": active, "world_size": accelerator.num_processes, "global_step": step,
               "stats": runtime.stats() if runtime is not None else None, "resumed_at": resumed_at,
               "train_losses": losses}
+    settle_gloo_before_exit()
     accelerator.end_training()
     if not accelerator.is_main_process:
         return None

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback,
                           TrainingArguments, default_data_collator)
 
@@ -163,6 +164,20 @@ def check_active(engine: Any, ds_config: dict | None) -> bool:
     return active
 
 
+def settle_gloo_before_exit() -> None:
+    """On gloo, run the last collective on a private group and destroy it, joining its worker threads.
+
+    A gloo worker that releases the last collective's tensors while Python finalizes aborts the process with
+    "terminate called without an active exception" (pytorch/pytorch#190489); the HF Trainer's and Accelerate's
+    last collectives run on groups DeepSpeed still references, so this one comes after them.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    group = dist.new_group(backend="gloo")
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+
+
 def summary(trainer: Trainer, callback: ResumeCallback, active: bool) -> dict[str, Any]:
     """What rank 0 writes to sdp4bit_summary.json."""
     runtime = getattr(trainer.model_wrapped, "sdp4bit", None)
@@ -193,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainer.save_state()
     result = {**summary(trainer, callback, active), "eval_loss": metrics.get("eval_loss"),
               "eval_perplexity": math.exp(metrics["eval_loss"]) if "eval_loss" in metrics else None}
+    settle_gloo_before_exit()
     if not trainer.is_world_process_zero():
         return None
     (Path(training.output_dir) / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
