@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -93,10 +94,12 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     """One run on the shaped link; the record written to runs.jsonl."""
     nodes.shape(Link(parse_rate(rate)))
     run_dir = out / "logs" / f"{variant.name}-{dtype}-{rate}-{repeat}"
+    load_before = os.getloadavg()[0]
     job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
     record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "exit_codes": job["exit_codes"],
-              "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"]}
+              "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"],
+              "load_before": load_before, "load_after": os.getloadavg()[0]}
     summary_path = run_dir / "summary.json"
     if any(job["exit_codes"]) or not summary_path.exists():
         record["error"] = f"job failed; see {run_dir}/node0.log and node1.log"
@@ -202,6 +205,7 @@ def plot(rows: Sequence[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(5.5 * (len(dtypes) + 1), 4.5), squeeze=False)
@@ -214,8 +218,13 @@ def plot(rows: Sequence[dict], path: Path) -> None:
                 xs, ys, lo, hi = zip(*points)
                 ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
                             marker="o", capsize=3, label=variant.label)
-        ax.set(xscale="log", yscale="log", xlabel="link rate, Mbit/s each way (rightmost: unshaped)",
+        ax.set(xscale="log", yscale="log", xlabel="link rate, Mbit/s each way",
                ylabel="median step time, s", title=f"tiny GPT, 2 nodes x 2 CPU ranks, {dtype}")
+        ticks = sorted({parse_rate(r["rate"]) or unshaped_x for r in rows})
+        ax.set_xticks(ticks, [f"{t:g}" if t != unshaped_x else "unshaped" for t in ticks])
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[0][-1]
@@ -226,7 +235,7 @@ def plot(rows: Sequence[dict], path: Path) -> None:
         ax.bar([i + 0.4 * offset for i in range(len(names))], values, width=0.4, label=dtype)
     ax.set_xticks([i + 0.2 for i in range(len(names))], [VARIANTS[n].label for n in names], rotation=30,
                   ha="right", fontsize=8)
-    ax.set(ylabel="MB per step across the link (both ways)", title="bytes that crossed the link")
+    ax.set(yscale="log", ylabel="MB per step across the link (both ways)", title="bytes that crossed the link")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
