@@ -14,5 +14,9 @@ fi
 export TORCH_EXTENSIONS_DIR
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export TOKENIZERS_PARALLELISM=false
+# the venv's tools first, as an activated venv has them: every JIT build (DeepSpeed's own ops too) then uses the
+# venv's ninja, whose build logs another ninja version would discard (a rebuild of every cached op)
+venv_bin="${SDP4BIT_VENV:-$root/.venv}/bin"
+export PATH="$venv_bin:$PATH"
 echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
-"${SDP4BIT_VENV:-$root/.venv}/bin/python" -m pytest -q -rfEs tests "$@"
+"$venv_bin/python" -m pytest -q -rfEs tests "$@"
