@@ -22,7 +22,7 @@ have_all() {
   "$py" - <<'PY'
 import importlib.util, sys
 mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "transformers", "accelerate", "datasets", "tokenizers", "matplotlib",
-        "pytest", "hypothesis", "ninja"]
+        "pytest", "pytest_timeout", "hypothesis", "ninja"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PY
 }

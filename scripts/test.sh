@@ -14,9 +14,16 @@ fi
 export TORCH_EXTENSIONS_DIR
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export TOKENIZERS_PARALLELISM=false
+# Hypothesis: the derandomized "ci" profile (the same examples every run) unless told otherwise (tests/conftest.py)
+export SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}"
+# Under CI a missing CUDA toolkit or g++ fails the tests that need it instead of skipping them (tests/toolkit.py)
+if [ -n "${CI:-}" ]; then
+  export SDP4BIT_REQUIRE_TOOLKIT="${SDP4BIT_REQUIRE_TOOLKIT:-1}"
+fi
 # the venv's tools first, as an activated venv has them: every JIT build (DeepSpeed's own ops too) then uses the
 # venv's ninja, whose build logs another ninja version would discard (a rebuild of every cached op)
 venv_bin="${SDP4BIT_VENV:-$root/.venv}/bin"
 export PATH="$venv_bin:$PATH"
-echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
+  "SDP4BIT_REQUIRE_TOOLKIT=${SDP4BIT_REQUIRE_TOOLKIT:-0} SDP4BIT_HYPOTHESIS_PROFILE=$SDP4BIT_HYPOTHESIS_PROFILE"
 "$venv_bin/python" -m pytest -q -rfEs tests "$@"

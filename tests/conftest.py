@@ -1,4 +1,10 @@
-"""Shared test set-up: one torch-extensions cache per checkout so the compiled ops build once."""
+"""Shared test set-up: one torch-extensions cache per checkout, the Hypothesis profiles, and the test folder on
+sys.path (for the harness modules).
+
+Hypothesis profiles (SDP4BIT_HYPOTHESIS_PROFILE): "ci" (scripts/test.sh's default) is derandomized, so every run
+of a commit tries the same examples and a failure reproduces; "local" (plain pytest) draws new examples each run
+and tries more of them where a test does not fix its own count.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,13 @@ import os
 import sys
 from pathlib import Path
 
+from hypothesis import settings
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100,
+                          print_blob=True)
+settings.register_profile("local", deadline=None, max_examples=300)
+settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))

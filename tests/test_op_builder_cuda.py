@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import toolkit
+
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.ops.builder import CodecCUDABuilder, cuda_toolkit_root
 
@@ -32,8 +34,14 @@ def _toolkit() -> Path | None:
         return None
 
 
-needs_toolkit = pytest.mark.skipif(_toolkit() is None or torch.version.cuda is None,
-                                   reason="needs a CUDA toolkit (nvcc) and a CUDA build of torch")
+@pytest.fixture
+def toolkit_root() -> Path:
+    """The CUDA toolkit; without one (or without a CUDA build of torch) the test skips, or fails under
+    SDP4BIT_REQUIRE_TOOLKIT=1 (CI)."""
+    root = _toolkit()
+    if root is None or torch.version.cuda is None:
+        toolkit.missing("needs a CUDA toolkit (nvcc) and a CUDA build of torch")
+    return root
 
 
 def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -42,8 +50,7 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           timeout=1800, check=False)
 
 
-@needs_toolkit
-def test_cuda_op_compiles_into_a_fresh_cache(tmp_path: Path) -> None:
+def test_cuda_op_compiles_into_a_fresh_cache(tmp_path: Path, toolkit_root: Path) -> None:
     """JIT build through .load() with nvcc, TORCH_CUDA_ARCH_LIST=9.0, no GPU needed; the module has all functions."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), TORCH_CUDA_ARCH_LIST="9.0",
                MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
@@ -85,11 +92,11 @@ def test_is_compatible_reports_a_missing_toolkit(tmp_path: Path, monkeypatch: py
     assert "nvcc" in builder.error_log or "CUDA support" in builder.error_log
 
 
-@pytest.mark.skipif(_toolkit() is None, reason="needs a CUDA toolkit (nvcc)")
-def test_toolkit_root_is_found_behind_a_wrapper_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toolkit_root_is_found_behind_a_wrapper_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       toolkit_root: Path) -> None:
     """An nvcc on PATH that is a script exec'ing the real one (as /usr/local/bin/nvcc here) resolves to the toolkit."""
-    real = _toolkit()
-    assert real is not None and (real / "bin" / "nvcc").is_file()
+    real = toolkit_root
+    assert (real / "bin" / "nvcc").is_file()
     wrapper = tmp_path / "bin" / "nvcc"
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec {real / "bin" / "nvcc"} "$@"\n')
