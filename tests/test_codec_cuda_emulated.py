@@ -1,19 +1,24 @@
-"""The CUDA codec kernels (cuda_ext/cuda/codec_cuda.cu), run on the CPU under host emulation, equal the reference.
+"""The CUDA codec op (cuda_ext/cuda/binding.cpp over codec_cuda.cu), run on the CPU under host emulation, equals the
+reference and rejects bad arguments as on a GPU.
 
-On a GPU-less machine this is the only way to execute the kernels' own code: team layout, warp shuffles (the
-Hadamard butterfly and abs-max reductions), 16-byte vector paths and their unaligned/tail fall-backs, swizzled
-addressing. The same comparisons run on a real GPU through the 'cuda' backend in test_codec_backends.py.
+On a GPU-less machine this is the only way to execute the CUDA op's own code: binding.cpp's checks and launches, the
+kernels' team layout, warp shuffles (the Hadamard butterfly and abs-max reductions), 16-byte vector paths and their
+unaligned/tail fall-backs, swizzled addressing, and the three group-index paths. The same comparisons run on a real
+GPU through the 'cuda' backend in test_codec_backends.py.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
-from cuda_emulation.emulated_op import EmulatedCudaOp, build
+import toolkit
+from cuda_emulation.emulated_op import Internals, ToolkitMissing, build
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 
@@ -22,33 +27,124 @@ SIZES = (1, 31, 32, 33, 2047, 2048, 2049)
 # One group size per team shape (chunks of 8 per group: 4, 8, 12, 16, 32, 64, 128, 256, 260, 1024).
 GROUPS = (32, 64, 96, 128, 256, 512, 1024, 2048, 2080, 8192)
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+ABOVE_2_20 = 192 * 5462  # 1,048,704 elements (> 2^20): two halves of whole 96-groups and 32-blocks
 
 
 @pytest.fixture(scope="module")
-def emulated_op(tmp_path_factory: pytest.TempPathFactory) -> EmulatedCudaOp:
-    """codec_cuda.cu compiled for the host (skipped only where g++ or the CUDA toolkit's headers are missing)."""
+def emulated_op() -> ModuleType:
+    """binding.cpp and codec_cuda.cu built for the host (a skip where g++ or the CUDA toolkit's headers are missing,
+    a failure there under SDP4BIT_REQUIRE_TOOLKIT=1)."""
     try:
-        return EmulatedCudaOp(build(Path(tmp_path_factory.mktemp("cuda_emulation"))))
-    except RuntimeError as err:
-        pytest.skip(f"cannot build the host-emulated CUDA codec: {err}")
+        return build(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    except ToolkitMissing as err:
+        toolkit.missing(f"cannot build the host-emulated CUDA op: {err}")
 
 
 @pytest.fixture(scope="module")
-def emu(emulated_op: EmulatedCudaOp) -> CompiledBackend:
+def emu(emulated_op: ModuleType) -> CompiledBackend:
     """The emulated CUDA op behind the compiled-backend adapter (the same adapter the real CUDA op uses)."""
     return CompiledBackend(emulated_op, "cuda")
 
 
-def test_fast_division_is_exact(emulated_op: EmulatedCudaOp) -> None:
+@pytest.fixture(scope="module")
+def internals(emulated_op: ModuleType) -> Internals:
+    """codec_cuda.cu's internal helpers from the same library."""
+    return Internals(emulated_op)
+
+
+def test_fast_division_is_exact(internals: Internals) -> None:
     """The precomputed 32-bit division behind swizzled addressing and non-power-of-two group indices."""
     divisors = list(range(1, 300)) + [1000, 4095, 4097, 65535, 65537, 1_000_003, (1 << 31) - 1, 1 << 31,
                                       (1 << 31) + 1, (1 << 32) - 1]
     for d in divisors:
-        assert emulated_op.fastdiv_mismatches(d, 0, 1 << 16, 1) == 0, d  # small dividends, every one
-        assert emulated_op.fastdiv_mismatches(d, (1 << 32) - (1 << 16), 1 << 16, 1) == 0, d  # the top of the range
-        assert emulated_op.fastdiv_mismatches(d, 12345, 1 << 16, 65521) == 0, d  # spread over the whole range
-        assert emulated_op.fastdiv_mismatches(d, 0, 1 << 12, d) == 0, d  # exact multiples
-        assert emulated_op.fastdiv_mismatches(d, d - 1, 1 << 12, d) == 0, d  # one below each multiple
+        assert internals.fastdiv_mismatches(d, 0, 1 << 16, 1) == 0, d  # small dividends, every one
+        assert internals.fastdiv_mismatches(d, (1 << 32) - (1 << 16), 1 << 16, 1) == 0, d  # the top of the range
+        assert internals.fastdiv_mismatches(d, 12345, 1 << 16, 65521) == 0, d  # spread over the whole range
+        assert internals.fastdiv_mismatches(d, 0, 1 << 12, d) == 0, d  # exact multiples
+        assert internals.fastdiv_mismatches(d, d - 1, 1 << 12, d) == 0, d  # one below each multiple
+
+
+@pytest.mark.parametrize("size", (96, 160, 2080, 8160))
+def test_group_index_paths_past_the_32_bit_range(internals: Internals, size: int) -> None:
+    """Element-wise kernels find a non-power-of-two group with a 32-bit division while chunk indices fit 32 bits
+    (below 2^35 elements) and with a 64-bit one past that; both give e // size up to the last chunk. Buffers that
+    large cannot be allocated here, so the index computation is called directly."""
+    for numel, path in {(1 << 35) - 1: "32-bit", 1 << 35: "64-bit", (1 << 40) + 8: "64-bit"}.items():
+        assert internals.group_index_path(size, numel) == path
+        last = (numel - 1) // 8 * 8  # the first element of the last chunk
+        for e in (0, size // 8 * 8, (1 << 34) + 8 * 12345, last - 8 * 999, last):
+            assert internals.group_index(size, numel, e) == e // size, (size, numel, e)
+    assert internals.group_index_path(1 << 12, 1 << 40) == "shift"
+    assert internals.group_index(1 << 12, 1 << 40, (1 << 40) - 8) == ((1 << 40) - 8) >> 12
+
+
+def test_binding_checks_every_argument(emulated_op: ModuleType) -> None:
+    """binding.cpp's own checks (called without the Python adapter), each naming the argument; `meta` tensors stand
+    in for tensors on another device."""
+    op = emulated_op
+    x, codes, scales = torch.randn(64), torch.empty(32, dtype=torch.uint8), torch.empty(2)
+    out = torch.empty(64)
+
+    def rejects(match: str, call, *args) -> None:
+        with pytest.raises(RuntimeError, match=match):
+            call(*args)
+
+    rejects("quantize: x must be a CUDA tensor, got one on meta", op.quantize, x.to("meta"), codes, scales, 4, 32,
+            False, 0, 0, 64, False)
+    rejects("quantize: codes must be a CUDA tensor", op.quantize, x, codes.to("meta"), scales, 4, 32, False, 0, 0,
+            64, False)
+    rejects("quantize: x dtype Double is not one of", op.quantize, x.double(), codes, scales, 4, 32, False, 0, 0, 64,
+            False)
+    rejects("quantize: x must be contiguous", op.quantize, torch.randn(64, 2)[:, 0], codes, scales, 4, 32, False, 0,
+            0, 64, False)
+    rejects("quantize: bits must be 4 or 8, got 5", op.quantize, x, codes, scales, 5, 32, False, 0, 0, 64, False)
+    rejects(r"quantize: group_size must be a multiple of 32 in \[32, 8192\], got 48", op.quantize, x, codes, scales,
+            4, 48, False, 0, 0, 64, False)
+    rejects(r"quantize: valid must be in \[0, 64\], got 65", op.quantize, x, codes, scales, 4, 32, False, 0, 0, 65,
+            False)
+    rejects("quantize: hadamard needs a multiple of 32 elements, got 48", op.quantize, torch.randn(48),
+            torch.empty(24, dtype=torch.uint8), scales, 4, 32, False, 0, 0, 48, True)
+    rejects("quantize: codes has 16 bytes; 64 elements at 4 bits need 32", op.quantize, x, codes[:16], scales, 4, 32,
+            False, 0, 0, 64, False)
+    rejects("quantize: codes must be uint8", op.quantize, x, codes.to(torch.int8), scales, 4, 32, False, 0, 0, 64,
+            False)
+    rejects("quantize: scales must be float32", op.quantize, x, codes, scales.double(), 4, 32, False, 0, 0, 64, False)
+    rejects("quantize: scales has 1 entries; 64 elements in groups of 32 need 2", op.quantize, x, codes, scales[:1], 4,
+            32, False, 0, 0, 64, False)
+    rejects("key must be a 32-bit unsigned value", op.quantize, x, codes, scales, 4, 32, True, 1 << 32, 0, 64, False)
+    rejects("key must be a 32-bit unsigned value", op.quantize, x, codes, scales, 4, 32, True, -1, 0, 64, False)
+    rejects("diff_quantize: new has 64 elements, ref has 63", op.diff_quantize, x, torch.randn(63), codes, scales, 4,
+            32, False, 0, 0, 64)
+    rejects("diff_quantize: ref dtype Int is not one of", op.diff_quantize, x, torch.ones(64, dtype=torch.int32),
+            codes, scales, 4, 32, False, 0, 0, 64)
+    rejects("swizzle_quantize: nodes 0, ranks_per_node 1 and slices 1 must be >= 1", op.swizzle_quantize, x, codes,
+            scales, 4, 32, 0, 1, 1, False, 0, 0, False)
+    rejects("swizzle_quantize: 64 elements do not split into 3 partitions x 1 slices", op.swizzle_quantize, x, codes,
+            scales, 4, 32, 1, 3, 1, False, 0, 0, False)
+    rejects("swizzle_quantize: block of 16 elements is not a multiple of group_size 32", op.swizzle_quantize, x, codes,
+            scales, 4, 32, 2, 2, 1, False, 0, 0, False)
+    rejects("dequantize_reduce_quantize: 64 elements do not split into 3 pieces", op.dequantize_reduce_quantize,
+            codes, scales, 3, 4, 32, codes, scales, 4, 32, False, 0, 0)
+    rejects("dequantize_reduce_quantize: piece of 32 elements is not a multiple of out_group 64",
+            op.dequantize_reduce_quantize, codes, scales, 2, 4, 32, codes[:16], scales[:1], 4, 64, False, 0, 0)
+    rejects("dequantize_reduce_quantize: out_codes has 32 bytes; 32 elements at 4 bits need 16",
+            op.dequantize_reduce_quantize, codes, scales, 2, 4, 32, codes, scales[:1], 4, 32, False, 0, 0)
+    rejects("dequantize_reduce_quantize: in_bits must be 4 or 8, got 2", op.dequantize_reduce_quantize, codes,
+            scales, 2, 2, 32, codes, scales, 4, 32, False, 0, 0)
+    rejects("dequantize: out dtype Double is not one of", op.dequantize, codes, scales, out.double(), 4, 32)
+    rejects("dequantize: codes has 32 bytes; 65 elements", op.dequantize, codes, scales, torch.empty(65), 4, 32)
+    rejects("dequantize_add: ref must be contiguous", op.dequantize_add, torch.randn(64, 2)[:, 0], codes, scales, 4,
+            32)
+    rejects("dequantize_add: scales has 2 entries; 64 elements in groups of 64 need 1", op.dequantize_add, out, codes,
+            scales, 4, 64)
+    rejects("dequantize_reduce: out has 64 elements, a piece has 32", op.dequantize_reduce, codes, scales, 2, 4, 32,
+            out, False, 1.0)
+    rejects("dequantize_reduce: 64 elements do not split into 0 pieces", op.dequantize_reduce, codes, scales, 0, 4, 32,
+            out, False, 1.0)
+    rejects("hadamard32: out must be float32, got BFloat16", op.hadamard32, x, out.bfloat16(), False)
+    rejects("hadamard32 needs a multiple of 32 elements, got 33", op.hadamard32, torch.randn(33), torch.empty(33),
+            False)
+    rejects("hadamard32: out has 32 elements, x has 64", op.hadamard32, x, out[:32], False)
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -199,16 +295,42 @@ def test_dequantize_and_dequantize_add_match_reference(emu: CompiledBackend, dty
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_reduce_matches_reference(emu: CompiledBackend, dtype: torch.dtype) -> None:
-    for bits, group in ((4, 128), (8, 32), (8, 2048)):
-        for pieces in (1, 2, 5):
-            piece = 4096
+    """Pieces 1 to 16 (the kernel loads pieces two at a time: odd counts end on a half batch), power-of-two groups
+    and group 96 (the 32-bit division path)."""
+    for bits, group in ((4, 128), (8, 32), (8, 2048), (4, 96)):
+        for pieces in (1, 2, 5) + ((9, 16) if group in (128, 96) else ()):
+            piece = 4096 if group != 96 else 4128
             codes, scales = ref.quantize(data(pieces * piece, torch.float32, pieces), bits=bits, group_size=group)
             scales[1] = float("nan")
             for hadamard in (False, True):
-                for mul in (1.0, 0.125, 1 / 3):
+                for mul in (1.0, 0.125, 1 / 3) if pieces <= 2 else (1 / 3,):
                     kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul)
                     assert_same(emu.dequantize_reduce(codes, scales, **kw), ref.dequantize_reduce(codes, scales, **kw),
                                 f"dequantize_reduce {kw}")
+
+
+def test_inputs_above_2_20_elements(emu: CompiledBackend) -> None:
+    """Buffers of more than 2^20 elements (hundreds of blocks): quantize with a counter crossing 2^32 and a valid
+    length, and the decoding ops in groups of 96 (the 32-bit division path over every element). The Hadamard and
+    small-group quantizing paths are covered at smaller sizes above: emulated, they take minutes at this size."""
+    x = data(ABOVE_2_20, torch.bfloat16, 20)
+    kw = dict(bits=4, group_size=2048, stochastic=True, seed=5, offset=(1 << 32) - 1000, valid=ABOVE_2_20 - 5)
+    assert_quantized_same(emu.quantize(x, **kw), ref.quantize(x, **kw), "quantize")
+    codes, scales = ref.quantize(x, bits=4, group_size=96, stochastic=True, seed=5)
+    deq = dict(numel=ABOVE_2_20, bits=4, group_size=96)
+    assert_same(emu.dequantize(codes, scales, dtype=torch.bfloat16, **deq),
+                ref.dequantize(codes, scales, dtype=torch.bfloat16, **deq), "dequantize")
+    old = data(ABOVE_2_20, torch.float32, 21)
+    got, expected = old.clone(), old.clone()
+    emu.dequantize_add_(got, codes, scales, bits=4, group_size=96)
+    ref.dequantize_add_(expected, codes, scales, bits=4, group_size=96)
+    assert_same(got, expected, "dequantize_add_")
+    red = dict(pieces=2, bits=4, group_size=96, dtype=torch.float32, mul=0.5)
+    assert_same(emu.dequantize_reduce(codes, scales, **red), ref.dequantize_reduce(codes, scales, **red),
+                "dequantize_reduce")
+    drq = dict(pieces=2, in_bits=4, in_group=96, out_bits=8, out_group=32, stochastic=True, seed=6, offset=1)
+    assert_quantized_same(emu.dequantize_reduce_quantize(codes, scales, **drq),
+                          ref.dequantize_reduce_quantize(codes, scales, **drq), "dequantize_reduce_quantize")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,12 +1,14 @@
 """Every codec backend implements the one `CodecBackend` protocol, and the public functions are made from it.
 
-The reference module, the compiled backend (over the CPU op, the CUDA op or the host-emulated CUDA kernels, which
-share the `CodecOp` bindings) and `deepspeed_sdp4bit.codec`'s functions all have the protocol's signatures.
+The reference module, the compiled backend (over the CPU op, the CUDA op or its host-emulated build, which share
+the `CodecOp` bindings) and `deepspeed_sdp4bit.codec`'s functions all have the protocol's signatures; the CUDA
+bindings name their arguments as `CodecOp` does.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from deepspeed_sdp4bit import codec
 from deepspeed_sdp4bit.codec import CodecBackend, CodecOp, reference
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 from deepspeed_sdp4bit.ops import load_codec_op
-from cuda_emulation.emulated_op import EmulatedCudaOp
+from deepspeed_sdp4bit.ops.builder import sources_root
 
 OPS = [name for name in vars(CodecBackend) if not name.startswith("_")]
 BINDINGS = [name for name in vars(CodecOp) if not name.startswith("_")]
@@ -51,10 +53,19 @@ def test_backends_are_instances_of_the_protocol():
     assert isinstance(CompiledBackend(cpu_op, "cpu"), CodecBackend)
 
 
+def _cuda_binding_arguments() -> dict[str, list[str]]:
+    """The py::arg names of every m.def in binding.cpp (the CUDA op and its host-emulated build)."""
+    source = (sources_root() / "cuda" / "binding.cpp").read_text()
+    defs = re.findall(r'm\.def\("(\w+)",(.*?)\);', source, flags=re.S)
+    return {name: re.findall(r'py::arg\("(\w+)"\)', body) for name, body in defs}
+
+
 @pytest.mark.parametrize("name", BINDINGS)
-def test_the_emulated_cuda_op_has_the_binding_signatures(name: str):
+def test_the_cuda_bindings_have_the_protocols_argument_names(name: str):
     want = [param[0] for param in parameters(getattr(CodecOp, name), drop_self=True)]
-    assert [param[0] for param in parameters(getattr(EmulatedCudaOp, name), drop_self=True)] == want
+    bindings = _cuda_binding_arguments()
+    assert sorted(bindings) == sorted(BINDINGS)
+    assert bindings[name] == want
 
 
 def test_public_functions_dispatch_on_the_first_tensor():

@@ -1,118 +1,93 @@
-"""The CUDA codec's kernels built for the host (emu.h) and exposed with the CUDA op's binding API over CPU tensors.
+"""The CUDA op's own sources built for the host: binding.cpp (all its checks) over codec_cuda.cu's kernels run by
+emu.h, as a torch extension over CPU tensors.
 
-This lets the GPU-less CI run codec_cuda.cu's own kernel code (team layout, shuffles, vector paths, swizzle
-addressing) against the reference, bit for bit. Only the launch syntax is rewritten; binding.cpp's checks are not
-part of it (the adapter in codec/compiled.py validates arguments before any call).
+This lets the GPU-less CI run the CUDA op's code end to end against the reference, bit for bit: the argument checks
+and launches of binding.cpp, and the kernels' team layout, shuffles, vector paths and swizzled addressing. Three
+things are rewritten, nothing else: CPU tensors stand in for CUDA ones (binding.cpp's `is_cuda()` test becomes
+`is_cpu()`), the kernel launch syntax goes through emu.h, and host_c10/ replaces the three c10/cuda headers (no
+device guard, no stream, no launch error). emu_internals.cpp, appended to the kernels' translation unit, exposes
+internals (the fast division, the group-index paths) to ctypes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from pathlib import Path
+from types import ModuleType
 
-import torch
-
-from deepspeed_sdp4bit.ops.builder import cuda_toolkit_root, sources_root
+from deepspeed_sdp4bit.ops.builder import cuda_toolkit_root, pinned_ninja, sources_root
 
 HERE = Path(__file__).resolve().parent
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_M64 = (1 << 64) - 1
-
-_P, _I, _I64, _B = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_bool
-_U32, _U64, _D = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_double
-_SIGNATURES = {
-    "emu_quantize": [_P, _I, _I64, _P, _P, _I, _I, _B, _U32, _U64, _I64, _B],
-    "emu_swizzle_quantize": [_P, _I, _I64, _P, _P, _I, _I, _I64, _I64, _I64, _B, _U32, _U64, _B],
-    "emu_diff_quantize": [_P, _I, _P, _I, _I64, _P, _P, _I, _I, _B, _U32, _U64, _I64],
-    "emu_dequantize_reduce_quantize": [_P, _P, _I64, _I64, _I, _I, _P, _P, _I, _I, _B, _U32, _U64],
-    "emu_dequantize": [_P, _P, _I, _I, _I64, _P, _I],
-    "emu_dequantize_add": [_P, _P, _I, _I, _I64, _P, _I],
-    "emu_dequantize_reduce": [_P, _P, _I, _I, _I64, _I64, _P, _I, _B, _D],
-    "emu_hadamard32": [_P, _I, _I64, _P, _B],
-    "emu_fastdiv_mismatches": [_U32, _U32, _U64, _U32],
-}
+NAME = "sdp4bit_codec_cuda_emulated"
+_U32, _U64, _I, _I64 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64
 
 
-def build(out_dir: Path) -> Path:
-    """Compile codec_cuda.cu (launches rewritten for emu.h) and emu_api.cpp with g++ into a shared library."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("g++ not found")
-    cuda_include = cuda_toolkit_root() / "include"
-    source = (sources_root() / "cuda" / "codec_cuda.cu").read_text()
-    host_source = out_dir / "codec_cuda_host.cpp"
-    host_source.write_text(source.replace("<<<", " % emu::Launch{").replace(">>>(", "}("))
-    library = out_dir / "libsdp4bit_codec_emulated.so"
-    subprocess.run([compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-                    "-pthread", "-include", str(HERE / "emu.h"), f"-I{sources_root() / 'include'}",
-                    f"-I{sources_root() / 'cuda'}", f"-I{cuda_include}", str(host_source),
-                    str(HERE / "emu_api.cpp"), "-o", str(library)], check=True, capture_output=True, text=True)
-    return library
+class ToolkitMissing(RuntimeError):
+    """g++ or the CUDA toolkit's headers are not available, so the emulation cannot be built here."""
 
 
-class EmulatedCudaOp:
-    """The eight functions of the CUDA op's module, same arguments, over CPU tensors (for CompiledBackend)."""
+def _write_if_changed(path: Path, text: str) -> Path:
+    """Write `text` to `path` unless it already holds it (an unchanged file keeps its build up to date)."""
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
-    def __init__(self, library: Path) -> None:
-        self.lib = ctypes.CDLL(str(library))
-        for name, argtypes in _SIGNATURES.items():
-            getattr(self.lib, name).argtypes = argtypes
+
+def host_sources(out_dir: Path) -> list[Path]:
+    """binding.cpp and codec_cuda.cu rewritten for the host build (see the module docstring)."""
+    cuda = sources_root() / "cuda"
+    binding = (cuda / "binding.cpp").read_text()
+    if binding.count(".is_cuda()") != 1:
+        raise AssertionError("binding.cpp's device check changed: update the host rewrite in emulated_op.py")
+    kernels = (cuda / "codec_cuda.cu").read_text().replace("<<<", " % emu::Launch{").replace(">>>(", "}(")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [_write_if_changed(out_dir / "binding_host.cpp", binding.replace(".is_cuda()", ".is_cpu()")),
+            _write_if_changed(out_dir / "codec_cuda_host.cpp",
+                              '#include "emu.h"\n' + kernels + "\n" + (HERE / "emu_internals.cpp").read_text())]
+
+
+def build(root: Path) -> ModuleType:
+    """JIT-build (or take from the torch extensions cache under `root`) the host-emulated CUDA op."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    if shutil.which("g++") is None:
+        raise ToolkitMissing("g++ not found")
+    try:
+        cuda_include = cuda_toolkit_root() / "include"
+    except RuntimeError as err:
+        raise ToolkitMissing(str(err)) from err
+    sources = host_sources(root / f"{NAME}_sources")
+    flags = ["-O1", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-Wno-attributes", "-Wno-unused-variable"]
+    includes = [HERE / "host_c10", HERE, sources_root() / "include", sources_root() / "cuda", cuda_include]
+    build_dir = root / NAME
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with pinned_ninja():
+        return cpp_extension.load(name=NAME, sources=[str(s) for s in sources], extra_cflags=flags,
+                                  extra_include_paths=[str(i) for i in includes], extra_ldflags=["-pthread"],
+                                  build_directory=str(build_dir), verbose=False)
+
+
+class Internals:
+    """codec_cuda.cu's internal helpers from the emulated op's library, through ctypes."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.lib = ctypes.CDLL(module.__file__)
+        self.lib.emu_fastdiv_mismatches.argtypes = [_U32, _U32, _U64, _U32]
         self.lib.emu_fastdiv_mismatches.restype = _U64
+        self.lib.emu_group_index.argtypes = [_I, _I64, _I64]
+        self.lib.emu_group_index.restype = _I64
+        self.lib.emu_group_index_path.argtypes = [_I, _I64]
+        self.lib.emu_group_index_path.restype = _I
 
     def fastdiv_mismatches(self, divisor: int, first: int, count: int, stride: int) -> int:
         """How many of `count` dividends (from `first`, step `stride`, mod 2^32) FastDiv(divisor) gets wrong."""
         return self.lib.emu_fastdiv_mismatches(divisor, first, count, stride)
 
-    def quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                 stochastic: bool, key: int, offset: int, valid: int, hadamard: bool) -> None:
-        if x.numel():
-            self.lib.emu_quantize(x.data_ptr(), DTYPES[x.dtype], x.numel(), codes.data_ptr(), scales.data_ptr(), bits,
-                                  group_size, stochastic, key, offset & _M64, valid, hadamard)
+    def group_index(self, size: int, numel: int, element: int) -> int:
+        """The group of `element` (a multiple of 8) in a buffer of `numel` elements in groups of `size`."""
+        return self.lib.emu_group_index(size, numel, element)
 
-    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      bits: int, group_size: int, stochastic: bool, key: int, offset: int, valid: int) -> None:
-        if new.numel():
-            self.lib.emu_diff_quantize(new.data_ptr(), DTYPES[new.dtype], ref.data_ptr(), DTYPES[ref.dtype],
-                                       new.numel(), codes.data_ptr(), scales.data_ptr(), bits, group_size, stochastic,
-                                       key, offset & _M64, valid)
-
-    def swizzle_quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                         nodes: int, ranks_per_node: int, slices: int, stochastic: bool, key: int, offset: int,
-                         hadamard: bool) -> None:
-        if x.numel():
-            self.lib.emu_swizzle_quantize(x.data_ptr(), DTYPES[x.dtype], x.numel(), codes.data_ptr(),
-                                          scales.data_ptr(), bits, group_size, nodes, ranks_per_node, slices,
-                                          stochastic, key, offset & _M64, hadamard)
-
-    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, in_bits: int,
-                                   in_group: int, out_codes: torch.Tensor, out_scales: torch.Tensor, out_bits: int,
-                                   out_group: int, stochastic: bool, key: int, offset: int) -> None:
-        piece = codes.numel() * 8 // in_bits // pieces
-        if piece:
-            self.lib.emu_dequantize_reduce_quantize(codes.data_ptr(), scales.data_ptr(), pieces, piece, in_bits,
-                                                    in_group, out_codes.data_ptr(), out_scales.data_ptr(), out_bits,
-                                                    out_group, stochastic, key, offset & _M64)
-
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int,
-                   group_size: int) -> None:
-        if out.numel():
-            self.lib.emu_dequantize(codes.data_ptr(), scales.data_ptr(), bits, group_size, out.numel(), out.data_ptr(),
-                                    DTYPES[out.dtype])
-
-    def dequantize_add(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                       group_size: int) -> None:
-        if ref.numel():
-            self.lib.emu_dequantize_add(codes.data_ptr(), scales.data_ptr(), bits, group_size, ref.numel(),
-                                        ref.data_ptr(), DTYPES[ref.dtype])
-
-    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int,
-                          out: torch.Tensor, hadamard: bool, mul: float) -> None:
-        if out.numel():
-            self.lib.emu_dequantize_reduce(codes.data_ptr(), scales.data_ptr(), bits, group_size, pieces, out.numel(),
-                                           out.data_ptr(), DTYPES[out.dtype], hadamard, mul)
-
-    def hadamard32(self, x: torch.Tensor, out: torch.Tensor, inverse: bool) -> None:
-        if x.numel():
-            self.lib.emu_hadamard32(x.data_ptr(), DTYPES[x.dtype], x.numel(), out.data_ptr(), inverse)
+    def group_index_path(self, size: int, numel: int) -> str:
+        """The path group_index takes for this buffer: 'shift', '32-bit' or '64-bit'."""
+        return ("shift", "32-bit", "64-bit")[self.lib.emu_group_index_path(size, numel)]
