@@ -141,6 +141,7 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
 
 
 def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
+    """The one line (rank 0) that says what SDP4Bit does in this run."""
     topo, cfg = runtime.topology, runtime.config
     weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, replica "
                f"{cfg.weight_replica}" if runtime.store or runtime.direct else "off")

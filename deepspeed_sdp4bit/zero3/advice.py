@@ -47,6 +47,7 @@ def coverage(module: torch.nn.Module, served: dict[int, torch.nn.Parameter]) -> 
 
 
 def _warn(topology: Topology, message: str) -> None:
+    """Log once per job (rank 0): every rank reaches the same decision."""
     if topology.rank == 0:
         logger.warning(message)
 
@@ -55,13 +56,13 @@ def weight_config(cfg: SDP4BitConfig, topology: Topology, cover: Coverage, thres
     """The block as it applies to this engine: quantized weights off where they would serve nothing (warned)."""
     if not cfg.quantized_weights:
         return cfg
-    share = (f"sdp4bit serves {cover.share:.1%} of the model's parameter elements ({cover.served:,} of "
+    share = (f"quantized_weights serves {cover.share:.1%} of the model's parameter elements ({cover.served:,} of "
              f"{cover.total:,}); DeepSpeed gathers the rest in full precision: {cover.persistent:,} in persistent "
              f"parameters (numel <= stage3_param_persistence_threshold = {threshold:,}) and {cover.frozen:,} in frozen "
              "ones (requires_grad=False, e.g. the base weights under LoRA). Lower stage3_param_persistence_threshold "
              "(about 10 x the hidden size keeps only biases and norms persistent) to serve more")
     if cover.served == 0:
-        _warn(topology, f"sdp4bit: quantized_weights is off for this engine: {share}")
+        _warn(topology, f"sdp4bit: quantized_weights is off for this engine: it {share.split(' ', 1)[1]}")
         return cfg.model_copy(update={"quantized_weights": False})
     if cover.share < MIN_SERVED_SHARE:
         _warn(topology, f"sdp4bit: {share}")

@@ -25,6 +25,7 @@ from ..topology import Topology
 
 
 def _offload_device(offload: object) -> str:
+    """The device name of an offload section ('none' when absent)."""
     device = getattr(offload, "device", OffloadDeviceEnum.none) if offload is not None else OffloadDeviceEnum.none
     return getattr(device, "value", str(device))
 
@@ -81,6 +82,7 @@ def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
 
 
 def _raise(problems: list[str]) -> None:
+    """One SDP4BitConfigError listing every problem, if there are any."""
     if problems:
         raise SDP4BitConfigError("sdp4bit cannot run with this DeepSpeed configuration:\n  " + "\n  ".join(problems))
 
@@ -141,6 +143,7 @@ def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
 
 
 def _dtype_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
+    """One parameter dtype for the replicas; only float dtypes the codec handles."""
     dtypes = {p.dtype for g in engine.optimizer.fp16_groups for p in g}
     if cfg.quantized_weights and len(dtypes) > 1:
         return [f"trainable parameters have dtypes {sorted(map(str, dtypes))}: sdp4bit.quantized_weights needs one "

@@ -40,6 +40,7 @@ class SDP4BitCompatError(RuntimeError):
 
 
 def _resolve(module: str, path: str) -> object:
+    """The object at module.path (AttributeError/ImportError when it moved)."""
     obj: object = importlib.import_module(module)
     for part in path.split("."):
         obj = getattr(obj, part)

@@ -46,6 +46,7 @@ def _wrap(original: Callable, wrapper: Callable) -> Callable:
 
 
 def _is_patched(func: Callable) -> bool:
+    """Whether func is one of this package's wrappers."""
     return hasattr(func, _MARK)
 
 
@@ -141,6 +142,7 @@ def _install(runtime: SDP4BitRuntime, obj: Any, name: str, wrapper: Callable) ->
     setattr(obj, name, installed)
 
     def undo() -> None:
+        """Put the attribute back as it was, unless something replaced the wrapper since."""
         if vars(obj).get(name) is installed:
             if own:
                 setattr(obj, name, original)
@@ -195,6 +197,7 @@ def patch_params(params: list[Any], runtime: SDP4BitRuntime) -> None:
         param.all_gather_coalesced = all_gather_coalesced
 
     def undo() -> None:
+        """Give every parameter this runtime still serves DeepSpeed's gather back."""
         for param in params:
             if owner(param) is runtime:
                 param.all_gather_coalesced = getattr(param, _ORIGINAL_GATHER)

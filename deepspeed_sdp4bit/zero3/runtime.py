@@ -106,6 +106,7 @@ class SDP4BitRuntime:
         self._at_last_step = self.comm_stats.snapshot()
 
     def _make_store(self) -> WeightStore:
+        """The qWD replicas of the served parameters, checked to fit in memory before they are allocated."""
         cfg, first = self.config, next(iter(self.params.values()))
         store = WeightStore(self.topology, replica=cfg.weight_replica, bits=cfg.weight_quantization_bits,
                             group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
@@ -118,11 +119,13 @@ class SDP4BitRuntime:
         return store
 
     def _make_direct(self) -> DirectQuantGather:
+        """The qW ablation's per-gather quantizer."""
         cfg = self.config
         return DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
                                  stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
 
     def _make_reducer(self) -> TLqReducer:
+        """TLq, the two-level quantized gradient reduce-scatter."""
         cfg = self.config
         return TLqReducer(self.topology, bits_intra=cfg.gradient_quantization_bits_intra,
                           group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,
@@ -290,6 +293,7 @@ class SDP4BitRuntime:
         return self.comm_stats.snapshot()
 
     def reset_stats(self) -> None:
+        """Zero the cumulative byte counts (stats())."""
         self.comm_stats.reset()
         self._at_last_step = self.comm_stats.snapshot()
 
@@ -305,6 +309,7 @@ class SDP4BitRuntime:
             monitor.write_events(self._events())
 
     def _events(self) -> list[tuple[str, float, int]]:
+        """The last step's bytes as DeepSpeed monitor events (name, value, samples)."""
         samples = self.engine.global_samples
         events = []
         for kind, values in self.last_step_bytes.items():
