@@ -138,8 +138,7 @@ def _resume_check(topo, world: int) -> dict:
     restored.load_state_dict(state)
     resumed = restored.reduce_scatter_coalesced(inputs)
     fresh = _reducer(topo, settings, CommStats()).reduce_scatter_coalesced(inputs)
-    return {"same": all(torch.equal(a, b) for a, b in zip(continued, resumed)),
-            "fresh_differs": any(not torch.equal(a, b) for a, b in zip(continued, fresh)), "state": state}
+    return {"continued": continued, "resumed": resumed, "fresh": fresh, "state": state}
 
 
 def _error_checks(topo, world: int) -> list[str]:
@@ -241,8 +240,8 @@ def test_matches_emulation_bit_for_bit(world_run):
         for backend in BACKENDS:
             for r in range(world):
                 got = ranks[r]["cases"][(rpn, name, backend)]
-                for call, em in zip(got["calls"], emulated):
-                    for i, (a, b) in enumerate(zip(call, em.outputs[r])):
+                for call, em in zip(got["calls"], emulated, strict=True):
+                    for i, (a, b) in enumerate(zip(call, em.outputs[r], strict=True)):
                         assert a.dtype == case.dtype and a.shape == b.shape, (rpn, name, backend, r, i)
                         assert torch.equal(_bits(a), _bits(b)), f"{name} rpn={rpn} {backend} rank {r} tensor {i}"
                 state = got["state"]
@@ -261,7 +260,8 @@ def test_error_within_quantizer_bound(world_run):
         rel = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[case.dtype]
         slack = 1e-6 * max(float(x.abs().max()) for per_rank in inputs for x in per_rank)
         for r in range(world):
-            for call, em in zip(ranks[r]["cases"][(rpn, name, backend)]["calls"], emulated):
+            for call, em in zip(ranks[r]["cases"][(rpn, name, backend)]["calls"], emulated, strict=True):
+                assert len(call) == len(case.shapes), (name, rpn, r)
                 for i, out in enumerate(call):
                     c = math.ceil(exact[i].numel() / world)
                     want = exact[i][r * c:r * c + out.numel()]
@@ -308,9 +308,12 @@ def test_resume_from_state_dict(world_run):
     world, ranks = world_run
     for r, res in enumerate(ranks):
         for rpn, check in res["resume"].items():
-            assert check["same"], f"rank {r} rpn {rpn}: restored reducer drew different random numbers"
+            pairs = list(zip(check["continued"], check["resumed"], strict=True))
+            differing = [i for i, (a, b) in enumerate(pairs) if not torch.equal(_bits(a), _bits(b))]
+            assert not differing, f"rank {r} rpn {rpn}: restored reducer differs on tensors {differing}"
             if world > 1:
-                assert check["fresh_differs"], f"rank {r} rpn {rpn}: the counter made no difference"
+                fresh = [torch.equal(a, b) for a, b in zip(check["continued"], check["fresh"], strict=True)]
+                assert not all(fresh), f"rank {r} rpn {rpn}: the counter made no difference ({fresh})"
     seeds = {(res["resume"][1]["state"]["quantize"]["seed"], res["resume"][1]["state"]["requantize"]["seed"])
              for res in ranks}
     flat = [s for pair in seeds for s in pair]

@@ -1,7 +1,8 @@
 """qWD weight store and the direct qW gather on real gloo ranks (world sizes 1-8, every ranks-per-node).
 
-One spawn per world size runs every case and returns plain check results; the tests below assert on them, so a
-failing check names its case. Inputs carry NaN in the ZeRO-3 padding, which must never reach a scale or a replica.
+One spawn per world size runs every case and returns what it measured (differing elements, mismatching regions,
+byte counts, error messages); the tests below assert on those values, so a failure names its case and shows what
+was measured. Inputs carry NaN in the ZeRO-3 padding, which must never reach a scale or a replica.
 A rank's shards of all parameters form one run (parameters concatenated in registration order, each padded to ps);
 the refresh quantizes each bucket of that run as a whole, so quantization groups span parameter boundaries.
 """
@@ -88,8 +89,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements differ in their bits (all of them when shape or dtype differ): 0 when identical."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel())
+    return int((_bits(a) != _bits(b)).sum())
 
 
 def _gen(*parts: int) -> torch.Generator:
@@ -135,24 +139,27 @@ def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _consistent(store: WeightStore, keys: list[int], sizes: list[int]) -> dict[str, bool]:
-    """Checksum, gathered copies equal on every rank and equal to the owners' shards, padding zero."""
+def _consistent(store: WeightStore, keys: list[int], sizes: list[int]) -> dict[str, object]:
+    """Regions the checksum finds differing, ranks whose gathered copy differs from this one, gathered elements
+    unlike the owners' shards, non-zero padding elements of the own slot (all empty or 0 when consistent)."""
     report = store.checksum()
     full = torch.cat(store.gather(keys).wait())
     world, rank = dist.get_world_size(), dist.get_rank()
     own = _own_run(store, keys)
-    return {"checksum_ok": report.ok,
-            "gathered_same_on_all_ranks": all(torch.equal(p, _wide_bits(full)) for p in _all_gather(full)),
-            "gathered_equals_owner_shards": torch.equal(_assemble(_all_gather(own), sizes, world), _wide_bits(full)),
-            "own_padding_zero": bool((own[~_valid_mask(sizes, world, rank)] == 0).all())}
+    copies = _all_gather(full)
+    return {"checksum_mismatches": report.mismatches,
+            "ranks_with_other_copies": [r for r, p in enumerate(copies) if not torch.equal(p, _wide_bits(full))],
+            "gathered_unlike_owner_shards": int((_assemble(_all_gather(own), sizes, world) != _wide_bits(full)).sum()),
+            "own_padding_nonzero": int((own[~_valid_mask(sizes, world, rank)] != 0).sum())}
 
 
-def _exact(store: WeightStore, keys: list[int], sizes: list[int], run: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Every rank's gathered copy is exactly the owners' dtype(master) runs assembled, and its own slot is its run."""
+def _inexact(store: WeightStore, keys: list[int], sizes: list[int], run: torch.Tensor, dtype: torch.dtype) -> int:
+    """Elements where this rank's gathered copy differs from the owners' dtype(master) runs assembled, plus those where
+    its own slot differs from its run (0 when exact)."""
     world = dist.get_world_size()
     full = torch.cat(store.gather(keys).wait())
-    return (torch.equal(_assemble(_all_gather(run.to(dtype)), sizes, world), _wide_bits(full))
-            and _same(_own_run(store, keys), run.to(dtype)))
+    return (int((_assemble(_all_gather(run.to(dtype)), sizes, world) != _wide_bits(full)).sum())
+            + _differing(_own_run(store, keys), run.to(dtype)))
 
 
 def _step_bound(master: torch.Tensor, before: torch.Tensor, after: torch.Tensor, buckets: list[tuple[int, int]],
@@ -210,13 +217,14 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     out: dict = {}
     masters = {k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes)}
     store.resync(masters)
-    out["resync_initial_exact"] = _exact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
-                                         dtype)
+    out["resync_initial_inexact"] = _inexact(store, keys, sizes,
+                                             _clean_run(list(masters.values()), sizes, world, rank), dtype)
     snap = stats.snapshot()
-    out["resync_counted_apart"] = (snap["weight_refresh"]["calls"] == 0 and
-                                   snap["weight_resync"]["wire_bytes"] == snap["weight_resync"]["logical_bytes"] and
-                                   (snap["weight_resync"]["calls"] > 0) == (topo.nodes > 1 or (
-                                       replica == "rank" and topo.world > 1)))
+    out["resync_counts"] = {"refresh_calls": snap["weight_refresh"]["calls"],
+                            "resync_calls": snap["weight_resync"]["calls"],
+                            "resync_wire": snap["weight_resync"]["wire_bytes"],
+                            "resync_logical": snap["weight_resync"]["logical_bytes"],
+                            "sends": topo.nodes > 1 or (replica == "rank" and topo.world > 1)}
     stats.reset()
     worst = [0.0] * steps
     for step in range(steps):
@@ -245,12 +253,12 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
                                     if gathers_inside_node else 0)
     run = _clean_run(list(masters.values()), sizes, world, rank)
     store.resync(masters)
-    out["resync_exact"] = _exact(store, keys, sizes, run, dtype)
-    out["resync_checksum_ok"] = store.checksum().ok
+    out["resync_inexact"] = _inexact(store, keys, sizes, run, dtype)
+    out["resync_checksum_mismatches"] = store.checksum().mismatches
     out["corruption"] = _corrupt(store, topo, replica, keys, sizes)
     corrupted = keys[sizes.index(max(sizes))]
     store.resync({corrupted: masters[corrupted]})
-    out["after_corruption_resync_ok"] = store.checksum().ok and _exact(store, keys, sizes, run, dtype)
+    out["after_corruption_resync"] = (store.checksum().mismatches, _inexact(store, keys, sizes, run, dtype))
     out["memory_bytes"] = (store.memory_bytes(), sum(store.shard_numel(k) for k in keys)
                            * _slots(topo, replica) * esize)
     return out
@@ -271,8 +279,9 @@ def _corrupt(store: WeightStore, topo: Topology, replica: str, keys: list[int], 
 
 
 def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, columns: int,
-                    steps: int, seed: int) -> bool:
-    """Replicas after every refresh equal a single-process run of the reference codec for every rank, bit for bit.
+                    steps: int, seed: int) -> dict[str, object]:
+    """Replicas after every refresh against a single-process run of the reference codec for every rank, bit for bit:
+    per step, the gathered and the own-slot elements that differ; and the bucket layout the case covers.
 
     Buckets hold at most `columns` elements per slot. The emulation keeps every rank's run and, per bucket, makes
     one diff_quantize and one dequantize_add_ call; the case also checks that some bucket has several parameters
@@ -292,7 +301,7 @@ def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], g
     store.resync({k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes)})
     ref = torch.stack([run_of(r, 0) for r in range(world)]).to(dtype)
     streams = [RoundingStream(seed, r, STAGE_WEIGHT_REFRESH) for r in range(world)]
-    ok = True
+    gathered, own = [], []
     for step in range(1, steps + 1):
         store.refresh({k: _master(k, rank, n, world, step) for k, n in zip(keys, sizes)})
         for r in range(world):
@@ -302,11 +311,12 @@ def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], g
                 codes, scales = reference.diff_quantize(new[start:stop], ref[r, start:stop], bits=4,
                                                         group_size=group, stochastic=True, seed=s, offset=off)
                 reference.dequantize_add_(ref[r, start:stop], codes, scales, bits=4, group_size=group)
-        ok &= _same(torch.cat(store.gather(keys).wait()), _assemble(list(ref), sizes, world))
-        ok &= _same(_own_run(store, keys), ref[rank])
+        gathered.append(_differing(torch.cat(store.gather(keys).wait()), _assemble(list(ref), sizes, world)))
+        own.append(_differing(_own_run(store, keys), ref[rank]))
     offsets = _offsets(sizes, world)
     shared = [(a, b) for a, b in buckets if b - a > group and sum(a <= off < b for off in offsets) > 1]
-    return ok and len(buckets) > 1 and bool(shared)
+    return {"gathered_differing": gathered, "own_differing": own, "buckets": len(buckets),
+            "multi_param_multi_group_buckets": len(shared)}
 
 
 def _nan_case(rpn: int, replica: str, group: int) -> dict:
@@ -335,16 +345,15 @@ def _nan_case(rpn: int, replica: str, group: int) -> dict:
     padding = ~_valid_mask(sizes, world, source)
     spanned = [k for k, off in enumerate(offsets) if expected[off:off + shard_numel(sizes[k], world)].any()]
     full = torch.cat(store.gather(keys).wait())
-    out = {"group_spans_params_and_padding": len(spanned) > 1 and bool((expected & padding).any()),
-           "gathered_nan_exactly_the_group": torch.equal(
-               torch.isnan(full.float()), _assemble([expected if r == source else empty for r in range(world)],
-                                                    sizes, world)),
-           "own_nan_exactly_the_group": torch.equal(torch.isnan(_own_run(store, keys).float()),
-                                                    expected if rank == source else empty),
-           "holders_bit_identical": store.checksum().ok}
+    nan_expected = _assemble([expected if r == source else empty for r in range(world)], sizes, world)
+    out = {"params_in_group": spanned, "padding_in_group": int((expected & padding).sum()),
+           "gathered_nan_misplaced": int((torch.isnan(full.float()) != nan_expected).sum()),
+           "own_nan_misplaced": int((torch.isnan(_own_run(store, keys).float())
+                                     != (expected if rank == source else empty)).sum()),
+           "holder_mismatches": store.checksum().mismatches}
     store.resync(masters)
-    out["resync_repairs"] = (_exact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
-                                    torch.bfloat16) and store.checksum().ok)
+    out["after_resync"] = (_inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
+                                    torch.bfloat16), store.checksum().mismatches)
     return out
 
 
@@ -355,18 +364,20 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
     world, rank = topo.world, topo.rank
     stats = CommStats()
     gatherer = DirectQuantGather(topo, bits=4, group_size=group, stochastic=True, seed=seed, stats=stats)
+    for k, n in enumerate(sizes):
+        gatherer.add(k, n)
     shards = [_master(k, rank, n, world, 3).to(dtype) for k, n in enumerate(sizes)]
-    handle = gatherer.gather(shards, sizes)
+    handle = gatherer.gather(dict(enumerate(shards)))
     full = handle.wait()
     try:
         handle.wait()
-        second_wait_raises = False
-    except RuntimeError:
-        second_wait_raises = True
+        second_wait = "returned"
+    except RuntimeError as err:
+        second_wait = str(err)
     streams = [RoundingStream(seed, r, STAGE_WEIGHT_DIRECT) for r in range(world)]
-    same = matches = True
-    for k, (n, t) in enumerate(zip(sizes, full)):
-        same &= all(torch.equal(p, _wide_bits(t)) for p in _all_gather(t))
+    other_copies, unlike_reference = [], []
+    for k, (n, t) in enumerate(zip(sizes, full, strict=True)):
+        other_copies += [(k, r) for r, p in enumerate(_all_gather(t)) if not torch.equal(p, _wide_bits(t))]
         pieces = []
         for r in range(world):
             s, off = streams[r].take(shard_numel(n, world))
@@ -376,9 +387,9 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
                                                valid=valid)
             pieces.append(reference.dequantize(codes, scales, numel=shard.numel(), bits=4, group_size=group,
                                                dtype=dtype)[:valid])
-        matches &= _same(t, torch.cat(pieces))
+        unlike_reference.append(_differing(t, torch.cat(pieces)))
     snap = stats.snapshot()["weight_gather"]
-    return {"same_on_all_ranks": same, "equals_reference": matches, "second_wait_raises": second_wait_raises,
+    return {"other_copies": other_copies, "unlike_reference": unlike_reference, "second_wait": second_wait,
             "bytes": (snap["wire_bytes"], snap["logical_bytes"])}
 
 
@@ -435,9 +446,8 @@ STORE_CASES = ("small", "big", "many")
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_replicas_bit_identical_after_refreshes(world: int) -> None:
-    bad = [(rank, name, key) for rank, name, res in _cases(world, *STORE_CASES)
-           for key in ("checksum_ok", "gathered_same_on_all_ranks", "gathered_equals_owner_shards", "own_padding_zero")
-           if not res[key]]
+    keys = ("checksum_mismatches", "ranks_with_other_copies", "gathered_unlike_owner_shards", "own_padding_nonzero")
+    bad = [(rank, name, key, res[key]) for rank, name, res in _cases(world, *STORE_CASES) for key in keys if res[key]]
     assert not bad, bad
 
 
@@ -451,11 +461,14 @@ def test_error_feedback_tracks_masters(world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_resync_restores_exact_shards(world: int) -> None:
-    bad = [(rank, name, key) for rank, name, res in _cases(world, *STORE_CASES)
-           for key in ("resync_initial_exact", "resync_counted_apart", "resync_exact", "resync_checksum_ok",
-                       "after_corruption_resync_ok")
-           if not res[key]]
-    assert not bad, bad
+    for rank, name, res in _cases(world, *STORE_CASES):
+        measured = {key: res[key] for key in ("resync_initial_inexact", "resync_inexact", "resync_checksum_mismatches",
+                                              "after_corruption_resync")}
+        assert measured == {"resync_initial_inexact": 0, "resync_inexact": 0, "resync_checksum_mismatches": [],
+                            "after_corruption_resync": ([], 0)}, (rank, name, measured)
+        counts = res["resync_counts"]
+        assert counts["refresh_calls"] == 0 and counts["resync_wire"] == counts["resync_logical"], (rank, name, counts)
+        assert (counts["resync_calls"] > 0) == counts["sends"], (rank, name, counts)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -497,20 +510,30 @@ def test_refresh_sends_quantized_bytes_across_nodes() -> None:
 
 @pytest.mark.parametrize("world", (3, 4))
 def test_replicas_equal_single_process_reference(world: int) -> None:
-    bad = [(rank, name) for rank, name, ok in _cases(world, "emulation") if not ok]
-    assert _cases(world, "emulation") and not bad, bad
+    cases = _cases(world, "emulation")
+    assert len(cases) == world * 2 * len(_divisors(world)), [name for _, name, _ in cases]
+    for rank, name, res in cases:
+        assert not any(res["gathered_differing"]) and not any(res["own_differing"]), (rank, name, res)
+        assert res["buckets"] > 1 and res["multi_param_multi_group_buckets"] > 0, (rank, name, res)
 
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_nan_in_a_new_shard_reaches_its_bucket_group_on_every_holder(world: int) -> None:
-    bad = [(rank, name, key) for rank, name, res in _cases(world, "nan") for key, ok in res.items() if not ok]
-    assert _cases(world, "nan") and not bad, bad
+    cases = _cases(world, "nan")
+    assert len(cases) == world * 2, [name for _, name, _ in cases]
+    for rank, name, res in cases:
+        assert len(res["params_in_group"]) > 1 and res["padding_in_group"] > 0, (rank, name, res)
+        measured = {key: res[key] for key in ("gathered_nan_misplaced", "own_nan_misplaced", "holder_mismatches",
+                                              "after_resync")}
+        assert measured == {"gathered_nan_misplaced": 0, "own_nan_misplaced": 0, "holder_mismatches": [],
+                            "after_resync": (0, [])}, (rank, name, measured)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_direct_quant_gather(world: int) -> None:
     for rank, name, res in _cases(world, "direct"):
-        assert res["same_on_all_ranks"] and res["equals_reference"] and res["second_wait_raises"], (rank, name, res)
+        assert res["other_copies"] == [] and not any(res["unlike_reference"]), (rank, name, res)
+        assert "already called" in res["second_wait"], (rank, name, res["second_wait"])
         wire, logical = res["bytes"]
         if world == 1:
             assert (wire, logical) == (0, 0)
