@@ -1,0 +1,337 @@
+"""Mutation testing of the test suite: hand-made mutants of the codec reference, the collectives and the ZeRO-3
+runtime, each run against the smallest test selection that covers its file; prints a score per file.
+
+A mutant is one small, plausible bug (a flipped comparison, a dropped term, a swapped constant), written as the exact
+text it replaces. The checkout is never modified: its committed state is cloned with git into a scratch folder, each
+mutant is applied there, the selection runs with that clone first on PYTHONPATH (spawned ranks inherit it), and the
+file is restored. A mutant is killed when the selection fails or times out, and survives when it passes.
+
+    python benchmarks/mutation.py                       # every file (about an hour on 2 cores)
+    python benchmarks/mutation.py --files grad_reduce --only G15 --keep  # one mutant; keep the scratch clone
+
+Output: one line per mutant, a table per file, and with --json the same as a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One bug: in `path`, the text `old` (found exactly once) becomes `new`."""
+
+    id: str
+    path: str
+    old: str
+    new: str
+    what: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """A mutated file and the tests run against its mutants."""
+
+    name: str
+    path: str
+    tests: tuple[str, ...]
+
+
+REF = "deepspeed_sdp4bit/codec/reference.py"
+GRAD = "deepspeed_sdp4bit/collectives/grad_reduce.py"
+STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
+RUNTIME = "deepspeed_sdp4bit/zero3/runtime.py"
+
+TARGETS = {
+    "reference": Target("reference", REF, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
+                                           "tests/test_codec_backends.py", "-k", "not cuda")),
+    "grad_reduce": Target("grad_reduce", GRAD, ("tests/test_grad_reduce.py", "-k", "world4 or world6")),
+    "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
+    "runtime": Target("runtime", RUNTIME, ("tests/test_zero3_training.py", "-k",
+                                           "every_replica_mode or verify_finds or paper_setting_trains and float32")),
+}
+
+MUTANTS = [
+    # codec/reference.py
+    Mutant("R01", REF, "    hi = ((x * (c >> 16)) & 0xFFFF) << 16", "    hi = ((x * (c >> 16)) & 0xFFFF) << 15",
+           "32-bit multiply: high half shifted by 15"),
+    Mutant("R02", REF, "    x = x ^ (x >> 15)", "    x = x ^ (x >> 16)", "hash: second xor-shift by 16"),
+    Mutant("R03", REF, "    x = _mul32(x, 0x846CA68B)", "    x = _mul32(x, 0x846CA68A)", "hash: constant off by one"),
+    Mutant("R04", REF, "    return (h >> 8).to(torch.float32) * (2.0**-24)",
+           "    return (h >> 9).to(torch.float32) * (2.0**-24)", "uniforms from 23 bits: u < 0.5 always"),
+    Mutant("R05", REF, "    hi = (lo >> 32) + hi0", "    hi = hi0 + 0 * lo", "counter: carry into the high word lost"),
+    Mutant("R06", REF, "        y = torch.stack((a + b, a - b), dim=2).reshape(-1)",
+           "        y = torch.stack((a + b, b - a), dim=2).reshape(-1)", "Hadamard butterfly: b - a"),
+    Mutant("R07", REF, "        y = y * (1.0 / HADAMARD_BLOCK)", "        y = y * (1.0 / 16)",
+           "inverse Hadamard scaled by 1/16"),
+    Mutant("R08", REF, "    scale = torch.where(scale < _FLT_MIN, torch.zeros_like(scale), scale)",
+           "    scale = torch.where(scale <= _FLT_MIN, torch.zeros_like(scale), scale)",
+           "FLT_MIN rule: scale FLT_MIN itself zeroed"),
+    Mutant("R09", REF, "    return torch.where(nonfinite, torch.full_like(scale, float(\"nan\")), scale)",
+           "    return scale", "a NaN/Inf group keeps a finite scale"),
+    Mutant("R10", REF, "        return torch.round(v)", "        return torch.floor(v + 0.5)",
+           "nearest rounding: ties away from zero upwards instead of to even"),
+    Mutant("R11", REF, "    return fl + (u < (v - fl)).to(torch.float32)", "    return fl + (u <= (v - fl)).to(torch.float32)",
+           "stochastic rounding: u <= frac"),
+    Mutant("R12", REF, "    u = uniform(seed, offset, v.numel(), v.device).view_as(v)",
+           "    u = uniform(seed, offset + 1, v.numel(), v.device).view_as(v)", "stochastic rounding: counter + 1"),
+    Mutant("R13", REF, "    return (((pairs[:, 0] & 0xF) << 4) | (pairs[:, 1] & 0xF)).to(torch.uint8)",
+           "    return (((pairs[:, 1] & 0xF) << 4) | (pairs[:, 0] & 0xF)).to(torch.uint8)", "nibble order swapped"),
+    Mutant("R14", REF, "        q = torch.where(q >= 8, q - 16, q)", "        q = torch.where(q >= 9, q - 16, q)",
+           "4-bit unpack: -8 read as +8"),
+    Mutant("R15", REF, "        q = torch.where(c >= 128, c - 256, c)", "        q = torch.where(c > 128, c - 256, c)",
+           "8-bit unpack: -128 read as +128"),
+    Mutant("R16", REF, "    qmax = qmax_for(bits)\n    groups = xf.view(-1, group_size)",
+           "    qmax = 100 if bits == 8 else qmax_for(bits)\n    groups = xf.view(-1, group_size)",
+           "8-bit levels +-100 instead of +-127"),
+    Mutant("R17", REF, "    q = _round(v, stochastic, seed, offset).clamp(-qmax, qmax)",
+           "    q = _round(v, stochastic, seed, offset).clamp(-qmax - 1, qmax)", "clamp admits -qmax - 1"),
+    Mutant("R18", REF, "    v = groups * inv[:, None]",
+           "    v = groups / torch.where(usable, scale, torch.ones_like(scale))[:, None]",
+           "v = x / scale (one rounding) instead of x * fl(1/scale)"),
+    Mutant("R19", REF, "    n = x.numel() if valid is None else valid", "    n = x.numel()",
+           "valid ignored: padding read"),
+    Mutant("R20", REF, "        xf = torch.cat((hadamard32(xf[:numel]), xf[numel:]))",
+           "        xf = torch.cat((hadamard32(xf[:numel], inverse=True), xf[numel:]))",
+           "quantize applies the inverse Hadamard transform"),
+    Mutant("R21", REF, "    ref.view(-1).copy_((delta + ref.view(-1).to(torch.float32)).to(ref.dtype))",
+           "    ref.view(-1).copy_(delta.to(ref.dtype) + ref.view(-1))", "dequantize_add_: two roundings"),
+    Mutant("R22", REF, "    d = _masked_fp32(new, valid, padded) - _masked_fp32(ref, valid, padded)",
+           "    d = _masked_fp32(new - ref.to(new.dtype), valid, padded)",
+           "diff_quantize subtracts in the input dtype"),
+    Mutant("R23", REF, "    z = n * ranks_per_node + l", "    z = l * nodes + n", "swizzle: node-major partitions"),
+    Mutant("R24", REF, "    for k in range(1, pieces):\n        acc = acc + values[k]",
+           "    for k in range(2, pieces):\n        acc = acc + values[k]", "reduction drops piece 1"),
+    Mutant("R25", REF, "        factor = factor * (1.0 / HADAMARD_BLOCK)", "        factor = factor * 1.0",
+           "dequantize_reduce forgets the 1/32 of the inverse transform"),
+    Mutant("R26", REF, "    if block % group_size or block % HADAMARD_BLOCK:", "    if block % group_size:",
+           "swizzle check: blocks not a multiple of 32 accepted"),
+    Mutant("R27", REF, "    out[0].copy_(result[0])\n    out[1].copy_(result[1])", "    out[0].copy_(result[0])",
+           "out=: scales not written"),
+    Mutant("R28", REF, "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]",
+           "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[-numel:]",
+           "dequantize: scales aligned to the end"),
+    # collectives/grad_reduce.py
+    Mutant("G01", GRAD, "    chunks = tuple(-(-n // world) for n in numels)", "    chunks = tuple(n // world + 1 for n in numels)",
+           "chunk size n // W + 1 (wrong when W divides n)"),
+    Mutant("G02", GRAD, "    part = max(1, -(-used // unit)) * unit", "    part = max(1, used // unit) * unit",
+           "part rounded down"),
+    Mutant("G03", GRAD, "        if rest:\n            buf[full, offset:offset + rest] = flat[full * chunk:]",
+           "        if rest and False:\n            buf[full, offset:offset + rest] = flat[full * chunk:]",
+           "the last, partial chunk of a tensor is dropped"),
+    Mutant("G04", GRAD, "    return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]",
+           "    return [part.narrow(0, offset, layout.chunks[i]) for i, offset in enumerate(layout.offsets)]",
+           "outputs not trimmed to the rank's partition"),
+    Mutant("G05", GRAD, "        return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index]))",
+           "        return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index] + 1))",
+           "partition length one too long at the end"),
+    Mutant("G06", GRAD, "    if ranks != list(range(world)):", "    if len(ranks) != world:",
+           "group check: any group of W ranks accepted"),
+    Mutant("G07", GRAD, "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * pipeline",
+           "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)", "padding unit ignores the pipeline"),
+    Mutant("G08", GRAD, "        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)",
+           "        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)",
+           "requantization reuses the quantization stage's random numbers"),
+    Mutant("G09", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:", "        if topo.nodes > 1:",
+           "one rank per node takes the two-level path"),
+    Mutant("G10", GRAD, "            self.stats.add_logical(kind, dests * layout.used * elem_size)",
+           "            self.stats.add_logical(kind, dests * layout.part * elem_size)", "logical bytes include padding"),
+    Mutant("G11", GRAD, "        seed, offset = self.quant_stream.take(flat.numel())",
+           "        seed, offset = self.quant_stream.take(layout.part)", "quantization counter advances by one part"),
+    Mutant("G12", GRAD, "        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,",
+           "        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.nodes,",
+           "requantization sums `nodes` pieces instead of ranks per node"),
+    Mutant("G13", GRAD, "                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world)",
+           "                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.nodes)",
+           "mean over nodes instead of over all ranks (scale off)"),
+    Mutant("G14", GRAD, "            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)",
+           "            return _Exchange(*_slice(codes, scales, level, run, 0), group, self.stats, kind)",
+           "one-level pipeline sends slice 0 every time"),
+    Mutant("G15", GRAD, "            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)",
+           "            requantized = self._requantize(*intra.wait(), layout.world * layout.slice_len)",
+           "requantization told the wrong length"),
+    Mutant("G16", GRAD, "            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, \"grad_inter\")",
+           "            previous, inter = inter, _Exchange(*requantized, self.topo.intra, self.stats, \"grad_inter\")",
+           "inter-node exchange over the intra-node group"),
+    Mutant("G17", GRAD, "        self.requant_stream.load_state_dict(state[\"requantize\"])",
+           "        self.requant_stream.load_state_dict(state[\"requantize\"])\n        self.requant_stream.counter = 0",
+           "resume restarts the requantization counter"),
+    Mutant("G18", GRAD, "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.requant_stream.state_dict()}",
+           "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.quant_stream.state_dict()}",
+           "checkpoint stores the quantization counter twice"),
+    Mutant("G19", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:\n            self._account(layout, flat.element_size(), (\"grad_intra\", layout.world), (\"grad_inter\", topo.nodes))",
+           "        if topo.nodes > 1 and topo.ranks_per_node > 1:\n            self._account(layout, flat.element_size(), (\"grad_intra\", layout.world), (\"grad_inter\", layout.world))",
+           "inter-node logical bytes counted for W destinations"),
+    Mutant("G20", GRAD, "            out.append(self._finish(pending, level, layout.world, dtype))",
+           "            out.append(self._finish(pending, level, layout.world - 1, dtype))",
+           "one-level reduction drops the last rank's piece"),
+    Mutant("G21", GRAD, "    if len(dtypes) != 1 or not dtypes <= FLOAT_DTYPES:", "    if not dtypes <= FLOAT_DTYPES:",
+           "tensors of mixed dtypes accepted"),
+    Mutant("G22", GRAD, "        return [t.reshape(-1).clone() for t in tensors]", "        return [t.reshape(-1)[:1].clone() for t in tensors]",
+           "one rank: outputs truncated"),
+    # collectives/weight_store.py
+    Mutant("W01", STORE, "        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)",
+           "        position = mix32((cols * 0 + 0x9E3779B9) & _M32)", "checksum blind to element positions"),
+    Mutant("W02", STORE, "        block = torch.searchsorted(first, cols, right=True) - 1",
+           "        block = torch.searchsorted(first, cols, right=False) - 1",
+           "checksum: first column of each block counted in the previous one"),
+    Mutant("W03", STORE, "        self._total += ps", "        self._total += ps + 1", "storage one column too wide per param"),
+    Mutant("W04", STORE, "        return rank if self._replica == \"rank\" else rank // self._topo.ranks_per_node",
+           "        return rank if self._replica == \"rank\" else rank % self._topo.nodes", "node replica: wrong slot"),
+    Mutant("W05", STORE, "        return slot if self._replica == \"rank\" else self._topo.global_rank(slot, self._topo.local)",
+           "        return slot if self._replica == \"rank\" else self._topo.global_rank(slot, 0)",
+           "node replica: slot owner named wrongly"),
+    Mutant("W06", STORE, "        if quantize:\n            self._exchange(", "        if True:\n            self._exchange(",
+           "refresh(quantize=False) still quantizes"),
+    Mutant("W07", STORE, "                        or self._slots * (p.offset + p.ps - run[0].offset) > self._bucket_numel):",
+           "                        or self._slots * (p.offset + p.ps - run[0].offset) > 2 * self._bucket_numel):",
+           "buckets twice as large as configured"),
+    Mutant("W08", STORE, "            if run and (p.index != run[-1].index + 1\n",
+           "            if run and (False\n", "non-adjacent parameters share a bucket"),
+    Mutant("W09", STORE, "        self._stats.add_logical(kind, self._logical(bucket))\n",
+           "", "inter-node logical bytes not counted"),
+    Mutant("W10", STORE, "            rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])",
+           "            rows = [(topo.global_rank(l % topo.nodes, n % per_node), [dst[l, n] for dst in full])",
+           "rank replica: runs routed to the wrong slots"),
+    Mutant("W11", STORE, "            pieces.append(new[p.key][:valid])\n            if valid < p.ps:",
+           "            pieces.append(new[p.key][:valid])\n            if valid < p.ps and False:",
+           "padding not zeroed in the sent run"),
+    Mutant("W12", STORE, "        seed, offset = self._stream.take(bucket.numel)",
+           "        seed, offset = self._stream.take(bucket.numel + 1)", "refresh counter advances one too far"),
+    Mutant("W13", STORE, "            codec.dequantize_add_(self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits,",
+           "            codec.dequantize_add_(self._run(self._own_slot, bucket), codes, scales, bits=self._bits,",
+           "every received delta applied to the own slot"),
+    Mutant("W14", STORE, "        if self._slots == self._topo.world:", "        if self._replica == \"rank\":",
+           "one-rank-per-node node replica gathers over a group of one"),
+    Mutant("W15", STORE, "            result.append(block.transpose(0, 1).reshape(-1)[:p.numel])",
+           "            result.append(block.reshape(-1)[:p.numel])", "gathered shards in node-major order"),
+    Mutant("W16", STORE, "        comm.all_reduce(low, holders, ReduceOp.MIN, \"sdp4bit_weight_checksum\")",
+           "        comm.all_reduce(low, holders, ReduceOp.MAX, \"sdp4bit_weight_checksum\")", "checksum never differs"),
+    Mutant("W17", STORE, "            flags[:, self._source(slot)] = differ[:, slot].to(torch.int32)",
+           "            flags[:, slot] = differ[:, slot].to(torch.int32)", "checksum names the slot, not the owner"),
+    Mutant("W18", STORE, "        self._stream.load_state_dict(state[\"rounding\"])", "        return None",
+           "rounding counter not restored"),
+    Mutant("W19", STORE, "        if self._replica == \"node\" or per_node == 1:", "        if self._replica == \"node\":",
+           "rank replica on one rank per node gathers inside a node of one"),
+    Mutant("W20", STORE, "        return [self._own_values(bucket, new).to(self._dtype)]",
+           "        return [self._own_values(bucket, new).to(torch.bfloat16).to(self._dtype)]",
+           "resync values rounded through bf16"),
+    Mutant("W21", STORE, "        if self._finish is None:\n            raise RuntimeError",
+           "        if False:\n            raise RuntimeError", "a gather handle completes twice"),
+    Mutant("W22", STORE, "        return ChecksumReport(ok=not mismatches, mismatches=mismatches, regions=len(params) * topo.world)",
+           "        return ChecksumReport(ok=not mismatches, mismatches=mismatches[:1], regions=len(params) * topo.world)",
+           "checksum names only the first mismatch"),
+    # zero3/runtime.py
+    Mutant("Z01", RUNTIME, "        return self.engine.global_steps >= self.config.quantization_start_step",
+           "        return self.engine.global_steps > self.config.quantization_start_step",
+           "quantization starts one step late"),
+    Mutant("Z02", RUNTIME, "            self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())",
+           "            self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=True)",
+           "weights quantized before the start step"),
+    Mutant("Z03", RUNTIME, "        if self.reducer is None or not self.quantizing():", "        if self.reducer is None:",
+           "gradients quantized before the start step"),
+    Mutant("Z04", RUNTIME, "                          group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,\n                          group_inter=cfg.gq_group_size_inter,",
+           "                          group_intra=cfg.gq_group_size_inter, bits_inter=cfg.gradient_quantization_bits_inter,\n                          group_inter=cfg.gq_group_size_intra,",
+           "gradient group sizes swapped"),
+    Mutant("Z05", RUNTIME, "                          group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,",
+           "                          group_inter=cfg.gq_group_size_inter, hadamard=False,", "Hadamard setting ignored"),
+    Mutant("Z06", RUNTIME, "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
+           "                          pipeline=1, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
+           "pipeline setting ignored"),
+    Mutant("Z07", RUNTIME, "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
+           "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=0,",
+           "gradient seed ignored"),
+    Mutant("Z08", RUNTIME, "        return TLqReducer(self.topology, bits_intra=cfg.gradient_quantization_bits_intra,",
+           "        return TLqReducer(self.topology, bits_intra=8,", "intra-node gradient bits fixed at 8"),
+    Mutant("Z09", RUNTIME, "                            group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,\n                            stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size,",
+           "                            group_size=cfg.wq_group_size, stochastic=not cfg.stochastic_rounding, seed=cfg.seed,\n                            stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size,",
+           "weight rounding mode inverted"),
+    Mutant("Z10", RUNTIME, "        self._write_ds_tensors(list(self.params))\n\n    def gather(",
+           "\n    def gather(", "ds_tensor not set to w~ after a refresh"),
+    Mutant("Z11", RUNTIME, "        if not report.ok:\n            self.checksum_mismatches += 1",
+           "        if False:\n            self.checksum_mismatches += 1", "verify never repairs"),
+    Mutant("Z12", RUNTIME, "        if interval and self.store is not None and self.optimizer_steps % interval == 0:",
+           "        if interval and self.store is not None and self.optimizer_steps % interval == 1:",
+           "verification on the wrong steps"),
+]
+
+
+def apply(clone: Path, mutant: Mutant) -> str:
+    """Write the mutant into the clone; returns the original text of the file."""
+    path = clone / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise SystemExit(f"{mutant.id}: the text to replace occurs {text.count(mutant.old)} times in {mutant.path}")
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return text
+
+
+def run_tests(clone: Path, tests: tuple[str, ...], timeout: float, env: dict[str, str]) -> tuple[str, float, str]:
+    """('pass' | 'fail' | 'timeout', seconds, last lines) of pytest over `tests` in the clone."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start, ""
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    return ("pass" if done.returncode == 0 else "fail"), time.monotonic() - start, tail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", default=",".join(TARGETS), help="comma-separated targets: " + ", ".join(TARGETS))
+    parser.add_argument("--only", nargs="*", default=None, help="mutant ids to run (default: all of the files)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/sdp4bit-mutation"), help="scratch folder")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch clone afterwards")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    targets = [TARGETS[name] for name in args.files.split(",")]
+    if args.work.exists():
+        shutil.rmtree(args.work)
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(args.work), "SDP4BIT_HYPOTHESIS_PROFILE": "ci",
+           "TORCH_EXTENSIONS_DIR": str(args.work / ".torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
+    results = []
+    try:
+        for target in targets:
+            status, baseline, tail = run_tests(args.work, target.tests, 3600, env)
+            print(f"{target.name}: unmutated selection {status} in {baseline:.0f} s", flush=True)
+            if status != "pass":
+                raise SystemExit(f"{target.name}: the selection fails without a mutant:\n{tail}")
+            for mutant in (m for m in MUTANTS if m.path == target.path and (args.only is None or m.id in args.only)):
+                original = apply(args.work, mutant)
+                try:
+                    status, seconds, tail = run_tests(args.work, target.tests, 3 * baseline + 120, env)
+                finally:
+                    (args.work / mutant.path).write_text(original)
+                outcome = "survived" if status == "pass" else "killed"
+                results.append({**asdict(mutant), "target": target.name, "outcome": outcome, "status": status,
+                                "seconds": round(seconds, 1)})
+                print(f"{mutant.id} {outcome:8} {status:7} {seconds:6.0f} s  {mutant.what}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.work, ignore_errors=True)
+    print("\n| file | mutants | killed | survived | score |\n|---|---|---|---|---|")
+    for target in targets:
+        mine = [r for r in results if r["target"] == target.name]
+        killed = sum(r["outcome"] == "killed" for r in mine)
+        if mine:
+            print(f"| {target.path} | {len(mine)} | {killed} | {len(mine) - killed} | {100 * killed / len(mine):.0f}% |")
+    print("survivors:", [(r["id"], r["what"]) for r in results if r["outcome"] == "survived"])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
