@@ -126,3 +126,16 @@ def test_scale_is_absmax_over_seven_or_127(x: np.ndarray, bits: int) -> None:
     want = absmax / qmax
     want[want < np.float32(FLT_MIN)] = 0.0
     assert np.array_equal(scales.numpy(), want)
+
+
+@pytest.mark.parametrize("bits,x", [(4, -1.6369616985321045), (8, -1.2697867155075073)], ids=["4bit", "8bit"])
+def test_clamp_binds_when_v_rounds_past_qmax(bits: int, x: float) -> None:
+    """x alone in its group: fp32 v = x * fl(1 / fl(|x| / qmax)) is -qmax minus one ulp, so floor(v) = -qmax - 1.
+    Seed 42 draws u * 2^24 = 16777212 at counter 2273359, above v's fraction, so the rounding picks floor(v); the
+    level must still be -qmax (a group never decodes beyond its abs-max)."""
+    qmax = {4: 7, 8: 127}[bits]
+    v = np.float32(x) * (np.float32(1.0) / (np.float32(-x) / np.float32(qmax)))
+    assert v < -qmax and int((R.uniform(42, 2273359, 1) * 2**24).item()) == 16777212
+    codes, _ = R.quantize(torch.tensor([x] + [0.0] * 31), bits=bits, group_size=32, stochastic=True, seed=42,
+                          offset=2273359)
+    assert R.unpack(codes, bits, 32)[0].item() == -qmax

@@ -331,3 +331,35 @@ def test_stochastic_rounding_formula():
     u = R.uniform(42, 1000, 4096)
     want = torch.floor(x) + (u < x - torch.floor(x)).float()
     assert torch.equal(q, want)
+
+
+def test_out_buffers_receive_every_output():
+    """With `out`, every producing op writes all of its outputs into the caller's buffers (garbage there before) and
+    returns them, with the same bits as without `out`."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(6))
+    kw = dict(bits=4, group_size=128, stochastic=True, seed=3, offset=5)
+
+    def garbage_codes(nbytes: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((nbytes,), 0xAB, dtype=torch.uint8), torch.full((groups,), float("nan"))
+
+    def same(got, want, buffers) -> None:
+        for g, w, b in zip(got, want, buffers, strict=True):
+            assert g is b and torch.equal(g, w)
+
+    swizzle = dict(nodes=2, ranks_per_node=2, slices=1, **kw)
+    drq = dict(pieces=2, in_bits=4, in_group=128, out_bits=8, out_group=256, stochastic=True, seed=4)
+    codes, scales = R.quantize(x, **kw)
+    cases = [(R.quantize, (x,), kw, garbage_codes(2048, 32)),
+             (R.swizzle_quantize, (x,), swizzle, garbage_codes(2048, 32)),
+             (R.diff_quantize, (x, x.flip(0)), kw, garbage_codes(2048, 32)),
+             (R.dequantize_reduce_quantize, (codes, scales), drq, garbage_codes(2048, 8))]
+    for op, args, options, buffers in cases:
+        same(op(*args, **options, out=buffers), op(*args, **options), buffers)
+    values_cases = [(R.dequantize, dict(numel=4096, bits=4, group_size=128), 4096, torch.bfloat16),
+                    (R.dequantize_reduce, dict(pieces=2, bits=4, group_size=128, hadamard=True, mul=0.5), 2048,
+                     torch.float16)]
+    for op, options, numel, dtype in values_cases:
+        out = torch.full((numel,), float("nan"), dtype=dtype)
+        same([op(codes, scales, **options, out=out)], [op(codes, scales, **options, dtype=dtype)], [out])
+    out = torch.full((4096,), float("nan"))
+    same([R.hadamard32(x, out=out)], [R.hadamard32(x)], [out])
