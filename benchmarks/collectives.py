@@ -5,8 +5,9 @@
                                              and bf16: qWD refresh, replica gather, TLq, TLq-HS, pipelined
                                              TLq-HS, and the plain torch all-gather and reduce-scatter as
                                              baselines in the same run.
-  python benchmarks/collectives.py --error   TLq's relative L2 error on the heavy-tailed gradients of
-                                             shared/tools/grad_error.py (4 nodes x 8 ranks, 2^20 values),
+  python benchmarks/collectives.py --error   TLq's relative L2 error on the heavy-tailed synthetic
+                                             gradients (Student-t(3) with log-normal row scales; 4 nodes x
+                                             8 ranks, 2^20 values),
                                              through the real TLqReducer: 32 ranks as threads on torch's
                                              threaded process group, or with --processes as 32 real gloo
                                              processes (about 16 GB of memory: too much beside other work
@@ -253,7 +254,8 @@ def run_json(numel: int, warmup: int, iters: int) -> None:
 
 
 def heavy_tailed_gradients(world: int, numel: int) -> torch.Tensor:
-    """The gradients of shared/tools/grad_error.py: same seed, same draws in the same order, one row per rank."""
+    """Heavy-tailed synthetic gradients, one row per rank: Student-t(3) values, a shared part plus a per-rank part,
+    times log-normal scales per 1024-element row (seed 0, so every run draws the same)."""
     torch.manual_seed(0)
     base = torch.distributions.StudentT(3.0).sample((numel,))
     rowscale = torch.exp(torch.randn(numel // 1024).repeat_interleave(1024))

@@ -1,8 +1,8 @@
 """Tokenize a text dataset into the memory-mapped token file that train_gpt.py trains on.
 
-The seed's preprocessing step (Megatron's preprocess_data.py with --append-eod and GPT-2 BPE) in our terms:
+The original implementation's preprocessing step (Megatron's preprocess_data.py with --append-eod and GPT-2 BPE) in our terms:
 
-  # the seed's data: the Pile through `datasets`, GPT-2's vocab.json and merges.txt
+  # the original's data: the Pile through `datasets`, GPT-2's vocab.json and merges.txt
   python examples/prepare_data.py --input EleutherAI/the_pile_deduplicated --vocab_file vocab.json \
       --merge_file merges.txt --output_prefix data/pile/tokens --num_proc 16
   # local files (jsonl, json, txt, csv or parquet) and any tokenizer by path or hub name
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text_column", default="text", help="column holding the document text")
     p.add_argument("--output_prefix", required=True, help="writes PREFIX.bin, PREFIX.docs.npy and PREFIX.json")
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--vocab_file", help="GPT-2 BPE vocab.json (with --merge_file), as in the seed")
+    tok.add_argument("--vocab_file", help="GPT-2 BPE vocab.json (with --merge_file), as in the original")
     tok.add_argument("--tokenizer", help="any transformers tokenizer: a local path or a hub name")
     p.add_argument("--merge_file", help="GPT-2 BPE merges.txt (with --vocab_file)")
     p.add_argument("--bpe_vocab_size", type=int, default=2048,
@@ -150,7 +150,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
 
 
 def gpt2_bpe(vocab_file: str, merge_file: str):
-    """GPT-2's tokenizer from its vocab.json and merges.txt, the seed's files."""
+    """GPT-2's tokenizer from its vocab.json and merges.txt, the files the original uses."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))

@@ -9,7 +9,7 @@ Launch it the DeepSpeed way; SDP4Bit is switched on by the "sdp4bit" block of th
       --deepspeed_config configs/cpu/tiny_sdp4bit.json --data data/pydoc/tokens        # CPU ranks, no GPU
   torchrun --nproc_per_node 2 examples/train_gpt.py ...                                 # also works
 
-The model card (--model) supplies the seed's settings: shape, learning rate and schedule, batch sizes,
+The model card (--model) supplies the original implementation's settings: shape, learning rate and schedule, batch sizes,
 iterations, precision; every one can be overridden by its flag. The trainer owns those settings and writes
 the matching DeepSpeed keys (batch sizes, gradient clipping, bf16/fp16) into the config it hands DeepSpeed;
 a config file that sets one of them must agree with the trainer, or the run stops and says which flag to use.
@@ -182,7 +182,7 @@ def _agree(config: dict, key: str, value: Any, flag: str) -> None:
 
 
 def _set_precision(config: dict, precision: str) -> None:
-    """bf16/fp16 blocks follow --precision; fp16 gets the seed's dynamic loss scaling unless the config sets it."""
+    """bf16/fp16 blocks follow --precision; fp16 gets the original's dynamic loss scaling unless the config sets it."""
     for name in ("bf16", "fp16"):
         block = config.setdefault(name, {})
         enabled = precision == name
@@ -226,7 +226,7 @@ def zero_stage(config: dict) -> int:
 
 # ----------------------------------------------------------------------------------------------- data
 class SyntheticTokens:
-    """Random tokens for speed tests (the seed's --mock-data): every window is a seeded draw."""
+    """Random tokens for speed tests (the original's --mock-data): every window is a seeded draw."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
         self.vocab_size, self.seed, self.eod_id = vocab_size, seed, vocab_size - 1
