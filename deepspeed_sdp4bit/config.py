@@ -80,7 +80,7 @@ class SDP4BitConfig(BaseModel):
         "a full copy on every rank (the paper's layout: gathers are local copies, memory = one more model per rank); "
         "`\"off\"` no replica (only with `weight_quantization: \"direct\"`)"))
     weight_quantization: Literal["difference", "direct"] = Field("difference", description=(
-        "`\"difference\"` is qWD; `\"direct\"` quantizes the weights themselves at every gather (qW, the "
+        "`\"difference\"` is qWD; `\"direct\"` quantizes the weights themselves once per optimizer step (qW, the "
         "ZeRO++-style baseline of the paper's ablation; it hurts at 4 bits)"))
     stochastic_rounding: bool = Field(True, description=(
         "stochastic rounding (reproducible: a counter-based hash, no RNG state) or round-to-nearest"),

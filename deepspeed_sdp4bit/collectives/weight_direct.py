@@ -1,15 +1,23 @@
-"""qW: the direct weight-quantization ablation (ZeRO++ qwZ-style, at 4 bits), kept to reproduce the paper's baseline.
+"""qW: the direct weight-quantization ablation (the paper's ZeRO++/QSDP-style 4-bit weights), kept to reproduce it.
 
-Each rank quantizes the valid part of its own shard of every parameter (groups restart at each shard), the codes
-and scales are all-gathered over the world, and every rank, the owner included, rebuilds the full parameters from
-the dequantized values. There is no persistent replica and no error feedback, so the quantization error of the
-weights themselves enters forward and backward on every step: this is the biased baseline that the paper shows
-losing up to 12% validation loss at 4 bits. Use qWD (`weight_store.WeightStore`) for training.
+Once per optimizer step each rank quantizes the valid part of its own shard of every parameter (stochastic rounding,
+groups restarting at each shard) and keeps the codes; every gather in that step (forward, backward, recomputation,
+every micro-batch, evaluation) all-gathers those same codes and scales over the world, and every rank, the owner
+included, rebuilds the full parameters from the dequantized values. So one step computes with one quantized copy of
+the weights, as in the original, where each owner's 16-bit shard is quantized once per step before the parameter
+all-gather. The exact weights stay in DeepSpeed's ds_tensor and fp32 masters; nothing feeds the quantization error
+back, so the weights' own error enters every step: the biased baseline that the paper shows losing up to 12%
+validation loss at 4 bits. Use qWD (`weight_store.WeightStore`) for training.
+
+Random draws: step s quantizes parameter k with the counter range [s * T + o_k, s * T + o_k + ps_k) of this rank's
+`RoundingStream` (T = sum of all shard sizes, o_k the prefix sum), so the draws do not depend on the order or the
+number of gathers, a codes buffer dropped by `forget` is rebuilt identically from the same shard, and a checkpointed
+counter resumes the same draws.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -24,7 +32,13 @@ from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
 
 
 class DirectQuantGather:
-    """All-gather of ZeRO-3 shards as quantized weights (every rank uses the dequantized values)."""
+    """All-gather of ZeRO-3 shards as 4/8-bit weights quantized once per optimizer step (every rank uses the
+    dequantized values).
+
+    Register every parameter with `add` (same keys on every rank), call `new_step()` after each optimizer step
+    (the next gather quantizes the updated shards with fresh draws) and `forget(keys)` when a shard was rewritten
+    in the middle of a step (a checkpoint load, an edit under GatheredParameters).
+    """
 
     def __init__(self, topo: Topology, *, bits: int, group_size: int, stochastic: bool, seed: int,
                  stats: CommStats) -> None:
@@ -33,77 +47,111 @@ class DirectQuantGather:
         self._bits, self._group_size, self._stochastic = bits, group_size, stochastic
         self._stats = stats
         self._stream = RoundingStream(seed, topo.rank, STAGE_WEIGHT_DIRECT)
+        self._numels: dict[int, int] = {}
+        self._offsets: dict[int, int] = {}
+        self._total = 0
+        self._encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def gather(self, shards: Sequence[torch.Tensor], numels: Sequence[int]) -> GatherHandle:
-        """Start gathering the parameters whose own shards are `shards` (ps = ceil(n/W) elements each)."""
-        if len(shards) != len(numels):
-            raise ValueError(f"gather: {len(shards)} shards but {len(numels)} numels")
-        world = self._topo.world
-        sizes = [shard_numel(n, world) for n in numels]
-        for i, (shard, n, ps) in enumerate(zip(shards, numels, sizes)):
-            if shard.numel() != ps or not shard.is_contiguous() or shard.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"gather: shard {i} of a {n}-element parameter must be a contiguous float tensor of "
-                                 f"ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}")
-        if not shards:
+    def add(self, key: int, numel: int) -> None:
+        """Register a parameter of `numel` elements (same keys, same order, on every rank)."""
+        if key in self._numels:
+            raise ValueError(f"add: key {key} is already registered")
+        if not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
+        self._numels[key] = numel
+        self._offsets[key] = self._total
+        self._total += shard_numel(numel, self._topo.world)
+
+    def new_step(self) -> None:
+        """An optimizer step changed the shards: drop this step's codes and move to the next step's draws."""
+        self._encoded.clear()
+        self._stream.take(self._total)
+
+    def forget(self, keys: Iterable[int] | None = None) -> None:
+        """Drop the codes of these parameters (all if None): their shards were rewritten within the step."""
+        for key in self._numels if keys is None else keys:
+            self._encoded.pop(key, None)
+
+    def gather(self, shards: Mapping[int, torch.Tensor]) -> GatherHandle:
+        """Start gathering the parameters whose own shards are `shards` (key -> ps = ceil(n/W) elements)."""
+        keys = sorted(shards)
+        for key in keys:
+            self._check_shard(key, shards[key])
+        if not keys:
             return GatherHandle([], list)
-        codes, scales = self._encode(shards, numels, sizes)
+        encoded = [self._codes(key, shards[key]) for key in keys]
+        codes = torch.cat([c for c, _ in encoded])
+        scales = torch.cat([s for _, s in encoded])
+        dtypes = [shards[key].dtype for key in keys]
+        world = self._topo.world
         if world == 1:
-            return GatherHandle([], lambda: self._decode(codes.view(1, -1), scales.view(1, -1), shards, numels))
-        self._stats.add_logical(GATHER_KIND, sum(ps * s.element_size() for ps, s in zip(sizes, shards)))
+            return GatherHandle([], lambda: self._decode(codes.view(1, -1), scales.view(1, -1), keys, dtypes))
+        self._stats.add_logical(GATHER_KIND, sum(shards[key].numel() * shards[key].element_size() for key in keys))
         all_codes = codes.new_empty(world, codes.numel())
         all_scales = scales.new_empty(world, scales.numel())
         works = [comm.all_gather_into_tensor(all_codes.view(-1), codes, None, self._stats, GATHER_KIND, "codes",
                                              async_op=True),
                  comm.all_gather_into_tensor(all_scales.view(-1), scales, None, self._stats, GATHER_KIND, "scales",
                                              async_op=True)]
-        return GatherHandle(works, lambda: self._decode(all_codes, all_scales, shards, numels))
+        return GatherHandle(works, lambda: self._decode(all_codes, all_scales, keys, dtypes))
 
-    def _encode(self, shards: Sequence[torch.Tensor], numels: Sequence[int], sizes: list[int]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's shards quantized into one codes buffer and one scales buffer of rank-independent sizes."""
-        rank, world = self._topo.rank, self._topo.world
-        code_sizes = [codes_nbytes(ps, self._bits) for ps in sizes]
-        scale_sizes = [num_groups(ps, self._group_size) for ps in sizes]
-        device = shards[0].device
-        codes = torch.zeros(sum(code_sizes), dtype=torch.uint8, device=device)
-        scales = torch.zeros(sum(scale_sizes), dtype=torch.float32, device=device)
-        co = so = 0
-        for shard, n, ps, nc, ns in zip(shards, numels, sizes, code_sizes, scale_sizes):
-            seed, offset = self._stream.take(ps)
+    def _check_shard(self, key: int, shard: torch.Tensor) -> None:
+        """A registered parameter's own shard: contiguous float, ceil(n/W) elements."""
+        if key not in self._numels:
+            raise KeyError(f"gather: parameter key {key} is not registered")
+        n, world = self._numels[key], self._topo.world
+        ps = shard_numel(n, world)
+        if shard.numel() != ps or not shard.is_contiguous() or shard.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"gather: shard of key {key} (a {n}-element parameter) must be a contiguous float tensor "
+                             f"of ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}")
+
+    def _codes(self, key: int, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's codes and scales of this rank's shard of `key`, quantized at its first gather in the step.
+
+        The buffers are sized for the whole shard (rank-independent); only the valid prefix is quantized.
+        """
+        if key not in self._encoded:
+            n, world, rank = self._numels[key], self._topo.world, self._topo.rank
+            ps = shard_numel(n, world)
+            codes = torch.zeros(codes_nbytes(ps, self._bits), dtype=torch.uint8, device=shard.device)
+            scales = torch.zeros(num_groups(ps, self._group_size), dtype=torch.float32, device=shard.device)
             valid = valid_numel(n, world, rank)
             if valid:
                 c, s = codec.quantize(shard, bits=self._bits, group_size=self._group_size,
-                                      stochastic=self._stochastic, seed=seed, offset=offset, valid=valid)
-                codes[co:co + nc].copy_(c)
-                scales[so:so + ns].copy_(s)
-            co, so = co + nc, so + ns
-        return codes, scales
+                                      stochastic=self._stochastic, seed=self._stream.seed,
+                                      offset=(self._stream.counter + self._offsets[key]) % (1 << 64), valid=valid)
+                codes.copy_(c)
+                scales.copy_(s)
+            self._encoded[key] = (codes, scales)
+        return self._encoded[key]
 
-    def _decode(self, all_codes: torch.Tensor, all_scales: torch.Tensor, shards: Sequence[torch.Tensor],
-                numels: Sequence[int]) -> list[torch.Tensor]:
+    def _decode(self, all_codes: torch.Tensor, all_scales: torch.Tensor, keys: list[int],
+                dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Rebuild each full parameter (n elements, the shard dtype) from every rank's [world, buffer] row."""
         world = self._topo.world
         result = []
         co = so = 0
-        for shard, n in zip(shards, numels):
+        for key, dtype in zip(keys, dtypes):
+            n = self._numels[key]
             ps = shard_numel(n, world)
-            full = torch.empty(world * ps, dtype=shard.dtype, device=shard.device)
+            full = torch.empty(world * ps, dtype=dtype, device=all_codes.device)
             for src in range(world):
                 valid = valid_numel(n, world, src)
                 if valid:
                     full[src * ps:src * ps + valid] = codec.dequantize(
                         all_codes[src, co:co + codes_nbytes(valid, self._bits)],
                         all_scales[src, so:so + num_groups(valid, self._group_size)],
-                        numel=valid, bits=self._bits, group_size=self._group_size, dtype=shard.dtype)
+                        numel=valid, bits=self._bits, group_size=self._group_size, dtype=dtype)
             result.append(full[:n])
             co += codes_nbytes(ps, self._bits)
             so += num_groups(ps, self._group_size)
         return result
 
     def state_dict(self) -> dict:
-        """The stochastic-rounding counter, so a resumed run draws the same random numbers."""
+        """The stochastic-rounding counter (the start of this step's draws), so a resumed run draws the same."""
         return {"rounding": self._stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the stochastic-rounding counter written by `state_dict`."""
+        """Restore the counter written by `state_dict`; the codes are rebuilt at the next gather."""
         self._stream.load_state_dict(state["rounding"])
+        self._encoded.clear()

@@ -119,10 +119,13 @@ class SDP4BitRuntime:
         return store
 
     def _make_direct(self) -> DirectQuantGather:
-        """The qW ablation's per-gather quantizer."""
+        """The qW ablation's gather, with the served parameters registered: one quantized copy per optimizer step."""
         cfg = self.config
-        return DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
-                                 stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
+        direct = DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
+                                   stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
+        for key, param in self.params.items():
+            direct.add(key, param.ds_numel)
+        return direct
 
     def _make_reducer(self) -> TLqReducer:
         """TLq, the two-level quantized gradient reduce-scatter."""
@@ -166,7 +169,10 @@ class SDP4BitRuntime:
             self.params[key].ds_tensor.data.copy_(self.store.own_shard(key))
 
     def resync(self, keys: Sequence[int] | None = None) -> None:
-        """Full-precision rebuild of the replicas from every rank's ds_tensor (collective)."""
+        """Full-precision rebuild of the replicas from every rank's ds_tensor (collective); under qW, drop this
+        step's codes of these parameters so their next gather quantizes the rewritten shards (local)."""
+        if self.direct is not None:
+            self.direct.forget(None if keys is None else [k for k in keys if k in self.params])
         if self.store is None:
             return
         keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
@@ -187,9 +193,13 @@ class SDP4BitRuntime:
 
         Every GatheredParameters(modifier_rank=k) exit rewrites ds_tensor, also when nothing was modified
         (save_16bit_model reads each layer that way); one flag all-reduce then replaces a full-precision resync.
+        Under qW this step's codes of these parameters are dropped instead (local): the next gather requantizes
+        ds_tensor with the same draws, which gives the same codes when nothing was modified.
         """
-        keys = sorted(k for k in keys if k in self.params) if self.store is not None else []
-        if not keys:
+        keys = sorted(k for k in keys if k in self.params)
+        if self.direct is not None:
+            self.direct.forget(keys)
+        if self.store is None or not keys:
             return
         written = any(not self._ds_tensor_is_w(k) for k in keys)
         flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
@@ -231,7 +241,7 @@ class SDP4BitRuntime:
             if self.store is not None:
                 inner = self.store.gather([p.ds_id for p in params])
             else:
-                inner = self.direct.gather([p.ds_tensor for p in params], [p.ds_numel for p in params])
+                inner = self.direct.gather({p.ds_id: p.ds_tensor for p in params})
         return ParamGatherHandle(params, inner)
 
     def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -260,6 +270,8 @@ class SDP4BitRuntime:
     def after_step(self) -> None:
         """Called once per successful optimizer step, before DeepSpeed's own post-step work."""
         self.refresh()
+        if self.direct is not None:
+            self.direct.new_step()
         self._mark_weights_written()
         self.optimizer_steps += 1
         interval = self.config.verify_interval
