@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .. import codec
 from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
 from ..log import logger
-from ..topology import build_topology
+from ..topology import Topology, build_topology
 from . import patches
 from .checks import check_ds_config, check_engine
 from .compat import check_deepspeed
@@ -140,20 +140,37 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
     return runtime
 
 
+def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
+    """Which TLq levels quantize on this topology: one node has no inter-node level, one rank per node no
+    intra-node level, so the log never claims a bit width that no message uses."""
+    intra = f"{cfg.gradient_quantization_bits_intra}-bit g{cfg.gq_group_size_intra} inside the node"
+    inter = f"{cfg.gradient_quantization_bits_inter}-bit g{cfg.gq_group_size_inter} across nodes"
+    if topo.world == 1:
+        return "not quantized (a single rank reduces nothing)"
+    if topo.nodes == 1:
+        return f"{intra} only (one node: no inter-node level)"
+    if topo.ranks_per_node == 1:
+        return f"{inter} only (one rank per node: no intra-node level)"
+    return f"{intra}, then {inter}"
+
+
 def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
-    """The one line (rank 0) that says what SDP4Bit does in this run."""
+    """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype."""
     topo, cfg = runtime.topology, runtime.config
     weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, replica "
-               f"{cfg.weight_replica}" if runtime.store or runtime.direct else "off")
-    grads = (f"{cfg.gradient_quantization_bits_intra}/{cfg.gradient_quantization_bits_inter}-bit "
-             f"g{cfg.gq_group_size_intra}/{cfg.gq_group_size_inter}, hadamard {cfg.hadamard_transform}, pipeline "
-             f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer else "off")
+               f"{cfg.weight_replica}" if runtime.store or runtime.direct
+               else "not quantized (DeepSpeed's own gathers)")
+    grads = (f"{_gradient_levels(topo, cfg)}, hadamard {cfg.hadamard_transform}, pipeline "
+             f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer
+             else "not quantized (DeepSpeed's own reduce-scatter)")
+    comm_dtype = str(runtime.engine.communication_data_type).removeprefix("torch.")
     memory = runtime.store.memory_bytes() if runtime.store else 0
     served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
     if topo.rank == 0:
         logger.info(f"sdp4bit active: topology {topo.describe()}; codec {codec_status}; weights {weights} "
                     f"({len(runtime.params)} params, {served:.1%} of the model's elements, replica "
-                    f"{memory / 2**20:.1f} MiB/rank); gradients {grads}; "
+                    f"{memory / 2**20:.1f} MiB/rank); gradients {grads}, from {comm_dtype} "
+                    f"(communication_data_type); "
                     f"quantization from step {cfg.quantization_start_step}")
 
 
