@@ -39,8 +39,9 @@ class SDP4BitConfig(BaseModel):
 
     enabled: bool = Field(True, description="`false` leaves DeepSpeed untouched (so a block can stay in the file)")
     quantized_weights: bool = Field(False, description=(
-        "qWD: after each optimizer step, all-gather 4-bit differences between the fp32 master and the model weights "
-        "instead of gathering weights in 16 bits"), json_schema_extra={"flag": "--quantized-weights"})
+        "qWD: after each optimizer step, all-gather 4-bit differences between the updated weights in the parameters' "
+        "dtype (DeepSpeed's ds_tensor after the step, e.g. bf16, not the fp32 masters) and the model weights every "
+        "holder keeps (w~), instead of gathering weights in 16 bits"), json_schema_extra={"flag": "--quantized-weights"})
     weight_quantization_bits: Literal[4, 8] = Field(4, description="bits of the weight differences: 4 or 8",
                                                     json_schema_extra={"flag": "--weight-quantization-bits"})
     wq_group_size: int = Field(2048, description=(
