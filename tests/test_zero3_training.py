@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero3_harness as H
+import zero3_recording as R
 from dist_harness import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,7 @@ def _ds_tensors_equal_replicas(runtime: Any) -> tuple[bool, list[torch.Tensor]]:
     keys = sorted(runtime.params)
     full = runtime.store.gather(keys).wait()
     equal = True
-    for key, tensor in zip(keys, full):
+    for key, tensor in zip(keys, full, strict=True):
         shard = runtime.store.shard_numel(key)
         valid = runtime.store.valid_numel(key, rank)
         own = runtime.params[key].ds_tensor.reshape(-1)[:valid]
@@ -103,10 +104,11 @@ def _paper_run(dtype_name: str) -> dict[str, Any]:
     comms_logger.comms_dict = {}
     config = {**H.ds_config(dtype, sdp4bit=PAPER), "comms_logger": COMMS_LOGGER}
     engine = H.make_engine(config)
+    log = R.record(engine, -1)
     losses = H.train_steps(engine, 0, 39)
     before = {k: engine.sdp4bit.store.own_shard(k).clone() for k in engine.sdp4bit.params}
     losses += H.train_steps(engine, 39, 40)
-    return {"baseline": baseline, "sdp4bit": losses, **_invariants(engine, before)}
+    return {"baseline": baseline, "sdp4bit": losses, "config": config, "log": log, **_invariants(engine, before)}
 
 
 def _global_loss(results: list[dict[str, Any]], key: str) -> list[float]:
@@ -124,13 +126,17 @@ def test_paper_setting_trains_like_baseline_with_exact_replicas(dtype_name: str)
     assert base_tail <= 0.7 * base[0] and our_tail <= 0.7 * ours[0], (base[0], base_tail, ours[0], our_tail)
     for rank, result in enumerate(results):
         assert result["checksum_ok"] and result["ds_tensor_equals_w"] and result["master_within_step"], rank
-        for mine, theirs in zip(result["gathered"], first["gathered"]):
+        for mine, theirs in zip(result["gathered"], first["gathered"], strict=True):
             assert torch.equal(mine, theirs), f"rank {rank} holds different model weights than rank 0"
-        _check_bytes(result["stats"], result["logged"], dtype_name)
+        _check_bytes(result, dtype_name)
 
 
-def _check_bytes(stats: dict[str, dict[str, float]], logged: dict[str, int], dtype_name: str) -> None:
-    """Acceptance c: quantized paths ran with the expected wire/logical ratios; the comms logger agrees."""
+def _check_bytes(result: dict[str, Any], dtype_name: str) -> None:
+    """Quantized paths ran with the expected wire/logical ratios; the wire bytes are those the quantizer layout
+    implies for the calls made (zero3_recording.wire_bytes), and DeepSpeed's comms logger saw them all."""
+    stats, logged = result["stats"], result["logged"]
+    layout = R.wire_bytes(result["log"], result["config"], 4)
+    assert {kind: stats[kind]["wire_bytes"] for kind in layout} == layout, layout
     wide = dtype_name == "float32"
     assert stats["weight_refresh"]["calls"] > 0 and stats["weight_refresh"]["ratio"] <= (0.13 if wide else 0.26)
     assert stats["grad_intra"]["calls"] > 0 and stats["grad_intra"]["ratio"] <= (0.27 if wide else 0.53)
@@ -187,10 +193,15 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path: Any) -> None:
     assert math.isfinite(resumed[0]["module_only"]["loss"])
 
 
-def _train_mode(block: dict, steps: int = 6, grad_accum: int = 1, evaluate: bool = False,
+def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluate: bool = False,
                 **extra: Any) -> dict[str, Any]:
-    """A few steps of one configuration; optional evaluation forward passes between steps."""
-    engine = H.make_engine({**H.ds_config(torch.float32, sdp4bit=block, grad_accum=grad_accum), **extra})
+    """A few steps of one configuration (block None: plain ZeRO-3), optional evaluation forward passes between
+    steps; with a block, SDP4Bit's collectives are recorded (zero3_recording.py), tensors at one quantizing step."""
+    config = {**H.ds_config(torch.float32, sdp4bit=block, grad_accum=grad_accum), **extra}
+    engine = H.make_engine(config)
+    runtime = getattr(engine, "sdp4bit", None)
+    start = (block or {}).get("quantization_start_step", 0)
+    log = R.record(engine, min(start + 1, steps - 1)) if runtime is not None else None
     losses, rank = [], torch.distributed.get_rank()
     for step in range(steps):
         losses += H.train_steps(engine, step, step + 1)
@@ -201,45 +212,73 @@ def _train_mode(block: dict, steps: int = 6, grad_accum: int = 1, evaluate: bool
                 losses_eval = engine(input_ids=ids, labels=ids).loss.item()
             engine.train()
             assert math.isfinite(losses_eval)
-    store = engine.sdp4bit.store
-    return {"losses": losses, "checksum_ok": store.checksum().ok if store is not None else True,
-            "stats": engine.sdp4bit.stats()}
+    store = runtime.store if runtime is not None else None
+    return {"losses": losses, "checksum_ok": store.checksum().ok if store is not None else True, "config": config,
+            "steps": steps, "log": log, "stats": runtime.stats() if runtime is not None else None}
 
 
 WORLD4_MODES = {
-    "replica rank": ({**PAPER, "weight_replica": "rank"}, {}),
+    "replica rank, wq group 512, seed 12345": ({**PAPER, "weight_replica": "rank", "wq_group_size": 512,
+                                                "seed": 12345}, {}),
     "replica node, grad accum 2, eval": ({**PAPER, "weight_replica": "node"}, {"grad_accum": 2, "evaluate": True}),
-    "qwd only": ({"quantized_weights": True, "ranks_per_node": 2}, {}),
+    "qwd only, 100k-element refresh buckets": ({"quantized_weights": True, "ranks_per_node": 2,
+                                                "refresh_bucket_size": 100_000}, {}),
     "tlq only": ({"quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 2,
                   "weight_replica": "off"}, {}),
-    "tlq-hs": ({"quantized_gradients": True, "gq_group_size_intra": 128, "hadamard_transform": True,
-                "ranks_per_node": 2}, {}),
+    "tlq-hs, 64-bit seed": ({"quantized_gradients": True, "gq_group_size_intra": 128, "hadamard_transform": True,
+                             "ranks_per_node": 2, "seed": 2**40 + 7}, {}),
     "4/4 single-level inter": ({"quantized_gradients": True, "gradient_quantization_bits_intra": 4,
                                 "gq_group_size_intra": 128, "ranks_per_node": 1}, {}),
-    "4/4 single-level intra": ({"quantized_gradients": True, "gradient_quantization_bits_intra": 4,
-                                "gq_group_size_intra": 128, "ranks_per_node": 4}, {}),
+    "4/4 single-level intra, nearest rounding": ({"quantized_gradients": True, "gradient_quantization_bits_intra": 4,
+                                                  "gq_group_size_intra": 128, "ranks_per_node": 4,
+                                                  "stochastic_rounding": False}, {}),
     "direct qW": ({"quantized_weights": True, "weight_quantization": "direct", "ranks_per_node": 2}, {}),
-    "pipeline 4": ({**PAPER, "gradient_alltoall_pipeline": 4}, {}),
+    "pipeline 4, inter group 256": ({**PAPER, "gradient_alltoall_pipeline": 4, "gq_group_size_inter": 256}, {}),
     "start step 3, verify every 2": ({**PAPER, "quantization_start_step": 3, "verify_interval": 2}, {}),
     "optimizer offload to cpu": (PAPER, {"zero_force_ds_cpu_optimizer": False,
                                          "zero_optimization": {**H.ds_config()["zero_optimization"],
                                                                "offload_optimizer": {"device": "cpu"}}}),
+    "no sdp4bit": (None, {}),
+    "quantization starts after the last step": ({**PAPER, "quantization_start_step": 6}, {}),
 }
 
 
-def _modes(modes: dict[str, tuple[dict, dict]]) -> dict[str, dict[str, Any]]:
+def _modes(modes: dict[str, tuple[dict | None, dict]]) -> dict[str, dict[str, Any]]:
+    """Every mode of `modes` in turn on this rank, by name."""
     return {name: _train_mode(block, **options) for name, (block, options) in modes.items()}
+
+
+def _check_recorded(name: str, runs: list[dict[str, Any]]) -> None:
+    """The recorded collectives of one mode equal the emulations of its config bit for bit, and each rank's byte
+    counters equal the bytes its layout implies."""
+    config, world = runs[0]["config"], len(runs)
+    problems, compared = R.check([run["log"] for run in runs], config, runs[0]["steps"])
+    assert not problems, f"{name}: {len(problems)} differences\n" + "\n".join(problems[:20])
+    e = R.expected(config, world, runs[0]["steps"])
+    assert (compared["tlq_calls"] > 0) == (e.cfg.quantized_gradients and e.start < e.steps), (name, compared)
+    assert compared["refreshes"] == (world if e.refreshes else 0), (name, compared)
+    for rank, run in enumerate(runs):
+        wire = {kind: run["stats"][kind]["wire_bytes"] for kind in ("grad_intra", "grad_inter", "weight_refresh")}
+        assert wire == R.wire_bytes(run["log"], config, world), (name, rank)
 
 
 def _assert_trained(results: list[dict[str, dict[str, Any]]]) -> None:
     for name in results[0]:
-        losses = _global_loss([r[name] for r in results], "losses")
+        runs = [r[name] for r in results]
+        losses = _global_loss(runs, "losses")
         assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], (name, losses)
-        assert all(r[name]["checksum_ok"] for r in results), name
+        assert all(run["checksum_ok"] for run in runs), name
+        if runs[0]["log"] is not None:
+            _check_recorded(name, runs)
 
 
 def test_every_replica_mode_and_ablation_trains_on_four_ranks() -> None:
-    _assert_trained(run_distributed(4, _modes, WORLD4_MODES))
+    """Every mode trains; its quantized collectives equal the emulations (zero3_recording.py); quantization that
+    starts after the last step leaves training identical to plain ZeRO-3."""
+    results = run_distributed(4, _modes, WORLD4_MODES)
+    _assert_trained(results)
+    for rank, result in enumerate(results):
+        assert result["quantization starts after the last step"]["losses"] == result["no sdp4bit"]["losses"], rank
 
 
 SMALL_WORLDS = {

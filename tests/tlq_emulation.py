@@ -155,7 +155,7 @@ class _Emulator:
     def split(self, part: torch.Tensor, dest: int) -> list[torch.Tensor]:
         """This destination's partition of every tensor, cut out of its part by walking the chunks."""
         out, pos = [], 0
-        for n, c in zip(self.numels, self.chunks):
+        for n, c in zip(self.numels, self.chunks, strict=True):
             real = max(0, min(c, n - dest * c))
             out.append(part[pos:pos + real])
             pos += c
