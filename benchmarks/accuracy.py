@@ -1,0 +1,420 @@
+"""Accuracy ablation: the paper's Table 1 at small scale, several seeds, one command.
+
+  python benchmarks/accuracy.py                              8 variants x 3 seeds of the `mini` GPT (4 layers, width
+                                                             256, sequence 256) on the offline corpus, 600 steps
+  python benchmarks/accuracy.py --data data/pile/tokens      any prepare_data.py output
+  python benchmarks/accuracy.py --variants baseline qW --seeds 1 --steps 100 --out runs/acc_try   a short check
+  python benchmarks/accuracy.py --report                     table and plot from the finished runs only
+
+Every run is examples/train_gpt.py's training (its model card, data pipeline, AdamW with warm-up and cosine decay,
+bf16, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
+(`ranks_per_node: 2`), with one config of configs/cpu/mini_*.json per variant:
+
+  baseline      plain ZeRO-3
+  qW            weights quantized directly, 4 bits, groups of 2048, once per optimizer step (`"direct"`)
+  qWD           4-bit weight differences, groups of 2048
+  TLq           gradients 8-bit inside a node, 4-bit across nodes, groups of 128
+  TLq-HS        TLq after a 32-point Hadamard transform
+  SDP4Bit       qWD + TLq-HS (the paper's setting)
+  ZeRO++-4bit   the paper's re-implementation of ZeRO++: qW (4-bit g2048) + 4/4-bit gradients g128, no Hadamard
+  hpZ           DeepSpeed's own hpZ (zero_hpz_partition_size 2: a secondary weight partition inside each node);
+                lossless, DeepSpeed has no CPU quantizer for its qwZ/qgZ
+
+A seed sets the model initialisation, the data order and the stochastic-rounding seed (`--seed` of the trainer and
+`sdp4bit.seed`). The four ranks are started once and train the pending runs one after another (each a fresh
+DeepSpeed engine, destroyed afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the
+trainer's log.csv); a new invocation skips finished runs, so an interrupted ablation resumes where it stopped
+(the unfinished run starts over). A result made with other settings (model, steps, data, trainer flags) is
+refused rather than mixed in.
+
+In the first seed's TLq-HS run, at the steps of --grad_error_steps, every gradient bucket ZeRO-3 hands to the
+reduce-scatter (the real buckets of this model, in DeepSpeed's communication dtype) is also reduced exactly (an
+fp32 all-reduce) and by TLq and TLq-HS (fresh reducers on fp32 copies, so only quantization error is measured);
+the relative error ||q - exact|| / ||exact|| over all buckets and ranks of a step is recorded. Training itself uses
+the run's own reducer's result.
+
+Output in OUT: table.md (Table 1's form: final validation loss mean ± sample standard deviation over seeds and the
+gap of each mean to the baseline's, then every seed, the paper's ordering checked, and the gradient errors),
+curves.png (validation loss against step: the mean over seeds per variant with a band from the lowest to the
+highest seed; right panel zoomed on the last half without qW and ZeRO++-4bit) and summary.json; the table is also
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and benchmarks share
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+
+from dist_harness import run_distributed  # noqa: E402
+
+WORLD, RANKS_PER_NODE = 4, 2
+VARIANTS = {"baseline": "mini_baseline", "qW": "mini_qw", "qWD": "mini_qwd", "TLq": "mini_tlq",
+            "TLq-HS": "mini_tlq_hs", "SDP4Bit": "mini_sdp4bit", "ZeRO++-4bit": "mini_zeropp4", "hpZ": "mini_hpz"}
+PROBE_VARIANT = "TLq-HS"
+LOSSY_WEIGHTS = ("qW", "ZeRO++-4bit")  # left out of the zoomed panel: far above the others
+PAPER_125M = {"baseline": 2.29392, "qW": 2.57312, "qWD": 2.29274, "TLq": 2.30479, "TLq-HS": 2.29528,
+              "SDP4Bit": 2.29590}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the ablation."""
+
+    variant: str
+    seed: int
+
+    @property
+    def folder(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/accuracy", help="folder of the runs, the table and the plot")
+    p.add_argument("--data", default="data/pydoc/tokens",
+                   help="token file prefix from examples/prepare_data.py (default: the offline corpus)")
+    p.add_argument("--model", default="mini", help="model card of examples/gpt_models.py")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
+                   help=f"subset of {', '.join(VARIANTS)}")
+    p.add_argument("--eval_interval", type=int, default=50, help="validation every N steps (and at the end)")
+    p.add_argument("--eval_samples", type=int, default=256,
+                   help="validation windows per evaluation (at most the whole held-out split)")
+    p.add_argument("--grad_error_steps", type=int, nargs="*",
+                   help="steps of the first seed's TLq-HS run at which the real buckets' errors are measured "
+                        "(default: after 1/12, 1/4, 1/2, 3/4 and all of the run)")
+    p.add_argument("--trainer_args", default="",
+                   help="more train_gpt.py flags for every run, e.g. \"--micro_batch 4 --lr 1e-3\"")
+    p.add_argument("--report", action="store_true", help="only write the table and plot from the finished runs")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.seeds < 1 or args.eval_interval < 1:
+        p.error("--steps, --seeds and --eval_interval must be >= 1")
+    if args.grad_error_steps is None:
+        args.grad_error_steps = sorted({args.steps * k // 12 for k in (1, 3, 6, 9)} | {args.steps - 1})
+    bad = [s for s in args.grad_error_steps if not 0 <= s < args.steps]
+    if bad:
+        p.error(f"--grad_error_steps {bad}: must be in [0, {args.steps})")
+    return args
+
+
+def trainer_argv(args: argparse.Namespace, run: Run, out: Path) -> list[str]:
+    """train_gpt.py's flags for one run."""
+    config = ROOT / "configs" / "cpu" / f"{VARIANTS[run.variant]}.json"
+    argv = ["--model", args.model, "--deepspeed_config", str(config), "--data", args.data, "--precision", "bf16",
+            "--seed", str(run.seed), "--train_iters", str(args.steps), "--lr_decay_iters", str(args.steps),
+            "--eval_interval", str(args.eval_interval), "--eval_samples", str(args.eval_samples),
+            "--out", str(out / run.folder), *shlex.split(args.trainer_args)]
+    if "sdp4bit" in json.loads(config.read_text()):
+        argv += ["--ds_set", f"sdp4bit.seed={run.seed}"]
+    return argv
+
+
+def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings a result depends on besides its variant and seed: results of other settings are not mixed."""
+    return {"model": args.model, "steps": args.steps, "data": str(Path(args.data).resolve()),
+            "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
+            "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
+
+
+def load_result(out: Path, run: Run, expected: dict[str, Any]) -> dict[str, Any] | None:
+    """A finished run's result, None if unfinished; an error if it was made with other settings."""
+    path = out / run.folder / "result.json"
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    if result["settings"] != expected:
+        raise SystemExit(f"{path} was made with other settings ({result['settings']}) than this invocation "
+                         f"({expected}); use another --out or remove that folder")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- real-bucket probe
+class BucketErrorProbe:
+    """Wraps an engine's TLq reducer; at chosen optimizer steps it also measures TLq's and TLq-HS's error on each
+    gradient bucket ZeRO-3 reduces, against the exact mean. Training always gets the wrapped reducer's result."""
+
+    def __init__(self, engine: Any, steps: Sequence[int]) -> None:
+        from deepspeed_sdp4bit.collectives.accounting import CommStats
+        from deepspeed_sdp4bit.collectives.grad_reduce import TLqReducer
+
+        runtime = engine.sdp4bit
+        self.engine, self.inner, self.steps = engine, runtime.reducer, set(steps)
+        cfg, seed = runtime.config, runtime.config.seed + 0x9E3779B9
+        level = {"bits_intra": cfg.gradient_quantization_bits_intra, "group_intra": cfg.gq_group_size_intra,
+                 "bits_inter": cfg.gradient_quantization_bits_inter, "group_inter": cfg.gq_group_size_inter,
+                 "pipeline": 1, "stochastic": True, "seed": seed, "stats": CommStats()}
+        self.reducers = {name: TLqReducer(runtime.topology, hadamard=hadamard, **level)
+                         for name, hadamard in (("TLq", False), ("TLq-HS", True))}
+        self.sums: dict[int, dict[str, float]] = {}
+
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+        """The wrapped reducer's result; at a measured step, first the errors of both schemes on this bucket."""
+        step = self.engine.global_steps
+        if step in self.steps:
+            self._measure(step, tensors, group)
+        return self.inner.reduce_scatter_coalesced(tensors, group)
+
+    def _measure(self, step: int, tensors: Sequence[torch.Tensor], group: Any) -> None:
+        """Squared errors and squared exact values of this rank's partitions, summed per step."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        exact = [t.detach().reshape(-1).float() for t in tensors]
+        for full in exact:
+            dist.all_reduce(full, group=group)
+            full.div_(world)
+        sums = self.sums.setdefault(step, {"exact": 0.0, "TLq": 0.0, "TLq-HS": 0.0, "buckets": 0, "elements": 0})
+        mine = []
+        for full in exact:
+            chunk = -(-full.numel() // world)
+            mine.append(full[rank * chunk:(rank + 1) * chunk])
+        sums["exact"] += sum(float(m.double().square().sum()) for m in mine)
+        for name, reducer in self.reducers.items():
+            parts = reducer.reduce_scatter_coalesced([t.detach().float() for t in tensors], group)
+            sums[name] += sum(float((p.double() - m.double()).square().sum()) for p, m in zip(parts, mine))
+        sums["buckets"] += 1
+        sums["elements"] += sum(t.numel() for t in tensors)
+
+    def errors(self) -> dict[int, dict[str, float]]:
+        """Per measured step: the relative error of each scheme over all buckets and ranks (collective)."""
+        import torch.distributed as dist
+
+        out = {}
+        for step in sorted(self.steps):
+            sums = self.sums.get(step, {"exact": 0.0, "TLq": 0.0, "TLq-HS": 0.0, "buckets": 0, "elements": 0})
+            totals = torch.tensor([sums["exact"], sums["TLq"], sums["TLq-HS"]], dtype=torch.float64)
+            dist.all_reduce(totals)
+            exact, tlq, hs = totals.tolist()
+            out[step] = {"TLq": math.sqrt(tlq / exact) if exact else math.nan,
+                         "TLq-HS": math.sqrt(hs / exact) if exact else math.nan,
+                         "buckets": sums["buckets"], "elements": sums["elements"]}
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- one rank
+def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
+    """Train one run on this rank with train_gpt.py's pieces; returns its result (complete on rank 0)."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import train_gpt
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    targs = train_gpt.build_parser().parse_args(trainer_argv(args, run, out))
+    settings = train_gpt.resolve(targs, world)
+    ds_config = train_gpt.load_ds_config(targs, settings, world)
+    data = train_gpt.open_data(targs, settings.seq_len)
+    vocab = train_gpt.padded_vocab(data.vocab_size, targs.pad_vocab_multiple)
+    began = time.perf_counter()
+    engine, n_params = train_gpt.build_engine(targs, settings, ds_config, vocab, data.eod_id)
+    probe = None
+    if run.variant == PROBE_VARIANT and run.seed == 0 and args.grad_error_steps:
+        probe = engine.sdp4bit.reducer = BucketErrorProbe(engine, args.grad_error_steps)
+    if rank == 0:
+        (out / run.folder).mkdir(parents=True, exist_ok=True)
+        (out / run.folder / "log.csv").unlink(missing_ok=True)
+    trainer = train_gpt.Trainer(targs, settings, engine, data, world, rank)
+    bar = tqdm(total=settings.train_iters, desc=f"{run.variant} seed {run.seed}", mininterval=30.0,
+               disable=rank != 0)
+    trainer.run(0, bar)
+    bar.close()
+    grad_error = probe.errors() if probe is not None else None
+    trainer.close()
+    engine.destroy()
+    rows = trainer.rows
+    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "parameters": n_params,
+            "trainer": asdict(settings), "config": str(Path(targs.deepspeed_config).relative_to(ROOT)),
+            "sdp4bit_block": ds_config.get("sdp4bit"),
+            "val_curve": [[r["step"] + 1, r["val_loss"]] for r in rows if r["val_loss"] is not None],
+            "train_loss_last50": statistics.fmean(r["loss"] for r in rows[-50:]),
+            "final_val_loss": rows[-1]["val_loss"], "grad_error": grad_error,
+            "wall_s": time.perf_counter() - began}
+
+
+def _worker(args: argparse.Namespace, pending: list[Run], out: Path) -> None:
+    """Every pending run in turn on this rank; rank 0 writes each result as soon as it is finished."""
+    import torch.distributed as dist
+
+    for run in pending:
+        result = _train_one(args, run, out)
+        gc.collect()
+        if dist.get_rank() == 0:
+            (out / run.folder / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(f"accuracy: {run.variant} seed {run.seed}: final validation loss {result['final_val_loss']:.4f} "
+                  f"({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
+    """Per variant: seeds, final validation losses, their mean and std, gap of the mean to the baseline's."""
+    stats: dict[str, dict[str, Any]] = {}
+    for variant in variants:
+        finals = {run.seed: r["final_val_loss"] for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
+                  if run.variant == variant}
+        if finals:
+            mean, std = _mean_std(list(finals.values()))
+            stats[variant] = {"finals": finals, "mean": mean, "std": std}
+    base = stats.get("baseline")
+    for entry in stats.values():
+        entry["gap_pct"] = 100.0 * (entry["mean"] / base["mean"] - 1.0) if base else None
+    return stats
+
+
+def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The paper's ordering, each as (statement with the numbers, holds)."""
+    needed = {"baseline", "qW", "qWD", "TLq", "TLq-HS", "SDP4Bit"}
+    if not needed <= stats.keys():
+        return []
+    base, qw = stats["baseline"], stats["qW"]
+    worst = max(stats, key=lambda v: stats[v]["mean"])
+    sigmas = (qw["mean"] - base["mean"]) / base["std"] if base["std"] else math.inf
+    gap = {v: stats[v]["gap_pct"] for v in stats}
+    return [
+        (f"qW is the worst variant (worst: {worst}, {stats[worst]['mean']:.4f})", worst == "qW"),
+        (f"qW's gap {qw['mean'] - base['mean']:+.4f} = {sigmas:.1f} x the baseline's std {base['std']:.4f} (> 3)",
+         sigmas > 3),
+        (f"SDP4Bit within 0.5% of the baseline: {gap['SDP4Bit']:+.2f}%", abs(gap["SDP4Bit"]) <= 0.5),
+        (f"qWD within 0.5% of the baseline: {gap['qWD']:+.2f}%", abs(gap["qWD"]) <= 0.5),
+        (f"TLq-HS's gap <= TLq's: {gap['TLq-HS']:+.2f}% vs {gap['TLq']:+.2f}%", gap["TLq-HS"] <= gap["TLq"]),
+    ]
+
+
+def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
+             args: argparse.Namespace) -> str:
+    """Table 1's form, every seed, the ordering checks and the real-bucket gradient errors."""
+    variants = list(stats)
+    any_result = next(iter(results.values()))
+    t = any_result["trainer"]
+    seeds = max(len(s["finals"]) for s in stats.values())
+    model = (f"{args.model}: {any_result['parameters'] / 1e6:.2f}M params, seq {t['seq_len']}, "
+             f"batch {t['global_batch']}, {t['train_iters']} steps")
+    lines = [f"| GPT ({model}) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
+             f"| final validation loss, mean ± std over {seeds} seeds | "
+             + " | ".join(f"{stats[v]['mean']:.4f} ± {stats[v]['std']:.4f}" for v in variants) + " |",
+             "| gap to baseline | " + " | ".join("—" if v == "baseline" or stats[v]["gap_pct"] is None
+                                                  else f"{stats[v]['gap_pct']:+.2f}%" for v in variants) + " |",
+             "| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M else "—"
+                                                         for v in variants) + " |",
+             "", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time |",
+             "|---|" + "---:|" * (seeds + 1)]
+    for v in variants:
+        runs = {run.seed: r for run, r in results.items() if run.variant == v}
+        cells = [f"{runs[s]['final_val_loss']:.4f}" if s in runs else "" for s in range(seeds)]
+        minutes = sum(r["wall_s"] for r in runs.values()) / 60
+        lines.append(f"| {v} | " + " | ".join(cells) + f" | {minutes:.1f} min |")
+    found = checks(stats)
+    if found:
+        lines += ["", "The paper's ordering:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
+    errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
+    if errors:
+        lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
+                  "||q - exact|| / ||exact|| over all buckets and ranks of the step):", "",
+                  "| step | buckets | elements per rank | TLq | TLq-HS | TLq-HS / TLq |", "|---:|---:|---:|---:|---:|---:|"]
+        for step, e in sorted(errors.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {e['TLq']:.4f} | {e['TLq-HS']:.4f} | "
+                         f"{e['TLq-HS'] / e['TLq']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[Run, dict[str, Any]], variants: list[str], path: Path) -> None:
+    """Validation loss per step: mean over seeds with a min-max band per variant; right: zoom without qW."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    colors = plt.get_cmap("tab10")
+    for index, variant in enumerate(variants):
+        curves = [r["val_curve"] for run, r in results.items() if run.variant == variant]
+        if not curves:
+            continue
+        steps = [s for s, _ in curves[0]]
+        table = [[v for _, v in c] for c in curves if len(c) == len(steps)]
+        mean = [statistics.fmean(col) for col in zip(*table)]
+        low, high = [min(col) for col in zip(*table)], [max(col) for col in zip(*table)]
+        for ax, zoom in zip(axes, (False, True)):
+            if zoom and variant in LOSSY_WEIGHTS:
+                continue
+            first = len(steps) // 2 if zoom else 0
+            style = "--" if variant in ("baseline", "hpZ") else "-"
+            ax.plot(steps[first:], mean[first:], style, color=colors(index), label=f"{variant} ({len(table)} seeds)")
+            ax.fill_between(steps[first:], low[first:], high[first:], color=colors(index), alpha=0.15)
+    axes[0].set_title("validation loss (mean over seeds, band: lowest to highest seed)")
+    axes[1].set_title("last half, without the direct-weight variants")
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
+    """Write table.md, curves.png and summary.json from the finished runs, and print the table."""
+    expected = fingerprint(args)
+    results = {run: r for run in runs if (r := load_result(out, run, expected)) is not None}
+    if not results:
+        raise SystemExit(f"no finished runs in {out}")
+    variants = [v for v in args.variants if any(run.variant == v for run in results)]
+    stats = aggregate(results, variants)
+    text = markdown(stats, results, args)
+    (out / "table.md").write_text(text)
+    plot(results, variants, out / "curves.png")
+    (out / "summary.json").write_text(json.dumps(
+        {"settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
+         "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
+         "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60}, indent=1) + "\n")
+    print(text, flush=True)
+    print(f"wrote {out / 'table.md'}, {out / 'curves.png'} and {out / 'summary.json'} "
+          f"({len(results)} of {len(runs)} runs finished)", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [Run(variant, seed) for seed in range(args.seeds) for variant in args.variants]
+    expected = fingerprint(args)
+    pending = [run for run in runs if load_result(out, run, expected) is None]
+    if not args.report and pending:
+        began = time.perf_counter()
+        print(f"accuracy: {len(pending)} of {len(runs)} runs to train on {WORLD} CPU ranks as "
+              f"{WORLD // RANKS_PER_NODE} nodes", file=sys.stderr, flush=True)
+        # LOCAL_SIZE as the deepspeed launcher sets it: without it DeepSpeed's CPU accelerator runs
+        # `numactl --hardware` for every gradient bucket (device_count); SDP4Bit's nodes come from ranks_per_node
+        env = {"TOKENIZERS_PARALLELISM": "false", "LOCAL_SIZE": str(WORLD)}
+        run_distributed(WORLD, _worker, args, pending, out, env=env, timeout=48 * 3600.0)
+        print(f"accuracy: trained {len(pending)} runs in {(time.perf_counter() - began) / 60:.1f} min",
+              file=sys.stderr, flush=True)
+    report(args, runs, out)
+
+
+if __name__ == "__main__":
+    main()
