@@ -3,8 +3,9 @@
 In one process (world 1, no collectives): every gather of a step returns the same dequantized weights, equal to the
 reference quantizer with the step's counter range; the next step draws afresh; a rewritten shard is requantized
 with the same draws; a checkpointed counter resumes them. On real gloo ranks with a real DeepSpeed engine: the
-forward and the backward of every micro-batch of a step compute with bit-identical weights, and two steps with
-unchanged weights (lr 0) compute with different ones.
+forward and the backward of every micro-batch of a step compute with bit-identical weights, two steps with
+unchanged weights (lr 0) compute with different ones, and weights edited under GatheredParameters within a step are
+what the next gather quantizes.
 """
 
 from __future__ import annotations
@@ -175,10 +176,22 @@ def _weights_seen() -> dict[str, Any]:
         valid = max(0, min(ps, param.ds_numel - rank * ps))
         used = seen[0]["forward"][key][0].view(-1)[rank * ps:rank * ps + valid]
         own_exact[key] = torch.equal(used, _bits(param.ds_tensor).view(-1)[:valid])
+    unchanged = all(torch.equal(shards_before[k], _bits(p.ds_tensor)) for k, p in engine.sdp4bit.params.items())
     return {"seen": seen, "matrices": matrices, "all_matrices": all_matrices, "world": world,
-            "weights_unchanged": all(torch.equal(shards_before[k], _bits(p.ds_tensor))
-                                     for k, p in engine.sdp4bit.params.items()),
-            "forward_used_exact_weights": own_exact}
+            "weights_unchanged": unchanged, "forward_used_exact_weights": own_exact,
+            "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.params[matrices[-1]])}
+
+
+def _zeroed_within_a_step(param: torch.nn.Parameter) -> tuple[int, int]:
+    """Nonzero elements gathered before and after rank 0 zeroes the parameter under GatheredParameters, within one
+    step: the edit rewrites ds_tensor, so the next gather must quantize the zeros instead of this step's codes."""
+    import deepspeed
+
+    before = H.fetch(param)
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            param.data.zero_()
+    return int(before.count_nonzero()), int(H.fetch(param).count_nonzero())
 
 
 @functools.lru_cache(maxsize=1)
@@ -197,6 +210,13 @@ def test_forward_and_backward_of_one_step_compute_with_the_same_quantized_weight
                 forward, backward = step["forward"].get(key, []), step["backward"].get(key, [])
                 assert len(forward) >= GRAD_ACCUM and len(backward) >= GRAD_ACCUM, (key, len(forward), len(backward))
                 assert all(torch.equal(t, forward[0]) for t in forward + backward), key
+
+
+@pytest.mark.slow
+def test_weights_edited_within_a_step_are_requantized_at_the_next_gather() -> None:
+    for result in _engine_results():
+        before, after = result["nonzero_before_and_after_edit"]
+        assert before > 0 and after == 0, (before, after)
 
 
 @pytest.mark.slow
