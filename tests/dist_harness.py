@@ -8,6 +8,8 @@ Batch many cases into one call: starting W interpreters costs seconds on a 2-cor
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import pickle
 import queue as queue_module
@@ -77,6 +79,14 @@ def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, An
         results[rank] = pickle.loads(payload)
 
 
+def _remove_shm_buffers(port: int) -> None:
+    """Delete the shared-memory buffers DeepSpeed's CPU shm op made for this job (named after its master address
+    and port); killed workers never unlink them, and each job's take 64 MB of /dev/shm per rank."""
+    for path in glob.glob(f"/dev/shm/deepspeed_*_127.0.0.1_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None,
                     timeout: float = 900.0, backend: str = "gloo") -> list[Any]:
     """fn(*args) on `world` ranks (gloo on CPU, or nccl with one GPU per rank); results in rank order."""
@@ -98,6 +108,7 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
                 p.kill()
         for p in procs:
             p.join(timeout=60)
+        _remove_shm_buffers(port)
     if failures:
         raise RuntimeError("distributed worker failed\n" + "\n".join(failures))
     return [results[r] for r in range(world)]
