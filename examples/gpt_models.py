@@ -1,11 +1,11 @@
-"""GPT model cards (the seed's shapes and training settings) and building a GPT-2 under ZeRO-3.
+"""GPT model cards (the original implementation's shapes and training settings) and building a GPT-2 under ZeRO-3.
 
-Accuracy cards 125m, 350m, 1.3b and 6.7b are the seed's model cards verbatim (Megatron-LM flags in the seed
+Accuracy cards 125m, 350m, 1.3b and 6.7b are the original's model cards verbatim (the Megatron-LM flags in its
 README): layers, hidden size, heads, sequence 2048, learning rate, cosine decay over 70k of 80k iterations to a
 tenth, 1% warm-up, micro-batch 8 (125M, 350M) or 2 (1.3B, 6.7B), global batch 256.
-Speed-test cards follow the seed's speed scripts (micro-batch 1, one accumulation step, so the global batch is
+Speed-test cards follow the original's speed scripts (micro-batch 1, one accumulation step, so the global batch is
 the number of ranks; 200 iterations; the 2.7B script's lr 1.6e-4):
-  2.7b: 32 layers, hidden 2560, 32 heads: GPT-3 "2.7B" (Brown et al. 2020, Table 2.1), also the seed's 2.7B script;
+  2.7b: 32 layers, hidden 2560, 32 heads: GPT-3 "2.7B" (Brown et al. 2020, Table 2.1), also the original's 2.7B script;
   13b:  40 layers, hidden 5120, 40 heads: GPT-3 "13B" (Table 2.1 lists d_model 5140; 5120 = 40 heads x 128, as
         Megatron-LM and every public 13B GPT use);
   18b:  40 layers, hidden 6144, 48 heads: the 18.4B model of Narayanan et al., "Efficient Large-Scale Language
@@ -26,7 +26,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelCard:
-    """Shape of one GPT and the training settings the seed uses for it."""
+    """Shape of one GPT and the training settings the original uses for it."""
 
     n_layer: int
     n_embd: int
