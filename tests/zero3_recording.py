@@ -1,12 +1,13 @@
 """What SDP4Bit's quantized collectives did inside real ZeRO-3 training, recorded in the ranks and checked in the
 parent against the independent emulations, bit for bit, with every setting taken from the DeepSpeed config.
 
-Inside each rank, `record(engine, step)` wraps three bound methods of this engine only (instance attributes;
-nothing in DeepSpeed or in the package is replaced): the TLq reducer's `reduce_scatter_coalesced`, the weight
+Inside each rank, `record(engine, step)` wraps three bound methods of this engine only (instance attributes
+of its objects; no class or module attribute changes): the TLq reducer's `reduce_scatter_coalesced`, the weight
 store's `refresh` and the ZeRO-3 optimizer's `partition_grads`. Every call logs its sizes and its rounding seeds and
 counters; the calls of the chosen step also log tensors: the gradients DeepSpeed passed to TLq and the partitions it
 returned, and for the refresh the new shards, this rank's w~ shard before it, and the full weights the store serves
-after it (the replicas all ranks hold). Every TLq call also logs whether its inputs were the parameters' own
+after it (the replicas all ranks hold; with node replicas that gather is one more intra-node all-gather, counted as
+weight_gather in the engine's byte statistics). Every TLq call also logs whether its inputs were the parameters' own
 gradients and whether DeepSpeed's `partition_grads` received exactly TLq's outputs, so a change of the gradients
 on their way into or out of TLq shows.
 
@@ -60,6 +61,7 @@ def _wrap_reducer(engine: Any, params: list[torch.nn.Parameter], log: list[dict[
     inner, partition_inner = reducer.reduce_scatter_coalesced, optimizer.partition_grads
 
     def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+        """TLq's own call, logged with the rounding state before it."""
         state = reducer.state_dict()
         grads = _grad_tensors(params)
         entry: dict[str, Any] = {"step": engine.global_steps, "numels": [t.numel() for t in tensors],
@@ -74,6 +76,7 @@ def _wrap_reducer(engine: Any, params: list[torch.nn.Parameter], log: list[dict[
         return outputs
 
     def partition_grads(params_to_release: list[Any], grad_partitions: list[torch.Tensor]) -> None:
+        """DeepSpeed's own call, after noting whether it received TLq's last outputs unchanged."""
         entry = log[-1] if log else None
         if entry is not None and "returned" in entry:
             returned = entry.pop("returned")
@@ -94,6 +97,7 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
     rank = torch.distributed.get_rank()
 
     def refresh(new: dict[int, torch.Tensor], quantize: bool = True) -> None:
+        """The store's own refresh, logged; at the recorded step also the weights it serves afterwards."""
         keys = sorted(new)
         state = store.state_dict()["rounding"]
         entry: dict[str, Any] = {"step": engine.global_steps, "quantize": quantize, "seed": state["seed"],
