@@ -87,7 +87,8 @@ def _ds_tensors_equal_replicas(runtime: Any) -> tuple[bool, list[torch.Tensor]]:
 
 
 def _invariants(engine: Any, before: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """Rank-local evidence for acceptance b and c."""
+    """What each rank can check alone: replica checksums, ds_tensor equal to the replicas, masters within the last
+    step, the gathered weights, SDP4Bit's byte counts and the comms logger's."""
     runtime = engine.sdp4bit
     ds_equal, full = _ds_tensors_equal_replicas(runtime)
     return {"checksum_ok": runtime.store.checksum().ok, "ds_tensor_equals_w": ds_equal,
