@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -9,7 +11,8 @@ import pytest
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3
 
-from deepspeed_sdp4bit.zero3.compat import PATCHED_SYMBOLS, SDP4BitCompatError, check_deepspeed
+from deepspeed_sdp4bit.zero3 import patches
+from deepspeed_sdp4bit.zero3.compat import PATCHED_SYMBOLS, SDP4BitCompatError, check_deepspeed, check_param_gather
 
 
 def test_installed_deepspeed_passes() -> None:
@@ -38,8 +41,29 @@ def test_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         check_deepspeed()
 
 
-def test_every_patched_symbol_is_listed() -> None:
-    """The names patches.py replaces are all checked (a new patch must be added to PATCHED_SYMBOLS)."""
-    checked = {path.rsplit(".", 1)[-1] for _, path, _ in PATCHED_SYMBOLS}
-    assert {"initialize", "__init__", "reduce_scatter_coalesced", "_post_step", "_partition", "save_checkpoint",
-            "load_checkpoint", "offload_states", "destroy", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"} <= checked
+def _replacements_in_patches() -> set[str]:
+    """Names of the replacement functions patches.py defines inside its patch_* / refuse_* functions (undo aside)."""
+    tree = ast.parse(Path(patches.__file__).read_text())
+    outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith(("patch_", "refuse_"))]
+    return {inner.name for f in outer for inner in ast.walk(f)
+            if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name != "undo"}
+
+
+def test_every_patched_symbol_is_checked() -> None:
+    """Every function patches.py installs replaces a symbol that check_deepspeed checks, or the per-parameter gather
+    that check_param_gather checks (a new patch must be added to one of them)."""
+    checked = {path.rsplit(".", 1)[-1].replace("_DeepSpeedZeroOptimizer_Stage3__", "") for _, path, _ in PATCHED_SYMBOLS}
+    replacements = _replacements_in_patches()
+    assert "all_gather_coalesced" in replacements and len(replacements) >= 10
+    assert replacements - {"all_gather_coalesced"} <= checked, replacements - checked
+
+
+def test_parameter_gather_with_another_signature_is_named() -> None:
+    class Param:
+        def all_gather_coalesced(self, params: Any) -> Any:  # lost safe_mode and quantize
+            return params
+
+    with pytest.raises(SDP4BitCompatError, match=r"all_gather_coalesced has parameters \['params'\], expected"):
+        check_param_gather(Param())
+    with pytest.raises(SDP4BitCompatError, match="has no all_gather_coalesced"):
+        check_param_gather(object())

@@ -72,6 +72,23 @@ def _symbol_problem(module: str, path: str, params: tuple[str, ...] | None) -> s
     return None
 
 
+# DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
+# _convert_to_deepspeed_param); patches.patch_params replaces it per parameter, so it is checked on a parameter.
+PARAM_GATHER_PARAMETERS = ("params", "safe_mode", "quantize")
+
+
+def check_param_gather(param: object) -> None:
+    """Raise SDP4BitCompatError unless this ZeRO-3 parameter's `all_gather_coalesced` takes the expected arguments."""
+    gather = getattr(param, "all_gather_coalesced", None)
+    if gather is None:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter has no "
+                                 "all_gather_coalesced")
+    have = _parameter_names(gather)
+    if list(PARAM_GATHER_PARAMETERS) != have:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter's "
+                                 f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}")
+
+
 def check_deepspeed() -> None:
     """Raise SDP4BitCompatError unless DeepSpeed's version is tested and every patched symbol is as expected."""
     version = Version(deepspeed.__version__.split("+")[0])

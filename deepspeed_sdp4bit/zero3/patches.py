@@ -29,6 +29,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.partition_parameters import Init
 
 from . import state
+from .compat import check_param_gather
 from .runtime import MultipleHandles, SDP4BitRuntime
 
 _ACTIVE: contextvars.ContextVar[SDP4BitRuntime | None] = contextvars.ContextVar("sdp4bit_active", default=None)
@@ -190,6 +191,7 @@ def patch_params(params: list[Any], runtime: SDP4BitRuntime) -> None:
             handles.append(deepspeed_gather(theirs, safe_mode=safe_mode, quantize=quantize))
         return handles[0] if len(handles) == 1 else MultipleHandles(handles)
 
+    check_param_gather(params[0])
     deepspeed_gather = params[0].all_gather_coalesced  # DeepSpeed's closure: any parameter's serves any group
     for param in params:
         setattr(param, _ORIGINAL_GATHER, param.all_gather_coalesced)
