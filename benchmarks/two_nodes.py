@@ -160,8 +160,9 @@ class TwoNodes:
         if found:
             raise TwoNodesError("; ".join(found))
         remove_stale()
+        # the guard holds none of the runner's output streams, so whoever reads them sees their end with the runner's
         self._guard = subprocess.Popen([sys.executable, __file__, "--guard", *self.names], stdin=subprocess.PIPE,
-                                       start_new_session=True)
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             self._create()
         except BaseException:

@@ -64,30 +64,48 @@ def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
 
 
 def _start_runner(tmp_path: Path) -> subprocess.Popen:
-    """The runner's command line with a job that would run for ten minutes; returns once both nodes exist."""
+    """The runner's command line with a job that would run for ten minutes; returns once both nodes run its ranks."""
     script = tmp_path / "wait.py"
     script.write_text("import time\ntime.sleep(600)\n")
     runner = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--rate_mbit", "100",
                                "--log_dir", str(tmp_path / "logs"), "--", str(script)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (
-            len(_ours(runner.pid)) == 2 and "wait.py" in _processes(runner.pid)):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not _ranks_running(runner.pid):
         time.sleep(0.2)
     assert len(_ours(runner.pid)) == 2, "the runner did not create its two namespaces"
+    assert _ranks_running(runner.pid), _processes(runner.pid)
     return runner
 
 
-def _processes(pid: int) -> str:
-    """Command lines of every process inside the runner's namespaces."""
-    found = []
+def _processes(pid: int) -> dict[str, list[str]]:
+    """Command lines of every process inside each of the runner's namespaces."""
+    found: dict[str, list[str]] = {}
     for name in _ours(pid):
+        found[name] = []
         for member in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
             try:
-                found.append(Path(f"/proc/{member}/cmdline").read_text().replace("\0", " "))
+                found[name].append(Path(f"/proc/{member}/cmdline").read_text().replace("\0", " "))
             except OSError:
                 pass
-    return "\n".join(found)
+    return found
+
+
+def _ranks_running(pid: int) -> bool:
+    """Both nodes run the job's ranks (not only its launchers, whose command lines also name the script)."""
+    nodes = _processes(pid)
+    return len(nodes) == 2 and all(any("wait.py" in c and "--local_rank" in c for c in cmds) for cmds in nodes.values())
+
+
+def _communicate(runner: subprocess.Popen, timeout: float) -> str:
+    """The runner's whole output once it exits; on a timeout it is killed and the test fails with what it printed."""
+    try:
+        return runner.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        runner.kill()
+        output = runner.communicate(timeout=30)[0]
+        pytest.fail(f"the runner did not exit within {timeout:.0f} s; namespaces {two_nodes._namespaces()}; "
+                    f"it printed:\n{output}")
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -102,7 +120,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
 def test_ctrl_c_stops_the_job_and_removes_both_nodes(tmp_path: Path) -> None:
     runner = _start_runner(tmp_path)
     runner.send_signal(signal.SIGINT)
-    output, _ = runner.communicate(timeout=60)
+    output = _communicate(runner, 120)
     assert runner.returncode == 130, output
     assert "interrupted; both nodes and their processes were removed" in output
     assert not _ours(runner.pid)
