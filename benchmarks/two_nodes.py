@@ -275,11 +275,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt (as Ctrl-C is) so that clean-up runs."""
+    """Turn SIGINT, SIGTERM and SIGHUP into KeyboardInterrupt so that clean-up runs.
+
+    SIGINT too: a process started in the background by a non-interactive shell (`cmd &` in a script, CI runners)
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler of its own.
+    """
     def interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    saved = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    saved = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

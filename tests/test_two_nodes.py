@@ -63,13 +63,19 @@ def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
     assert job["link_payload_bytes"] >= payload * summary["steps"] * 0.9
 
 
+def _ignore_sigint() -> None:
+    """What a shell does to a command it starts in the background (`cmd &` in a script, CI runners)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start_runner(tmp_path: Path) -> subprocess.Popen:
-    """The runner's command line with a job that would run for ten minutes; returns once both nodes run its ranks."""
+    """The runner's command line with a job that would run for ten minutes, started as in the background (SIGINT
+    ignored, so Python installs no Ctrl-C handler of its own); returns once both nodes run its ranks."""
     script = tmp_path / "wait.py"
     script.write_text("import time\ntime.sleep(600)\n")
     runner = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--rate_mbit", "100",
                                "--log_dir", str(tmp_path / "logs"), "--", str(script)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigint)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not _ranks_running(runner.pid):
         time.sleep(0.2)
