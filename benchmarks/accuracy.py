@@ -1,7 +1,7 @@
 """Accuracy ablation: the paper's Table 1 at small scale, several seeds, one command.
 
   python benchmarks/accuracy.py                              8 variants x 3 seeds of the `mini` GPT (4 layers, width
-                                                             256, sequence 256) on the offline corpus, 600 steps
+                                                             256, sequence 128) on the offline corpus, 600 steps
   python benchmarks/accuracy.py --data data/pile/tokens      any prepare_data.py output
   python benchmarks/accuracy.py --variants baseline qW --seeds 1 --steps 100 --out runs/acc_try   a short check
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
