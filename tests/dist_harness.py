@@ -2,7 +2,10 @@
 
 The function must be importable (module level) because workers are spawned. Each worker returns the function's
 result (pickled by value, tensors included) to the parent; an exception in any worker fails the call with that
-worker's traceback, and a worker that dies without reporting (a crash, a kill) fails it with its exit code.
+worker's traceback, and a worker that dies without reporting (a crash, a kill) fails it with its exit code. After
+reporting, a worker tears its process group down and leaves with os._exit (0, or 1 after a failure): the parent
+checks every worker's exit code, so a crash or hang in the teardown fails the call too, while the interpreter's
+own finalization, where gloo's worker threads can abort the process on CPU (pytorch/pytorch#190489), is skipped.
 Batch many cases into one call: starting W interpreters costs seconds on a 2-core machine.
 """
 
@@ -34,6 +37,7 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str,
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    ok = False
     try:
         import deepspeed
         import torch
@@ -45,16 +49,29 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str,
         result = fn(*args)
         torch.distributed.barrier()
         queue.put((rank, True, pickle.dumps(result)))
+        ok = True
     except BaseException:  # report every failure, including KeyboardInterrupt-like exits, to the parent
         queue.put((rank, False, traceback.format_exc()))
-    finally:
-        try:
-            import torch.distributed as dist
+    _leave(queue, ok)
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+
+def _leave(queue: Any, ok: bool) -> None:
+    """Deliver the report, tear the process group down, and exit with 0 (or 1 after a failure) without the
+    interpreter's finalization; a teardown that raises exits with 2 and its traceback on stderr."""
+    queue.close()
+    queue.join_thread()  # the report is in the pipe before anything else can end the process
+    code = 0 if ok else 1
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+        code = 2
+    sys.stderr.flush()
+    sys.__stdout__.flush()
+    os._exit(code)
 
 
 def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, Any], failures: list[str]) -> None:
@@ -109,6 +126,9 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
         for p in procs:
             p.join(timeout=60)
         _remove_shm_buffers(port)
+    if not failures:
+        failures = [f"rank {r} reported, then exited with code {p.exitcode} (None: still running after 60 s)"
+                    for r, p in enumerate(procs) if p.exitcode != 0]
     if failures:
         raise RuntimeError("distributed worker failed\n" + "\n".join(failures))
     return [results[r] for r in range(world)]

@@ -37,3 +37,15 @@ def test_silent_worker_death_fails_fast():
     """A rank that dies without reporting fails the call with its exit code, not after the whole timeout."""
     with pytest.raises(RuntimeError, match="rank 0 exited with code 3 before reporting"):
         run_distributed(1, _die, timeout=600)
+
+
+def _crash_in_teardown() -> int:
+    """Reports its result, then dies in the process group's teardown (as a crash at exit would)."""
+    dist.destroy_process_group = lambda *args, **kwargs: os._exit(5)
+    return dist.get_rank()
+
+
+def test_worker_exit_code_after_its_report_is_checked():
+    """A rank that reported but did not end cleanly fails the call, naming its exit code."""
+    with pytest.raises(RuntimeError, match="rank 1 reported, then exited with code 5"):
+        run_distributed(2, _crash_in_teardown, timeout=120)
