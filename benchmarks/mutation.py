@@ -4,7 +4,9 @@ runtime, each run against the smallest test selection that covers its file; prin
 A mutant is one small, plausible bug (a flipped comparison, a dropped term, a swapped constant), written as the exact
 text it replaces. The checkout is never modified: its committed state is cloned with git into a scratch folder, each
 mutant is applied there, the selection runs with that clone first on PYTHONPATH (spawned ranks inherit it), and the
-file is restored. A mutant is killed when the selection fails or times out, and survives when it passes.
+file is restored. A mutant is killed when the selection fails or times out, and survives when it passes. A mutant
+that no input can tell apart from the original carries the reason; surviving, it counts as equivalent, and the score
+is killed / (mutants - equivalent).
 
     python benchmarks/mutation.py                       # every file (about an hour on 2 cores)
     python benchmarks/mutation.py --files grad_reduce --only G15 --keep  # one mutant; keep the scratch clone
@@ -36,6 +38,7 @@ class Mutant:
     old: str
     new: str
     what: str
+    equivalent: str = ""  # why no input can tell this mutant from the original, if none can
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ MUTANTS = [
     Mutant("R25", REF, "        factor = factor * (1.0 / HADAMARD_BLOCK)", "        factor = factor * 1.0",
            "dequantize_reduce forgets the 1/32 of the inverse transform"),
     Mutant("R26", REF, "    if block % group_size or block % HADAMARD_BLOCK:", "    if block % group_size:",
-           "swizzle check: blocks not a multiple of 32 accepted"),
+           "swizzle check: blocks not a multiple of 32 accepted",
+           "group sizes are multiples of 32 (check_group_size runs first), so whole groups are whole 32-blocks"),
     Mutant("R27", REF, "    out[0].copy_(result[0])\n    out[1].copy_(result[1])", "    out[0].copy_(result[0])",
            "out=: scales not written"),
     Mutant("R28", REF, "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]",
@@ -315,20 +319,23 @@ def main() -> None:
                     status, seconds, tail = run_tests(args.work, target.tests, 3 * baseline + 120, env)
                 finally:
                     (args.work / mutant.path).write_text(original)
-                outcome = "survived" if status == "pass" else "killed"
+                outcome = "killed" if status != "pass" else "equivalent" if mutant.equivalent else "survived"
                 results.append({**asdict(mutant), "target": target.name, "outcome": outcome, "status": status,
                                 "seconds": round(seconds, 1)})
                 print(f"{mutant.id} {outcome:8} {status:7} {seconds:6.0f} s  {mutant.what}", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
-    print("\n| file | mutants | killed | survived | score |\n|---|---|---|---|---|")
+    print("\n| file | mutants | killed | survived | equivalent | score |\n|---|---|---|---|---|---|")
     for target in targets:
         mine = [r for r in results if r["target"] == target.name]
-        killed = sum(r["outcome"] == "killed" for r in mine)
+        counts = {kind: sum(r["outcome"] == kind for r in mine) for kind in ("killed", "survived", "equivalent")}
         if mine:
-            print(f"| {target.path} | {len(mine)} | {killed} | {len(mine) - killed} | {100 * killed / len(mine):.0f}% |")
+            score = 100 * counts["killed"] / max(1, len(mine) - counts["equivalent"])
+            print(f"| {target.path} | {len(mine)} | {counts['killed']} | {counts['survived']} | "
+                  f"{counts['equivalent']} | {score:.0f}% |")
     print("survivors:", [(r["id"], r["what"]) for r in results if r["outcome"] == "survived"])
+    print("equivalent:", [(r["id"], r["equivalent"]) for r in results if r["outcome"] == "equivalent"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
