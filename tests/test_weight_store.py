@@ -259,23 +259,39 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     corrupted = keys[sizes.index(max(sizes))]
     store.resync({corrupted: masters[corrupted]})
     out["after_corruption_resync"] = (store.checksum().mismatches, _inexact(store, keys, sizes, run, dtype))
+    for k, n in zip(keys, sizes):
+        _advance(masters[k], k, rank, valid_numel(n, world, rank), steps)
+    store.refresh(masters, quantize=False)  # before the quantization start step: the new values, exactly
+    out["exact_refresh_inexact"] = _inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
+                                            dtype)
+    every_other = keys[::2]  # no two of them adjacent: each must travel in its own run of columns
+    for k in every_other:
+        _advance(masters[k], k, rank, valid_numel(sizes[keys.index(k)], world, rank), steps + 1)
+    store.resync({k: masters[k] for k in every_other})
+    out["every_other_resync_inexact"] = _inexact(store, keys, sizes,
+                                                 _clean_run(list(masters.values()), sizes, world, rank), dtype)
     out["memory_bytes"] = (store.memory_bytes(), sum(store.shard_numel(k) for k in keys)
                            * _slots(topo, replica) * esize)
     return out
 
 
 def _corrupt(store: WeightStore, topo: Topology, replica: str, keys: list[int], sizes: list[int]) -> dict:
-    """Flip one bit of the last rank's own copy of the largest param; the checksum must name (key, last rank)."""
+    """In the largest param, flip one bit of the last rank's own copy and swap two elements of rank 0's (a change
+    only a checksum that weighs positions sees); the checksum must name (key, last rank) and (key, 0)."""
     holders = _slots(topo, replica)
     key = keys[sizes.index(max(sizes))]
     victim = topo.world - 1
+    own = store.own_shard(key)
+    swapped_differ = True
+    if topo.rank == 0 and victim != 0:
+        swapped_differ = bool(own[0] != own[1])
+        own[:2] = own[:2].flip(0).clone()
     if topo.rank == victim:
-        store.own_shard(key)[:1].view(torch.int16 if store.own_shard(key).element_size() == 2
-                                      else torch.int32).bitwise_xor_(1)
+        own[:1].view(torch.int16 if own.element_size() == 2 else torch.int32).bitwise_xor_(1)
     report = store.checksum()
-    return {"holders": holders, "ok": report.ok, "mismatches": report.mismatches,
-            "expected": [] if holders == 1 else [(key, victim)], "regions": report.regions,
-            "expected_regions": len(keys) * topo.world}
+    expected = [] if holders == 1 else sorted({(key, 0), (key, victim)})
+    return {"holders": holders, "ok": report.ok, "mismatches": sorted(report.mismatches), "expected": expected,
+            "swapped_differ": swapped_differ, "regions": report.regions, "expected_regions": len(keys) * topo.world}
 
 
 def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, columns: int,
@@ -461,11 +477,15 @@ def test_error_feedback_tracks_masters(world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_resync_restores_exact_shards(world: int) -> None:
+    """A resync (of all parameters or of every other one), and a refresh without quantization (before the start
+    step), leave every copy exactly the owners' values."""
     for rank, name, res in _cases(world, *STORE_CASES):
         measured = {key: res[key] for key in ("resync_initial_inexact", "resync_inexact", "resync_checksum_mismatches",
-                                              "after_corruption_resync")}
+                                              "after_corruption_resync", "exact_refresh_inexact",
+                                              "every_other_resync_inexact")}
         assert measured == {"resync_initial_inexact": 0, "resync_inexact": 0, "resync_checksum_mismatches": [],
-                            "after_corruption_resync": ([], 0)}, (rank, name, measured)
+                            "after_corruption_resync": ([], 0), "exact_refresh_inexact": 0,
+                            "every_other_resync_inexact": 0}, (rank, name, measured)
         counts = res["resync_counts"]
         assert counts["refresh_calls"] == 0 and counts["resync_wire"] == counts["resync_logical"], (rank, name, counts)
         assert (counts["resync_calls"] > 0) == counts["sends"], (rank, name, counts)
@@ -475,6 +495,7 @@ def test_resync_restores_exact_shards(world: int) -> None:
 def test_checksum_names_corrupted_region(world: int) -> None:
     for rank, name, res in _cases(world, *STORE_CASES):
         c = res["corruption"]
+        assert c["swapped_differ"], (rank, name, "the two swapped elements are equal: the case tests nothing")
         assert c["mismatches"] == c["expected"] and c["ok"] == (c["holders"] == 1), (rank, name, c)
         assert c["regions"] == c["expected_regions"], (rank, name, c)
 
