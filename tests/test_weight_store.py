@@ -9,6 +9,7 @@ the refresh quantizes each bucket of that run as a whole, so quantization groups
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -270,6 +271,9 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     store.resync({k: masters[k] for k in every_other})
     out["every_other_resync_inexact"] = _inexact(store, keys, sizes,
                                                  _clean_run(list(masters.values()), sizes, world, rank), dtype)
+    twin = _make_store(topo, replica, dtype, sizes, group, bucket, stochastic, seed, CommStats(topo.ranks_per_node),
+                       keys)
+    out["resumed_refresh_differs"] = _resumed_refresh_differs(store, twin, masters, keys, sizes, steps + 2)
     out["memory_bytes"] = (store.memory_bytes(), sum(store.shard_numel(k) for k in keys)
                            * _slots(topo, replica) * esize)
     return out
@@ -292,6 +296,20 @@ def _corrupt(store: WeightStore, topo: Topology, replica: str, keys: list[int], 
     expected = [] if holders == 1 else sorted({(key, 0), (key, victim)})
     return {"holders": holders, "ok": report.ok, "mismatches": sorted(report.mismatches), "expected": expected,
             "swapped_differ": swapped_differ, "regions": report.regions, "expected_regions": len(keys) * topo.world}
+
+
+def _resumed_refresh_differs(store: WeightStore, twin: WeightStore, masters: dict[int, torch.Tensor],
+                             keys: list[int], sizes: list[int], step: int) -> int:
+    """`twin` takes `store`'s replicas and its state_dict (a resume), then both refresh to the same new masters:
+    the own-slot elements whose bits differ (0: the rounding counter was restored)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    twin.resync({k: store.own_shard(k).float() for k in keys})
+    twin.load_state_dict(copy.deepcopy(store.state_dict()))
+    for k, n in zip(keys, sizes):
+        _advance(masters[k], k, rank, valid_numel(n, world, rank), step)
+    store.refresh(masters)
+    twin.refresh(masters)
+    return int((_bits(_own_run(store, keys)) != _bits(_own_run(twin, keys))).sum())
 
 
 def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, columns: int,
@@ -478,14 +496,15 @@ def test_error_feedback_tracks_masters(world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_resync_restores_exact_shards(world: int) -> None:
     """A resync (of all parameters or of every other one), and a refresh without quantization (before the start
-    step), leave every copy exactly the owners' values."""
+    step), leave every copy exactly the owners' values; a store resumed from another's replicas and state_dict
+    refreshes to the same bits."""
     for rank, name, res in _cases(world, *STORE_CASES):
         measured = {key: res[key] for key in ("resync_initial_inexact", "resync_inexact", "resync_checksum_mismatches",
                                               "after_corruption_resync", "exact_refresh_inexact",
-                                              "every_other_resync_inexact")}
+                                              "every_other_resync_inexact", "resumed_refresh_differs")}
         assert measured == {"resync_initial_inexact": 0, "resync_inexact": 0, "resync_checksum_mismatches": [],
                             "after_corruption_resync": ([], 0), "exact_refresh_inexact": 0,
-                            "every_other_resync_inexact": 0}, (rank, name, measured)
+                            "every_other_resync_inexact": 0, "resumed_refresh_differs": 0}, (rank, name, measured)
         counts = res["resync_counts"]
         assert counts["refresh_calls"] == 0 and counts["resync_wire"] == counts["resync_logical"], (rank, name, counts)
         assert (counts["resync_calls"] > 0) == counts["sends"], (rank, name, counts)
