@@ -21,9 +21,9 @@ bf16, validation on the same held-out windows every --eval_interval steps) on 4 
                 lossless, DeepSpeed has no CPU quantizer for its qwZ/qgZ
 
 A seed sets the model initialisation, the data order and the stochastic-rounding seed (`--seed` of the trainer and
-`sdp4bit.seed`). The four ranks are started once and train the pending runs one after another (each a fresh
-DeepSpeed engine, destroyed afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the
-trainer's log.csv); a new invocation skips finished runs, so an interrupted ablation resumes where it stopped
+`sdp4bit.seed`). The four ranks are started once per seed (DeepSpeed's hpZ groups can be built only once per
+process) and train that seed's pending runs one after another (each a fresh DeepSpeed engine, destroyed
+afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the trainer's log.csv); a new invocation skips finished runs, so an interrupted ablation resumes where it stopped
 (the unfinished run starts over). A result made with other settings (model, steps, data, trainer flags) is
 refused rather than mixed in.
 
@@ -396,6 +396,17 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
           f"({len(results)} of {len(runs)} runs finished)", flush=True)
 
 
+def launches(pending: list[Run]) -> list[list[Run]]:
+    """The pending runs in launches of the four ranks: DeepSpeed builds hpZ's process groups once per process (a
+    second hpZ engine in the same processes fails its "already initialized" assert), so an hpZ run ends a launch."""
+    out: list[list[Run]] = [[]]
+    for run in pending:
+        out[-1].append(run)
+        if VARIANTS[run.variant] == "mini_hpz":
+            out.append([])
+    return [launch for launch in out if launch]
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
@@ -410,7 +421,8 @@ def main() -> None:
         # LOCAL_SIZE as the deepspeed launcher sets it: without it DeepSpeed's CPU accelerator runs
         # `numactl --hardware` for every gradient bucket (device_count); SDP4Bit's nodes come from ranks_per_node
         env = {"TOKENIZERS_PARALLELISM": "false", "LOCAL_SIZE": str(WORLD)}
-        run_distributed(WORLD, _worker, args, pending, out, env=env, timeout=48 * 3600.0)
+        for launch in launches(pending):
+            run_distributed(WORLD, _worker, args, launch, out, env=env, timeout=48 * 3600.0)
         print(f"accuracy: trained {len(pending)} runs in {(time.perf_counter() - began) / 60:.1f} min",
               file=sys.stderr, flush=True)
     report(args, runs, out)
