@@ -23,9 +23,9 @@ bf16, validation on the same held-out windows every --eval_interval steps) on 4 
 A seed sets the model initialisation, the data order and the stochastic-rounding seed (`--seed` of the trainer and
 `sdp4bit.seed`). The four ranks are started once per seed (DeepSpeed's hpZ groups can be built only once per
 process) and train that seed's pending runs one after another (each a fresh DeepSpeed engine, destroyed
-afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the trainer's log.csv); a new invocation skips finished runs, so an interrupted ablation resumes where it stopped
-(the unfinished run starts over). A result made with other settings (model, steps, data, trainer flags) is
-refused rather than mixed in.
+afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the trainer's log.csv); a new
+invocation skips finished runs, so an interrupted ablation resumes where it stopped (the unfinished run starts
+over). A result made with other settings (model, steps, data, trainer flags) is refused rather than mixed in.
 
 In the first seed's TLq-HS run, at the steps of --grad_error_steps, every gradient bucket ZeRO-3 hands to the
 reduce-scatter (the real buckets of this model, in DeepSpeed's communication dtype) is also reduced exactly (an
