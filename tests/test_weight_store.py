@@ -116,6 +116,15 @@ def _advance(master: torch.Tensor, key: int, rank: int, valid: int, step: int) -
     master[:valid] += LR * torch.randn(valid, generator=_gen(key, rank, step))
 
 
+def _advance_masters(masters: dict[int, torch.Tensor], keys: list[int], sizes: list[int], step: int,
+                     only: list[int] | None = None) -> None:
+    """`_advance` this rank's masters of the keys in `only` (default: every key) from `step` to `step + 1`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for k, n in zip(keys, sizes):
+        if only is None or k in only:
+            _advance(masters[k], k, rank, valid_numel(n, world, rank), step)
+
+
 def _clean_run(shards: list[torch.Tensor], sizes: list[int], world: int, rank: int) -> torch.Tensor:
     """`rank`'s shards concatenated into its run, with the padding set to zero."""
     run = torch.cat(shards)
@@ -230,8 +239,7 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     worst = [0.0] * steps
     for step in range(steps):
         before = _own_run(store, keys).float()
-        for k, n in zip(keys, sizes):
-            _advance(masters[k], k, rank, valid_numel(n, world, rank), step)
+        _advance_masters(masters, keys, sizes, step)
         store.refresh(masters)
         worst[step] = _step_bound(_clean_run(list(masters.values()), sizes, world, rank), before,
                                   _own_run(store, keys).float(), buckets, group, dtype)
@@ -260,14 +268,12 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     corrupted = keys[sizes.index(max(sizes))]
     store.resync({corrupted: masters[corrupted]})
     out["after_corruption_resync"] = (store.checksum().mismatches, _inexact(store, keys, sizes, run, dtype))
-    for k, n in zip(keys, sizes):
-        _advance(masters[k], k, rank, valid_numel(n, world, rank), steps)
+    _advance_masters(masters, keys, sizes, steps)
     store.refresh(masters, quantize=False)  # before the quantization start step: the new values, exactly
     out["exact_refresh_inexact"] = _inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
                                             dtype)
     every_other = keys[::2]  # no two of them adjacent: each must travel in its own run of columns
-    for k in every_other:
-        _advance(masters[k], k, rank, valid_numel(sizes[keys.index(k)], world, rank), steps + 1)
+    _advance_masters(masters, keys, sizes, steps + 1, only=every_other)
     store.resync({k: masters[k] for k in every_other})
     out["every_other_resync_inexact"] = _inexact(store, keys, sizes,
                                                  _clean_run(list(masters.values()), sizes, world, rank), dtype)
@@ -302,11 +308,9 @@ def _resumed_refresh_differs(store: WeightStore, twin: WeightStore, masters: dic
                              keys: list[int], sizes: list[int], step: int) -> int:
     """`twin` takes `store`'s replicas and its state_dict (a resume), then both refresh to the same new masters:
     the own-slot elements whose bits differ (0: the rounding counter was restored)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     twin.resync({k: store.own_shard(k).float() for k in keys})
     twin.load_state_dict(copy.deepcopy(store.state_dict()))
-    for k, n in zip(keys, sizes):
-        _advance(masters[k], k, rank, valid_numel(n, world, rank), step)
+    _advance_masters(masters, keys, sizes, step)
     store.refresh(masters)
     twin.refresh(masters)
     return int((_bits(_own_run(store, keys)) != _bits(_own_run(twin, keys))).sum())
