@@ -1,14 +1,17 @@
 """Accuracy ablation: the paper's Table 1 at small scale, several seeds, one command.
 
-  python benchmarks/accuracy.py                              8 variants x 3 seeds of the `mini` GPT (4 layers, width
-                                                             256, sequence 128) on the offline corpus, 600 steps
+  python benchmarks/accuracy.py                              8 variants x 3 seeds of the `tiny` GPT (2 layers, width
+                                                             128, sequence 128, 32 sequences per step) on the
+                                                             offline corpus, 600 steps
+  python benchmarks/accuracy.py --model mini                 the same with the `mini` GPT (4 layers, width 256,
+                                                             4 sequences per step): too few tokens for qW to separate
   python benchmarks/accuracy.py --data data/pile/tokens      any prepare_data.py output
   python benchmarks/accuracy.py --variants baseline qW --seeds 1 --steps 100 --out runs/acc_try   a short check
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
 
 Every run is examples/train_gpt.py's training (its model card, data pipeline, AdamW with warm-up and cosine decay,
 bf16, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
-(`ranks_per_node: 2`), with one config of configs/cpu/mini_*.json per variant:
+(`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant:
 
   baseline      plain ZeRO-3
   qW            weights quantized directly, 4 bits, groups of 2048, once per optimizer step (`"direct"`)
@@ -65,8 +68,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 from dist_harness import run_distributed  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
-VARIANTS = {"baseline": "mini_baseline", "qW": "mini_qw", "qWD": "mini_qwd", "TLq": "mini_tlq",
-            "TLq-HS": "mini_tlq_hs", "SDP4Bit": "mini_sdp4bit", "ZeRO++-4bit": "mini_zeropp4", "hpZ": "mini_hpz"}
+VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
+            "TLq-HS": "ablation_tlq_hs", "SDP4Bit": "ablation_sdp4bit", "ZeRO++-4bit": "ablation_zeropp4",
+            "hpZ": "ablation_hpz"}
 PROBE_VARIANT = "TLq-HS"
 LOSSY_WEIGHTS = ("qW", "ZeRO++-4bit")  # left out of the zoomed panel: far above the others
 PAPER_125M = {"baseline": 2.29392, "qW": 2.57312, "qWD": 2.29274, "TLq": 2.30479, "TLq-HS": 2.29528,
@@ -92,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/accuracy", help="folder of the runs, the table and the plot")
     p.add_argument("--data", default="data/pydoc/tokens",
                    help="token file prefix from examples/prepare_data.py (default: the offline corpus)")
-    p.add_argument("--model", default="mini", help="model card of examples/gpt_models.py")
+    p.add_argument("--model", default="tiny", help="model card of examples/gpt_models.py")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
@@ -129,9 +133,15 @@ def trainer_argv(args: argparse.Namespace, run: Run, out: Path) -> list[str]:
     return argv
 
 
+def _data_name(data: str) -> str:
+    """The token files' path, relative to the repository when inside it, so a clone elsewhere reads the results."""
+    path = Path(data).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
     """The settings a result depends on besides its variant and seed: results of other settings are not mixed."""
-    return {"model": args.model, "steps": args.steps, "data": str(Path(args.data).resolve()),
+    return {"model": args.model, "steps": args.steps, "data": _data_name(args.data),
             "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
             "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
 
@@ -402,7 +412,7 @@ def launches(pending: list[Run]) -> list[list[Run]]:
     out: list[list[Run]] = [[]]
     for run in pending:
         out[-1].append(run)
-        if VARIANTS[run.variant] == "mini_hpz":
+        if VARIANTS[run.variant] == "ablation_hpz":
             out.append([])
     return [launch for launch in out if launch]
 
