@@ -28,7 +28,8 @@ def model_and_world(path: Path) -> tuple[str, int]:
     """The model card a config is for and the ranks it is meant to run on."""
     rel = path.relative_to(ROOT / "configs")
     if rel.parts[0] == "cpu":
-        return rel.stem.split("_")[0], 4
+        prefix = rel.stem.split("_")[0]
+        return ("tiny" if prefix == "ablation" else prefix), 4  # the ablation's configs: its default model
     if rel.parts[0] == "speed":
         return rel.stem.split("_")[0], 16
     return rel.parts[0], 8
