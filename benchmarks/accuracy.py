@@ -281,7 +281,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
-    """Per variant: seeds, final validation losses, their mean and std, gap of the mean to the baseline's."""
+    """Per variant: seeds, final validation losses, their mean and std, gap of the mean to the baseline's, and the
+    paired gap (mean and std over seeds of the difference to the baseline's run of the same seed: the seed sets the
+    initialisation and data order for every variant alike, so this separates a variant's effect from the seed's)."""
     stats: dict[str, dict[str, Any]] = {}
     for variant in variants:
         finals = {run.seed: r["final_val_loss"] for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
@@ -292,6 +294,9 @@ def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[s
     base = stats.get("baseline")
     for entry in stats.values():
         entry["gap_pct"] = 100.0 * (entry["mean"] / base["mean"] - 1.0) if base else None
+        paired = [loss - base["finals"][seed] for seed, loss in entry["finals"].items()
+                  if base and seed in base["finals"]]
+        entry["paired_gap"] = _mean_std(paired) if paired else None
     return stats
 
 
@@ -328,6 +333,9 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
              + " | ".join(f"{stats[v]['mean']:.4f} ± {stats[v]['std']:.4f}" for v in variants) + " |",
              "| gap to baseline | " + " | ".join("—" if v == "baseline" or stats[v]["gap_pct"] is None
                                                   else f"{stats[v]['gap_pct']:+.2f}%" for v in variants) + " |",
+             "| paired gap: variant - baseline of the same seed, mean ± std | "
+             + " | ".join("—" if v == "baseline" or stats[v]["paired_gap"] is None
+                          else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"]) for v in variants) + " |",
              "| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M else "—"
                                                          for v in variants) + " |",
              "", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time |",
