@@ -420,7 +420,7 @@ def launches(pending: list[Run]) -> list[list[Run]]:
     out: list[list[Run]] = [[]]
     for run in pending:
         out[-1].append(run)
-        if VARIANTS[run.variant] == "ablation_hpz":
+        if run.variant == "hpZ":
             out.append([])
     return [launch for launch in out if launch]
 
