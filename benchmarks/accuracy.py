@@ -5,6 +5,7 @@
                                                              offline corpus, 600 steps
   python benchmarks/accuracy.py --model mini                 the same with the `mini` GPT (4 layers, width 256,
                                                              4 sequences per step): too few tokens for qW to separate
+  python benchmarks/accuracy.py --global_batch 64           the same with 64 sequences per step (16 per rank)
   python benchmarks/accuracy.py --data data/pile/tokens      any prepare_data.py output
   python benchmarks/accuracy.py --variants baseline qW --seeds 1 --steps 100 --out runs/acc_try   a short check
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
@@ -97,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default="data/pydoc/tokens",
                    help="token file prefix from examples/prepare_data.py (default: the offline corpus)")
     p.add_argument("--model", default="tiny", help="model card of examples/gpt_models.py")
+    p.add_argument("--global_batch", type=int, default=0,
+                   help=f"sequences per optimizer step, a multiple of the {WORLD} ranks, each rank's micro-batch "
+                        f"1/{WORLD} of it (0: the model card's batch)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
@@ -113,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.seeds < 1 or args.eval_interval < 1:
         p.error("--steps, --seeds and --eval_interval must be >= 1")
+    if args.global_batch < 0 or args.global_batch % WORLD:
+        p.error(f"--global_batch {args.global_batch}: must be 0 or a positive multiple of {WORLD}")
     if args.grad_error_steps is None:
         args.grad_error_steps = sorted({args.steps * k // 12 for k in (1, 3, 6, 9)} | {args.steps - 1})
     bad = [s for s in args.grad_error_steps if not 0 <= s < args.steps]
@@ -128,6 +134,8 @@ def trainer_argv(args: argparse.Namespace, run: Run, out: Path) -> list[str]:
             "--seed", str(run.seed), "--train_iters", str(args.steps), "--lr_decay_iters", str(args.steps),
             "--eval_interval", str(args.eval_interval), "--eval_samples", str(args.eval_samples),
             "--out", str(out / run.folder), *shlex.split(args.trainer_args)]
+    if args.global_batch:
+        argv += ["--global_batch", str(args.global_batch), "--micro_batch", str(args.global_batch // WORLD)]
     if "sdp4bit" in json.loads(config.read_text()):
         argv += ["--ds_set", f"sdp4bit.seed={run.seed}"]
     return argv
@@ -141,8 +149,8 @@ def _data_name(data: str) -> str:
 
 def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
     """The settings a result depends on besides its variant and seed: results of other settings are not mixed."""
-    return {"model": args.model, "steps": args.steps, "data": _data_name(args.data),
-            "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
+    return {"model": args.model, "global_batch": args.global_batch, "steps": args.steps,
+            "data": _data_name(args.data), "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
             "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
 
 
@@ -175,6 +183,7 @@ class BucketErrorProbe:
                  "pipeline": 1, "stochastic": True, "seed": seed, "stats": CommStats()}
         self.reducers = {name: TLqReducer(runtime.topology, hadamard=hadamard, **level)
                          for name, hadamard in (("TLq", False), ("TLq-HS", True))}
+        self.group = cfg.gq_group_size_inter
         self.sums: dict[int, dict[str, float]] = {}
 
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
@@ -193,7 +202,11 @@ class BucketErrorProbe:
         for full in exact:
             dist.all_reduce(full, group=group)
             full.div_(world)
-        sums = self.sums.setdefault(step, {"exact": 0.0, "TLq": 0.0, "TLq-HS": 0.0, "buckets": 0, "elements": 0})
+        sums = self.sums.setdefault(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
+        for t in tensors:
+            peak_sq, total_sq = peak_sums(t.detach().reshape(-1).double(), self.group)
+            sums["peak_sq"] += peak_sq
+            sums["local_sq"] += total_sq
         mine = []
         for full in exact:
             chunk = -(-full.numel() // world)
@@ -211,14 +224,34 @@ class BucketErrorProbe:
 
         out = {}
         for step in sorted(self.steps):
-            sums = self.sums.get(step, {"exact": 0.0, "TLq": 0.0, "TLq-HS": 0.0, "buckets": 0, "elements": 0})
-            totals = torch.tensor([sums["exact"], sums["TLq"], sums["TLq-HS"]], dtype=torch.float64)
+            sums = self.sums.get(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
+            totals = torch.tensor([sums[key] for key in SUMMED], dtype=torch.float64)
             dist.all_reduce(totals)
-            exact, tlq, hs = totals.tolist()
-            out[step] = {"TLq": math.sqrt(tlq / exact) if exact else math.nan,
-                         "TLq-HS": math.sqrt(hs / exact) if exact else math.nan,
+            total = dict(zip(SUMMED, totals.tolist()))
+            exact, local = total["exact"], total["local_sq"]
+            out[step] = {"TLq": math.sqrt(total["TLq"] / exact) if exact else math.nan,
+                         "TLq-HS": math.sqrt(total["TLq-HS"] / exact) if exact else math.nan,
+                         "peak_factor": math.sqrt(total["peak_sq"] / local) if local else math.nan,
                          "buckets": sums["buckets"], "elements": sums["elements"]}
         return out
+
+
+SUMMED = ("exact", "TLq", "TLq-HS", "peak_sq", "local_sq")
+
+
+def peak_sums(values: torch.Tensor, group: int) -> tuple[float, float]:
+    """Sum over groups of `group` values (zero-padded) of group x absmax^2, and the sum of squares: the root of their
+    ratio, the peak factor, is what an abs-max quantizer's error grows with (about 2.86 for Gaussian values and groups
+    of 128; a Hadamard transform brings heavier tails down to that, lighter ones up to it)."""
+    padded = torch.nn.functional.pad(values, (0, -values.numel() % group)).view(-1, group)
+    return float(padded.abs().amax(1).square().sum()) * group, float(values.square().sum())
+
+
+def gaussian_peak_factor(group: int) -> float:
+    """The peak factor of standard normal values in groups of `group` (seeded: the same on every call)."""
+    values = torch.randn(group << 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    peak_sq, total_sq = peak_sums(values, group)
+    return math.sqrt(peak_sq / total_sq)
 
 
 # ----------------------------------------------------------------------------------------------- one rank
@@ -338,7 +371,7 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
                           else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"]) for v in variants) + " |",
              "| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M else "—"
                                                          for v in variants) + " |",
-             "", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time |",
+             "", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time, all seeds |",
              "|---|" + "---:|" * (seeds + 1)]
     for v in variants:
         runs = {run.seed: r for run, r in results.items() if run.variant == v}
@@ -351,11 +384,16 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
         lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
-                  "||q - exact|| / ||exact|| over all buckets and ranks of the step):", "",
-                  "| step | buckets | elements per rank | TLq | TLq-HS | TLq-HS / TLq |", "|---:|---:|---:|---:|---:|---:|"]
+                  "||q - exact|| / ||exact|| over all buckets and ranks of the step; peak factor: "
+                  "sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares) of the ranks' gradients, "
+                  f"{gaussian_peak_factor(128):.2f} for Gaussian values: Hadamard smoothing lowers the error only "
+                  "where the gradients' tails are heavier than that):", "",
+                  "| step | buckets | elements per rank | peak factor | TLq | TLq-HS | TLq-HS / TLq |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for step, e in sorted(errors.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {e['TLq']:.4f} | {e['TLq-HS']:.4f} | "
-                         f"{e['TLq-HS'] / e['TLq']:.3f} |")
+            peak = f"{e['peak_factor']:.2f}" if "peak_factor" in e else "—"
+            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {peak} | {e['TLq']:.4f} | "
+                         f"{e['TLq-HS']:.4f} | {e['TLq-HS'] / e['TLq']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
