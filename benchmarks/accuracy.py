@@ -1,11 +1,12 @@
 """Accuracy ablation: the paper's Table 1 at small scale, several seeds, one command.
 
   python benchmarks/accuracy.py                              8 variants x 3 seeds of the `tiny` GPT (2 layers, width
-                                                             128, sequence 128, 32 sequences per step) on the
-                                                             offline corpus, 600 steps
-  python benchmarks/accuracy.py --model mini                 the same with the `mini` GPT (4 layers, width 256,
-                                                             4 sequences per step): too few tokens for qW to separate
-  python benchmarks/accuracy.py --global_batch 64           the same with 64 sequences per step (16 per rank)
+                                                             128, sequence 128) on the offline corpus, 600 steps of
+                                                             64 sequences (16 per rank), about 2 hours
+  python benchmarks/accuracy.py --global_batch 0             the same with the card's 32 sequences per step
+  python benchmarks/accuracy.py --model mini --global_batch 0
+                                                             the `mini` GPT (4 layers, width 256) with its card's 4
+                                                             sequences per step: too few tokens for qW to separate
   python benchmarks/accuracy.py --data data/pile/tokens      any prepare_data.py output
   python benchmarks/accuracy.py --variants baseline qW --seeds 1 --steps 100 --out runs/acc_try   a short check
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default="data/pydoc/tokens",
                    help="token file prefix from examples/prepare_data.py (default: the offline corpus)")
     p.add_argument("--model", default="tiny", help="model card of examples/gpt_models.py")
-    p.add_argument("--global_batch", type=int, default=0,
+    p.add_argument("--global_batch", type=int, default=64,
                    help=f"sequences per optimizer step, a multiple of the {WORLD} ranks, each rank's micro-batch "
                         f"1/{WORLD} of it (0: the model card's batch)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
@@ -334,16 +335,16 @@ def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[s
 
 
 def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
-    """The paper's ordering, each as (statement with the numbers, holds)."""
-    needed = {"baseline", "qW", "qWD", "TLq", "TLq-HS", "SDP4Bit"}
-    if not needed <= stats.keys():
+    """The paper's ordering, each as (statement with the numbers, holds). "Worst" is among Table 1's variants: the
+    ZeRO++ re-implementation is qW plus more quantization, so it is expected to be worse still."""
+    if not PAPER_125M.keys() <= stats.keys():
         return []
     base, qw = stats["baseline"], stats["qW"]
-    worst = max(stats, key=lambda v: stats[v]["mean"])
+    worst = max(PAPER_125M, key=lambda v: stats[v]["mean"])
     sigmas = (qw["mean"] - base["mean"]) / base["std"] if base["std"] else math.inf
     gap = {v: stats[v]["gap_pct"] for v in stats}
     return [
-        (f"qW is the worst variant (worst: {worst}, {stats[worst]['mean']:.4f})", worst == "qW"),
+        (f"qW is the worst of Table 1's variants (worst: {worst}, {stats[worst]['mean']:.4f})", worst == "qW"),
         (f"qW's gap {qw['mean'] - base['mean']:+.4f} = {sigmas:.1f} x the baseline's std {base['std']:.4f} (> 3)",
          sigmas > 3),
         (f"SDP4Bit within 0.5% of the baseline: {gap['SDP4Bit']:+.2f}%", abs(gap["SDP4Bit"]) <= 0.5),

@@ -11,8 +11,9 @@ the number of ranks; 200 iterations; the 2.7B script's lr 1.6e-4):
   18b:  40 layers, hidden 6144, 48 heads: the 18.4B model of Narayanan et al., "Efficient Large-Scale Language
         Model Training on GPU Clusters Using Megatron-LM" (SC'21, Table 1).
 `tiny` is ours: a GPT-2 small enough for four CPU ranks on two cores; it is also the accuracy ablation's model
-(benchmarks/accuracy.py: 24 runs of 600 steps fit in under two hours there). `mini` is ours too: 4 layers, width 256,
-sequence 128, 4 sequences per step; at that batch 600 steps are too few tokens for 4-bit weights to hurt.
+(benchmarks/accuracy.py runs it with 64 sequences per step: 24 runs of 600 steps in about two hours there). `mini` is
+ours too: 4 layers, width 256, sequence 128, 4 sequences per step; at that batch 600 steps are too few tokens for
+4-bit weights to hurt.
 """
 
 from __future__ import annotations
