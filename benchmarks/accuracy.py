@@ -35,8 +35,11 @@ over). A result made with other settings (model, steps, data, trainer flags) is 
 In the first seed's TLq-HS run, at the steps of --grad_error_steps, every gradient bucket ZeRO-3 hands to the
 reduce-scatter (the real buckets of this model, in DeepSpeed's communication dtype) is also reduced exactly (an
 fp32 all-reduce) and by TLq and TLq-HS (fresh reducers on fp32 copies, so only quantization error is measured);
-the relative error ||q - exact|| / ||exact|| over all buckets and ranks of a step is recorded. Training itself uses
-the run's own reducer's result.
+the relative error ||q - exact|| / ||exact|| over all buckets and ranks of a step is recorded, with two measures
+of the gradients themselves: their peak factor (how heavy their tails are, which decides what Hadamard smoothing
+can gain) and their sampling noise (the standard error of the step's mean gradient over the ranks' micro-batches,
+relative to its norm: the noise a step's gradient has anyway, against which the quantization error adds variance
+in the ratio of their squares). Training itself uses the run's own reducer's result.
 
 Output in OUT: table.md (Table 1's form: final validation loss mean ± sample standard deviation over seeds and the
 gap of each mean to the baseline's, then every seed, the paper's ordering checked, and the gradient errors),
@@ -204,10 +207,12 @@ class BucketErrorProbe:
             dist.all_reduce(full, group=group)
             full.div_(world)
         sums = self.sums.setdefault(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
-        for t in tensors:
-            peak_sq, total_sq = peak_sums(t.detach().reshape(-1).double(), self.group)
+        for t, full in zip(tensors, exact):
+            local = t.detach().reshape(-1).double()
+            peak_sq, total_sq = peak_sums(local, self.group)
             sums["peak_sq"] += peak_sq
             sums["local_sq"] += total_sq
+            sums["spread"] += float((local - full.double()).square().sum())
         mine = []
         for full in exact:
             chunk = -(-full.numel() // world)
@@ -223,7 +228,7 @@ class BucketErrorProbe:
         """Per measured step: the relative error of each scheme over all buckets and ranks (collective)."""
         import torch.distributed as dist
 
-        out = {}
+        world, out = dist.get_world_size(), {}
         for step in sorted(self.steps):
             sums = self.sums.get(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
             totals = torch.tensor([sums[key] for key in SUMMED], dtype=torch.float64)
@@ -233,11 +238,13 @@ class BucketErrorProbe:
             out[step] = {"TLq": math.sqrt(total["TLq"] / exact) if exact else math.nan,
                          "TLq-HS": math.sqrt(total["TLq-HS"] / exact) if exact else math.nan,
                          "peak_factor": math.sqrt(total["peak_sq"] / local) if local else math.nan,
+                         "sampling_noise": math.sqrt(total["spread"] / (world * (world - 1)) / exact)
+                         if exact and world > 1 else math.nan,
                          "buckets": sums["buckets"], "elements": sums["elements"]}
         return out
 
 
-SUMMED = ("exact", "TLq", "TLq-HS", "peak_sq", "local_sq")
+SUMMED = ("exact", "TLq", "TLq-HS", "peak_sq", "local_sq", "spread")
 
 
 def peak_sums(values: torch.Tensor, group: int) -> tuple[float, float]:
@@ -388,12 +395,15 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
                   "||q - exact|| / ||exact|| over all buckets and ranks of the step; peak factor: "
                   "sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares) of the ranks' gradients, "
                   f"{gaussian_peak_factor(128):.2f} for Gaussian values: Hadamard smoothing lowers the error only "
-                  "where the gradients' tails are heavier than that):", "",
-                  "| step | buckets | elements per rank | peak factor | TLq | TLq-HS | TLq-HS / TLq |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "where the gradients' tails are heavier than that; sampling noise: the standard error of the "
+                  "step's mean gradient over the ranks' micro-batches, relative to its norm, which a quantization "
+                  "error adds variance to in the ratio of their squares):", "",
+                  "| step | buckets | elements per rank | peak factor | sampling noise | TLq | TLq-HS | TLq-HS / TLq |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for step, e in sorted(errors.items(), key=lambda kv: int(kv[0])):
             peak = f"{e['peak_factor']:.2f}" if "peak_factor" in e else "—"
-            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {peak} | {e['TLq']:.4f} | "
+            noise = f"{e['sampling_noise']:.3f}" if "sampling_noise" in e else "—"
+            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {peak} | {noise} | {e['TLq']:.4f} | "
                          f"{e['TLq-HS']:.4f} | {e['TLq-HS'] / e['TLq']:.3f} |")
     return "\n".join(lines) + "\n"
 
