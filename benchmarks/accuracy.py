@@ -202,24 +202,23 @@ class BucketErrorProbe:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        exact = [t.detach().reshape(-1).float() for t in tensors]
+        exact = [fp32_copy(t) for t in tensors]
         for full in exact:
             dist.all_reduce(full, group=group)
             full.div_(world)
         sums = self.sums.setdefault(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
+        mine = []
         for t, full in zip(tensors, exact):
             local = t.detach().reshape(-1).double()
             peak_sq, total_sq = peak_sums(local, self.group)
             sums["peak_sq"] += peak_sq
             sums["local_sq"] += total_sq
             sums["spread"] += float((local - full.double()).square().sum())
-        mine = []
-        for full in exact:
             chunk = -(-full.numel() // world)
             mine.append(full[rank * chunk:(rank + 1) * chunk])
         sums["exact"] += sum(float(m.double().square().sum()) for m in mine)
         for name, reducer in self.reducers.items():
-            parts = reducer.reduce_scatter_coalesced([t.detach().float() for t in tensors], group)
+            parts = reducer.reduce_scatter_coalesced([fp32_copy(t) for t in tensors], group)
             sums[name] += sum(float((p.double() - m.double()).square().sum()) for p, m in zip(parts, mine))
         sums["buckets"] += 1
         sums["elements"] += sum(t.numel() for t in tensors)
@@ -245,6 +244,12 @@ class BucketErrorProbe:
 
 
 SUMMED = ("exact", "TLq", "TLq-HS", "peak_sq", "local_sq", "spread")
+
+
+def fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """A flat fp32 copy of a gradient bucket, never a view of it (`.float()` of an fp32 bucket would be the bucket
+    itself, so the probe's in-place reductions would overwrite the gradients training reduces)."""
+    return t.detach().reshape(-1).to(torch.float32, copy=True)
 
 
 def peak_sums(values: torch.Tensor, group: int) -> tuple[float, float]:
