@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="validation windows per evaluation (at most the whole held-out split)")
     p.add_argument("--grad_error_steps", type=int, nargs="*",
                    help="steps of the first seed's TLq-HS run at which the real buckets' errors are measured "
-                        "(default: after 1/12, 1/4, 1/2, 3/4 and all of the run)")
+                        "(default: after 1/60, 1/12, 1/4, 1/2, 3/4 and all of the run; the first, step 10 of 600, just "
+                        "after the warm-up, where the gradients are lighter-tailed than Gaussian)")
     p.add_argument("--trainer_args", default="",
                    help="more train_gpt.py flags for every run, e.g. \"--micro_batch 4 --lr 1e-3\"")
     p.add_argument("--report", action="store_true", help="only write the table and plot from the finished runs")
@@ -124,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.global_batch < 0 or args.global_batch % WORLD:
         p.error(f"--global_batch {args.global_batch}: must be 0 or a positive multiple of {WORLD}")
     if args.grad_error_steps is None:
-        args.grad_error_steps = sorted({args.steps * k // 12 for k in (1, 3, 6, 9)} | {args.steps - 1})
+        args.grad_error_steps = sorted({args.steps * k // 60 for k in (1, 5, 15, 30, 45)} | {args.steps - 1})
     bad = [s for s in args.grad_error_steps if not 0 <= s < args.steps]
     if bad:
         p.error(f"--grad_error_steps {bad}: must be in [0, {args.steps})")

@@ -1,0 +1,132 @@
+"""How heavy-tailed a small GPT's gradients are, step by step, and what Hadamard smoothing does to their 4-bit error.
+
+  python benchmarks/gradient_tails.py                                  `tiny`, 64 sequences per step (the ablation's)
+  python benchmarks/gradient_tails.py --model mini --global_batch 4    `mini` with its card's 4 sequences per step
+  python benchmarks/gradient_tails.py --at 1 2 5 10 20 30 40 50        other steps
+
+One process, no DeepSpeed: the model card's GPT-2 (fp32) trained with examples/train_gpt.py's AdamW, weight decay,
+clipping, warm-up and cosine schedule over --schedule_steps, on the training windows in the order seed 0 of
+benchmarks/accuracy.py feeds them. At each step of --at, before that step's update, the gradient of one rank's
+micro-batch (the first quarter of the step's sequences, what rank 0 of the ablation's 4 ranks holds) is measured:
+
+  peak factor       sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares), 2.86 for Gaussian values;
+  4-bit error       ||dequantize(quantize(g)) - g|| / ||g||, 4 bits, groups of 128, stochastic rounding (the codec's
+                    reference quantizer), plain (TLq's 4-bit level) and after the 32-point Hadamard transform (HS),
+                    and their ratio;
+  embedding         the tied embedding's gradient (vocabulary x width): its energy's share along its top singular
+                    direction, that direction's peak factor, and its share of the whole gradient's energy.
+
+This is an emulation of one quantization level on one micro-batch, not TLq on the real buckets (benchmarks/accuracy.py
+measures that): it is here to show what the gradients look like when smoothing raises the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from deepspeed_sdp4bit.codec import reference  # noqa: E402
+from gpt_models import CARDS, gpt2_config  # noqa: E402
+from token_dataset import SampleOrder  # noqa: E402
+from train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,  # noqa: E402
+                       sequence_loss, stack)
+
+GROUP, BITS, RANKS = 128, 4, 4
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", choices=sorted(CARDS), help="model card")
+    p.add_argument("--global_batch", type=int, default=64, help=f"sequences per step, a multiple of {RANKS}")
+    p.add_argument("--at", type=int, nargs="+", default=[5, 10, 20, 50, 150], help="steps to measure")
+    p.add_argument("--schedule_steps", type=int, default=600, help="length of the warm-up + cosine schedule")
+    p.add_argument("--data", default="data/pydoc/tokens", help="token file prefix from examples/prepare_data.py")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation, data order and rounding draws")
+    args = p.parse_args()
+    if args.global_batch < RANKS or args.global_batch % RANKS:
+        p.error(f"--global_batch {args.global_batch}: must be a positive multiple of {RANKS}")
+    if min(args.at) < 0:
+        p.error(f"--at {args.at}: steps must be >= 0")
+    return args
+
+
+def peak_factor(values: torch.Tensor) -> float:
+    """sqrt(sum of group x absmax^2 over the zero-padded groups / sum of squares)."""
+    groups = torch.nn.functional.pad(values, (0, -values.numel() % GROUP)).view(-1, GROUP)
+    return math.sqrt(float(groups.abs().amax(1).square().sum()) * GROUP / float(values.square().sum()))
+
+
+def quantization_error(values: torch.Tensor, hadamard: bool, seed: int) -> float:
+    """Relative error of a 4-bit g128 stochastic round trip, optionally in the Hadamard domain."""
+    padded = torch.nn.functional.pad(values, (0, -values.numel() % GROUP))
+    x = reference.hadamard32(padded) if hadamard else padded
+    codes, scales = reference.quantize(x, bits=BITS, group_size=GROUP, stochastic=True, seed=seed)
+    back = reference.dequantize(codes, scales, numel=x.numel(), bits=BITS, group_size=GROUP)
+    if hadamard:
+        back = reference.hadamard32(back, inverse=True)
+    return float((back - padded).norm() / padded.norm())
+
+
+def embedding_structure(grad: torch.Tensor) -> tuple[float, float]:
+    """Share of the matrix's energy along its top singular direction, and that direction's peak factor."""
+    _, s, vh = torch.linalg.svd(grad, full_matrices=False)
+    return float(s[0] ** 2 / s.square().sum()), peak_factor(vh[0])
+
+
+def measure(model: torch.nn.Module, tokens: torch.Tensor, step: int, seed: int) -> str:
+    """One table row: the micro-batch's gradient, its tails, its 4-bit errors and its embedding's structure."""
+    model.zero_grad()
+    sequence_loss(model, tokens).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    plain, smoothed = quantization_error(flat, False, seed + step), quantization_error(flat, True, seed + step)
+    emb = model.get_input_embeddings().weight.grad
+    top, top_peak = embedding_structure(emb)
+    share = float(emb.square().sum() / flat.square().sum())
+    return (f"| {step} | {peak_factor(flat):.2f} | {plain:.4f} | {smoothed:.4f} | {smoothed / plain:.3f} | "
+            f"{share:.3f} | {top:.3f} | {top_peak:.2f} |")
+
+
+def main() -> None:
+    args = parse_args()
+    trainer = build_parser().parse_args(["--model", args.model, "--data", args.data, "--seed", str(args.seed),
+                                         "--global_batch", str(args.global_batch),
+                                         "--micro_batch", str(args.global_batch // RANKS),
+                                         "--train_iters", str(args.schedule_steps),
+                                         "--lr_decay_iters", str(args.schedule_steps)])
+    settings = resolve(trainer, RANKS)
+    data = open_data(trainer, settings.seq_len)
+    torch.manual_seed(args.seed)
+    config = gpt2_config(CARDS[args.model], padded_vocab(data.vocab_size, trainer.pad_vocab_multiple),
+                         settings.seq_len, 0.0, data.eod_id)
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(param_groups(model, trainer.weight_decay), lr=settings.lr,
+                                  betas=(trainer.beta1, trainer.beta2), eps=trainer.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(settings))
+    order = SampleOrder(data.train.num_samples, args.seed)
+    print(f"{args.model}, {args.global_batch} sequences per step, one micro-batch of {args.global_batch // RANKS}\n"
+          "\n| step | peak factor | 4-bit error | with HS | HS / plain | embedding's share | top direction's share "
+          "| its peak factor |\n|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for step in range(max(args.at) + 1):
+        batch = stack(data, data.train, [order(step * args.global_batch + j) for j in range(args.global_batch)],
+                      torch.device("cpu"))
+        if step in args.at:
+            print(measure(model, batch[:args.global_batch // RANKS], step, args.seed), flush=True)
+        model.zero_grad()
+        sequence_loss(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.clip_grad)
+        optimizer.step()
+        schedule.step()
+
+
+if __name__ == "__main__":
+    main()
