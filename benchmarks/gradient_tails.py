@@ -43,6 +43,7 @@ GROUP, BITS, RANKS = 128, 4, 4
 
 
 def parse_args() -> argparse.Namespace:
+    """This script's flags, checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=sorted(CARDS), help="model card")
     p.add_argument("--global_batch", type=int, default=64, help=f"sequences per step, a multiple of {RANKS}")
@@ -95,6 +96,7 @@ def measure(model: torch.nn.Module, tokens: torch.Tensor, step: int, seed: int) 
 
 
 def main() -> None:
+    """Train in one process and print a table row at each measured step."""
     args = parse_args()
     trainer = build_parser().parse_args(["--model", args.model, "--data", args.data, "--seed", str(args.seed),
                                          "--global_batch", str(args.global_batch),
