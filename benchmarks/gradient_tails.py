@@ -3,6 +3,8 @@
   python benchmarks/gradient_tails.py                                  `tiny`, 64 sequences per step (the ablation's)
   python benchmarks/gradient_tails.py --model mini --global_batch 4    `mini` with its card's 4 sequences per step
   python benchmarks/gradient_tails.py --at 1 2 5 10 20 30 40 50        other steps
+  python benchmarks/gradient_tails.py --n_embd 768 --n_head 12 --global_batch 16
+                                                                       `tiny`'s depth at GPT-125M's width
 
 One process, no DeepSpeed: the model card's GPT-2 (fp32) trained with examples/train_gpt.py's AdamW, weight decay,
 clipping, warm-up and cosine schedule over --schedule_steps, on the training windows in the order seed 0 of
@@ -23,6 +25,7 @@ measures that): it is here to show what the gradients look like when smoothing r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -40,12 +43,15 @@ from train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, par
                        sequence_loss, stack)
 
 GROUP, BITS, RANKS = 128, 4, 4
+SHAPE = ("n_layer", "n_embd", "n_head")
 
 
 def parse_args() -> argparse.Namespace:
     """This script's flags, checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=sorted(CARDS), help="model card")
+    for name in SHAPE:
+        p.add_argument(f"--{name}", type=int, help=f"the card's {name} replaced")
     p.add_argument("--global_batch", type=int, default=64, help=f"sequences per step, a multiple of {RANKS}")
     p.add_argument("--at", type=int, nargs="+", default=[5, 10, 20, 50, 150], help="steps to measure")
     p.add_argument("--schedule_steps", type=int, default=600, help="length of the warm-up + cosine schedule")
@@ -54,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.global_batch < RANKS or args.global_batch % RANKS:
         p.error(f"--global_batch {args.global_batch}: must be a positive multiple of {RANKS}")
+    for name in SHAPE:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be >= 1")
     if min(args.at) < 0:
         p.error(f"--at {args.at}: steps must be >= 0")
     return args
@@ -95,6 +104,15 @@ def measure(model: torch.nn.Module, tokens: torch.Tensor, step: int, seed: int) 
             f"{share:.3f} | {top:.3f} | {top_peak:.2f} |")
 
 
+def build_model(args: argparse.Namespace, vocab: int, seq_len: int, eod_id: int) -> torch.nn.Module:
+    """The card's GPT-2 with any of --n_layer/--n_embd/--n_head replaced, initialised from --seed."""
+    from transformers import GPT2LMHeadModel
+
+    shape = {name: getattr(args, name) for name in SHAPE if getattr(args, name)}
+    torch.manual_seed(args.seed)
+    return GPT2LMHeadModel(gpt2_config(dataclasses.replace(CARDS[args.model], **shape), vocab, seq_len, 0.0, eod_id))
+
+
 def main() -> None:
     """Train in one process and print a table row at each measured step."""
     args = parse_args()
@@ -105,19 +123,18 @@ def main() -> None:
                                          "--lr_decay_iters", str(args.schedule_steps)])
     settings = resolve(trainer, RANKS)
     data = open_data(trainer, settings.seq_len)
-    torch.manual_seed(args.seed)
-    config = gpt2_config(CARDS[args.model], padded_vocab(data.vocab_size, trainer.pad_vocab_multiple),
-                         settings.seq_len, 0.0, data.eod_id)
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(config)
+    model = build_model(args, padded_vocab(data.vocab_size, trainer.pad_vocab_multiple), settings.seq_len,
+                        data.eod_id)
     optimizer = torch.optim.AdamW(param_groups(model, trainer.weight_decay), lr=settings.lr,
                                   betas=(trainer.beta1, trainer.beta2), eps=trainer.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(settings))
     order = SampleOrder(data.train.num_samples, args.seed)
-    print(f"{args.model}, {args.global_batch} sequences per step, one micro-batch of {args.global_batch // RANKS}\n"
-          "\n| step | peak factor | 4-bit error | with HS | HS / plain | embedding's share | top direction's share "
-          "| its peak factor |\n|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    c = model.config
+    print(f"{args.model}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters; {args.global_batch} sequences per step, "
+          f"one micro-batch of {args.global_batch // RANKS}\n\n| step | peak factor | 4-bit error | with HS | "
+          "HS / plain | embedding's share | top direction's share | its peak factor |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for step in range(max(args.at) + 1):
         batch = stack(data, data.train, [order(step * args.global_batch + j) for j in range(args.global_batch)],
                       torch.device("cpu"))
