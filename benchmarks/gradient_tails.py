@@ -6,9 +6,9 @@
   python benchmarks/gradient_tails.py --n_embd 768 --n_head 12 --global_batch 16
                                                                        `tiny`'s depth at GPT-125M's width
 
-One process, no DeepSpeed: the model card's GPT-2 (fp32) trained with examples/train_gpt.py's AdamW, weight decay,
-clipping, warm-up and cosine schedule over --schedule_steps, on the training windows in the order seed 0 of
-benchmarks/accuracy.py feeds them. At each step of --at, before that step's update, the gradient of one rank's
+One process, no DeepSpeed: the model card's GPT-2 (fp32; --n_layer, --n_embd, --n_head replace its shape) trained
+with examples/train_gpt.py's AdamW, weight decay, clipping, warm-up and cosine schedule over --schedule_steps, on
+the training windows in the order seed 0 of benchmarks/accuracy.py feeds them. At each step of --at, before that step's update, the gradient of one rank's
 micro-batch (the first quarter of the step's sequences, what rank 0 of the ablation's 4 ranks holds) is measured:
 
   peak factor       sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares), 2.86 for Gaussian values;
@@ -19,7 +19,7 @@ micro-batch (the first quarter of the step's sequences, what rank 0 of the ablat
                     direction, that direction's peak factor, and its share of the whole gradient's energy.
 
 This is an emulation of one quantization level on one micro-batch, not TLq on the real buckets (benchmarks/accuracy.py
-measures that): it is here to show what the gradients look like when smoothing raises the error.
+measures that): it shows what the gradients look like where smoothing raises the error and where it lowers it.
 """
 
 from __future__ import annotations
