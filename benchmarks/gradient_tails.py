@@ -8,8 +8,9 @@
 
 One process, no DeepSpeed: the model card's GPT-2 (fp32; --n_layer, --n_embd, --n_head replace its shape) trained
 with examples/train_gpt.py's AdamW, weight decay, clipping, warm-up and cosine schedule over --schedule_steps, on
-the training windows in the order seed 0 of benchmarks/accuracy.py feeds them. At each step of --at, before that step's update, the gradient of one rank's
-micro-batch (the first quarter of the step's sequences, what rank 0 of the ablation's 4 ranks holds) is measured:
+the training windows in the order seed 0 of benchmarks/accuracy.py feeds them. At each step of --at, before that
+step's update, the gradient of one rank's micro-batch (the first quarter of the step's sequences, what rank 0 of
+the ablation's 4 ranks holds) is measured:
 
   peak factor       sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares), 2.86 for Gaussian values;
   4-bit error       ||dequantize(quantize(g)) - g|| / ||g||, 4 bits, groups of 128, stochastic rounding (the codec's
