@@ -68,7 +68,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and benchmarks share
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
 from dist_harness import run_distributed  # noqa: E402
 
@@ -482,6 +481,7 @@ def launches(pending: list[Run]) -> list[list[Run]]:
 
 def main() -> None:
     args = parse_args()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))  # inherited by the ranks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [Run(variant, seed) for seed in range(args.seeds) for variant in args.variants]
