@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
+from accuracy import peak_sums  # noqa: E402  (the real-bucket probe's measure of the same thing)
 from deepspeed_sdp4bit.codec import reference  # noqa: E402
-from gpt_models import CARDS, gpt2_config  # noqa: E402
+from gpt_models import CARDS, build_model, gpt2_config  # noqa: E402
 from token_dataset import SampleOrder  # noqa: E402
 from train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,  # noqa: E402
                        sequence_loss, stack)
@@ -70,9 +71,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def peak_factor(values: torch.Tensor) -> float:
-    """sqrt(sum of group x absmax^2 over the zero-padded groups / sum of squares)."""
-    groups = torch.nn.functional.pad(values, (0, -values.numel() % GROUP)).view(-1, GROUP)
-    return math.sqrt(float(groups.abs().amax(1).square().sum()) * GROUP / float(values.square().sum()))
+    """sqrt(sum of group x absmax^2 over the zero-padded groups of 128 / sum of squares)."""
+    peak_sq, total_sq = peak_sums(values, GROUP)
+    return math.sqrt(peak_sq / total_sq)
 
 
 def quantization_error(values: torch.Tensor, hadamard: bool, seed: int) -> float:
@@ -105,13 +106,12 @@ def measure(model: torch.nn.Module, tokens: torch.Tensor, step: int, seed: int) 
             f"{share:.3f} | {top:.3f} | {top_peak:.2f} |")
 
 
-def build_model(args: argparse.Namespace, vocab: int, seq_len: int, eod_id: int) -> torch.nn.Module:
-    """The card's GPT-2 with any of --n_layer/--n_embd/--n_head replaced, initialised from --seed."""
-    from transformers import GPT2LMHeadModel
-
+def one_process_model(args: argparse.Namespace, vocab: int, seq_len: int, eod_id: int) -> torch.nn.Module:
+    """The card's GPT-2 with any of --n_layer/--n_embd/--n_head replaced, unpartitioned, initialised from --seed."""
     shape = {name: getattr(args, name) for name in SHAPE if getattr(args, name)}
+    card = dataclasses.replace(CARDS[args.model], **shape)
     torch.manual_seed(args.seed)
-    return GPT2LMHeadModel(gpt2_config(dataclasses.replace(CARDS[args.model], **shape), vocab, seq_len, 0.0, eod_id))
+    return build_model(gpt2_config(card, vocab, seq_len, 0.0, eod_id), None)
 
 
 def main() -> None:
@@ -124,8 +124,8 @@ def main() -> None:
                                          "--lr_decay_iters", str(args.schedule_steps)])
     settings = resolve(trainer, RANKS)
     data = open_data(trainer, settings.seq_len)
-    model = build_model(args, padded_vocab(data.vocab_size, trainer.pad_vocab_multiple), settings.seq_len,
-                        data.eod_id)
+    model = one_process_model(args, padded_vocab(data.vocab_size, trainer.pad_vocab_multiple), settings.seq_len,
+                              data.eod_id)
     optimizer = torch.optim.AdamW(param_groups(model, trainer.weight_decay), lr=settings.lr,
                                   betas=(trainer.beta1, trainer.beta2), eps=trainer.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(settings))
