@@ -365,6 +365,23 @@ def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     ]
 
 
+def same_seed_difference(stats: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, float, int, int]:
+    """Variant a's final loss minus variant b's over the seeds both ran: mean, std, seeds where a is higher, seeds.
+    Runs of one seed share the initialisation and data order, so this leaves out that part of the seeds' spread;
+    what stochastic rounding adds to it remains."""
+    seeds = sorted(stats[a]["finals"].keys() & stats[b]["finals"].keys())
+    diffs = [stats[a]["finals"][s] - stats[b]["finals"][s] for s in seeds]
+    mean, std = _mean_std(diffs)
+    return mean, std, sum(d > 0 for d in diffs), len(diffs)
+
+
+def same_seed_text(stats: dict[str, dict[str, Any]], a: str, b: str) -> str:
+    """same_seed_difference as one sentence."""
+    mean, std, higher, seeds = same_seed_difference(stats, a, b)
+    return (f"{a} - {b}, final validation loss of the same seed: {mean:+.4f} ± {std:.4f} (mean ± std over "
+            f"{seeds} seeds); {a} higher in {higher} of them.")
+
+
 def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
              args: argparse.Namespace) -> str:
     """Table 1's form, every seed, the ordering checks and the real-bucket gradient errors."""
@@ -394,6 +411,8 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
     found = checks(stats)
     if found:
         lines += ["", "The paper's ordering:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
+    if {"TLq", "TLq-HS"} <= stats.keys():
+        lines += ["", same_seed_text(stats, "TLq-HS", "TLq")]
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
         lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "

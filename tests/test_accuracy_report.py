@@ -1,0 +1,58 @@
+"""The statistics benchmarks/accuracy.py reports: gaps to the baseline, paired gaps, the paper's ordering checks and
+the same-seed difference between two variants."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import accuracy  # noqa: E402  (benchmarks/ is put on the path above)
+
+# Final validation losses per variant and seed: the gradient schemes share each seed's offset from the baseline
+# (+0.05, -0.05, 0), and TLq-HS sits a little above TLq in two seeds and equals it in the third.
+FINALS = {
+    "baseline": [4.00, 4.10, 4.20],
+    "qW": [4.40, 4.50, 4.60],
+    "qWD": [4.00, 4.11, 4.19],
+    "TLq": [4.05, 4.05, 4.20],
+    "TLq-HS": [4.07, 4.06, 4.20],
+    "SDP4Bit": [4.06, 4.06, 4.20],
+}
+
+
+def _stats() -> dict[str, dict]:
+    results = {accuracy.Run(v, s): {"final_val_loss": loss} for v, losses in FINALS.items()
+               for s, loss in enumerate(losses)}
+    return accuracy.aggregate(results, list(FINALS))
+
+
+def test_gaps_and_paired_gaps() -> None:
+    stats = _stats()
+    assert stats["baseline"]["mean"] == pytest.approx(4.10)
+    assert stats["qW"]["gap_pct"] == pytest.approx(100 * 0.40 / 4.10)
+    mean, std = stats["TLq"]["paired_gap"]
+    assert mean == pytest.approx(0.0)
+    assert std == pytest.approx(0.05)
+
+
+def test_same_seed_difference_leaves_out_the_seeds_offset() -> None:
+    stats = _stats()
+    mean, std, higher, seeds = accuracy.same_seed_difference(stats, "TLq-HS", "TLq")
+    assert (higher, seeds) == (2, 3)
+    assert mean == pytest.approx(0.01)
+    assert std == pytest.approx(0.01)
+    assert std < stats["TLq-HS"]["paired_gap"][1]
+    assert "TLq-HS higher in 2 of them" in accuracy.same_seed_text(stats, "TLq-HS", "TLq")
+
+
+def test_ordering_checks() -> None:
+    found = dict((text.split(":")[0], ok) for text, ok in accuracy.checks(_stats()))
+    assert found == {"qW is the worst of Table 1's variants (worst": True,
+                     "qW's gap +0.4000 = 4.0 x the baseline's std 0.1000 (> 3)": True,
+                     "SDP4Bit within 0.5% of the baseline": True,
+                     "qWD within 0.5% of the baseline": True,
+                     "TLq-HS's gap <= TLq's": False}
