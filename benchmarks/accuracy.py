@@ -411,7 +411,7 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
     found = checks(stats)
     if found:
         lines += ["", "The paper's ordering:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
-    if {"TLq", "TLq-HS"} <= stats.keys():
+    if {"TLq", "TLq-HS"} <= stats.keys() and stats["TLq"]["finals"].keys() & stats["TLq-HS"]["finals"].keys():
         lines += ["", same_seed_text(stats, "TLq-HS", "TLq")]
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:

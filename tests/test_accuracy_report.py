@@ -56,3 +56,16 @@ def test_ordering_checks() -> None:
                      "SDP4Bit within 0.5% of the baseline": True,
                      "qWD within 0.5% of the baseline": True,
                      "TLq-HS's gap <= TLq's": False}
+
+
+def test_report_prints_the_same_seed_line_only_for_shared_seeds() -> None:
+    def results(seeds_tlq_hs: list[int]) -> dict:
+        trainer = {"seq_len": 128, "global_batch": 64, "train_iters": 600}
+        runs = [("baseline", 0), ("TLq", 0)] + [("TLq-HS", s) for s in seeds_tlq_hs]
+        return {accuracy.Run(v, s): {"final_val_loss": 4.0 + s, "parameters": 1e6, "trainer": trainer, "wall_s": 60.0}
+                for v, s in runs}
+    args = accuracy.parse_args(["--variants", "baseline", "TLq", "TLq-HS"])
+    for seeds, shown in (([0], True), ([1], False)):
+        found = results(seeds)
+        text = accuracy.markdown(accuracy.aggregate(found, args.variants), found, args)
+        assert ("TLq-HS - TLq, final validation loss of the same seed" in text) is shown
