@@ -326,10 +326,32 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def same_seed_difference(stats: dict[str, dict[str, Any]], a: str,
+                         b: str) -> tuple[float, float, int, int] | None:
+    """Variant a's final loss minus variant b's over the seeds both ran: mean, std, seeds where a is higher, seeds;
+    None when they share no seed. Runs of one seed share the initialisation and data order, so this leaves out that
+    part of the seeds' spread; what stochastic rounding adds to it remains."""
+    seeds = sorted(stats[a]["finals"].keys() & stats[b]["finals"].keys()) if a in stats and b in stats else []
+    if not seeds:
+        return None
+    diffs = [stats[a]["finals"][s] - stats[b]["finals"][s] for s in seeds]
+    mean, std = _mean_std(diffs)
+    return mean, std, sum(d > 0 for d in diffs), len(diffs)
+
+
+def same_seed_text(stats: dict[str, dict[str, Any]], a: str, b: str) -> str | None:
+    """same_seed_difference as one sentence; None when the two variants share no seed."""
+    found = same_seed_difference(stats, a, b)
+    if found is None:
+        return None
+    mean, std, higher, seeds = found
+    return (f"{a} - {b}, final validation loss of the same seed: {mean:+.4f} ± {std:.4f} (mean ± std over "
+            f"{seeds} seeds); {a} higher in {higher} of them.")
+
+
 def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
     """Per variant: seeds, final validation losses, their mean and std, gap of the mean to the baseline's, and the
-    paired gap (mean and std over seeds of the difference to the baseline's run of the same seed: the seed sets the
-    initialisation and data order for every variant alike, so this separates a variant's effect from the seed's)."""
+    paired gap (mean and std of same_seed_difference to the baseline)."""
     stats: dict[str, dict[str, Any]] = {}
     for variant in variants:
         finals = {run.seed: r["final_val_loss"] for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
@@ -338,11 +360,10 @@ def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[s
             mean, std = _mean_std(list(finals.values()))
             stats[variant] = {"finals": finals, "mean": mean, "std": std}
     base = stats.get("baseline")
-    for entry in stats.values():
+    for variant, entry in stats.items():
         entry["gap_pct"] = 100.0 * (entry["mean"] / base["mean"] - 1.0) if base else None
-        paired = [loss - base["finals"][seed] for seed, loss in entry["finals"].items()
-                  if base and seed in base["finals"]]
-        entry["paired_gap"] = _mean_std(paired) if paired else None
+        paired = same_seed_difference(stats, variant, "baseline")
+        entry["paired_gap"] = paired[:2] if paired else None
     return stats
 
 
@@ -363,23 +384,6 @@ def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
         (f"qWD within 0.5% of the baseline: {gap['qWD']:+.2f}%", abs(gap["qWD"]) <= 0.5),
         (f"TLq-HS's gap <= TLq's: {gap['TLq-HS']:+.2f}% vs {gap['TLq']:+.2f}%", gap["TLq-HS"] <= gap["TLq"]),
     ]
-
-
-def same_seed_difference(stats: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, float, int, int]:
-    """Variant a's final loss minus variant b's over the seeds both ran: mean, std, seeds where a is higher, seeds.
-    Runs of one seed share the initialisation and data order, so this leaves out that part of the seeds' spread;
-    what stochastic rounding adds to it remains."""
-    seeds = sorted(stats[a]["finals"].keys() & stats[b]["finals"].keys())
-    diffs = [stats[a]["finals"][s] - stats[b]["finals"][s] for s in seeds]
-    mean, std = _mean_std(diffs)
-    return mean, std, sum(d > 0 for d in diffs), len(diffs)
-
-
-def same_seed_text(stats: dict[str, dict[str, Any]], a: str, b: str) -> str:
-    """same_seed_difference as one sentence."""
-    mean, std, higher, seeds = same_seed_difference(stats, a, b)
-    return (f"{a} - {b}, final validation loss of the same seed: {mean:+.4f} ± {std:.4f} (mean ± std over "
-            f"{seeds} seeds); {a} higher in {higher} of them.")
 
 
 def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
@@ -411,8 +415,9 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
     found = checks(stats)
     if found:
         lines += ["", "The paper's ordering:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
-    if {"TLq", "TLq-HS"} <= stats.keys() and stats["TLq"]["finals"].keys() & stats["TLq-HS"]["finals"].keys():
-        lines += ["", same_seed_text(stats, "TLq-HS", "TLq")]
+    same_seed = same_seed_text(stats, "TLq-HS", "TLq")
+    if same_seed:
+        lines += ["", same_seed]
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
         lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
