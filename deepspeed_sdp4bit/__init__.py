@@ -1,7 +1,8 @@
 """SDP4Bit 4-bit communication for DeepSpeed ZeRO stage 3.
 
 Importing this package makes `deepspeed.initialize` honour a top-level "sdp4bit" block in the DeepSpeed config;
-`deepspeed_sdp4bit.initialize` does the same explicitly. Engines without an enabled block are untouched.
+`deepspeed_sdp4bit.initialize` does the same explicitly. Engines without an enabled block are untouched; on CPU
+ranks of one machine, the /dev/shm files that DeepSpeed's all-reduce workspace would leave behind are released.
 """
 
 from .config import SDP4BitConfig, SDP4BitConfigError, parse_config

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
 from dist_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +41,14 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch(launcher: list[str], script: str, *args: str, out: Path) -> dict:
-    """Run an example under a launcher (4 ranks), fail with its output if it fails, return its SUMMARY."""
+    """Run an example under a launcher (4 ranks), fail with its output if it fails or left DeepSpeed's CPU
+    shared-memory segments in /dev/shm, return its SUMMARY."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", *launcher, str(EXAMPLES / script), *args, "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    port = next(value for flag, value in zip(launcher, launcher[1:]) if flag.endswith("_port"))
+    assert not sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*")), "the job left its shm segments in /dev/shm"
     line = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))
     summary = json.loads(line.removeprefix("SUMMARY "))
     assert summary == json.loads((out / "sdp4bit_summary.json").read_text())

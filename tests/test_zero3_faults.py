@@ -1,6 +1,7 @@
 """Faults: a rank that dies or raises in the middle of a step ends the whole job, within a bound, with a non-zero exit;
 a NaN/Inf burst in the gradients shows in the loss exactly as in plain ZeRO-3, with the replicas still identical;
-a damaged sdp4bit state in a checkpoint is never applied, and an unreadable one is named.
+a damaged sdp4bit state in a checkpoint is never applied, and an unreadable one is named. A killed job leaves none of
+DeepSpeed's CPU shared-memory segments behind.
 
 The killed-rank tests launch a real `deepspeed --num_accelerators 4` job (tests/fault_job.py, 4 CPU ranks as 2 nodes);
 the others run real engines on gloo ranks (tests/dist_harness.py).
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import zero3_harness as H
+from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
 from dist_harness import free_port, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -43,8 +45,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_a_failed_rank_ends_every_rank_and_the_launcher(tmp_path: Path, fault: str) -> None:
-    launcher = Path(sys.executable).with_name("deepspeed")
-    command = [str(launcher), "--num_accelerators", "4", "--master_port", str(free_port()),
+    launcher, port = Path(sys.executable).with_name("deepspeed"), str(free_port())
+    command = [str(launcher), "--num_accelerators", "4", "--master_port", port,
                str(ROOT / "tests" / "fault_job.py"), "--fault", fault, "--out", str(tmp_path)]
     log = tmp_path / "job.log"
     with log.open("w") as output:
@@ -65,6 +67,7 @@ def test_a_failed_rank_ends_every_rank_and_the_launcher(tmp_path: Path, fault: s
     assert len(pids) == 4, tail
     assert code != 0 and elapsed <= FAULT_BOUND_S, (code, elapsed, tail)
     assert [pid for pid in pids if _alive(pid)] == [], tail
+    assert not sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*")), "the job left its shm segments in /dev/shm"
 
 
 def _replicas(engine: Any) -> list[torch.Tensor]:

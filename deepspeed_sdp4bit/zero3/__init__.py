@@ -5,7 +5,8 @@
 - `runtime.py`: `SDP4BitRuntime`, what an engine gains (`engine.sdp4bit`);
 - `checks.py`, `compat.py`: settings and DeepSpeed versions that cannot work, refused at initialize;
 - `advice.py`: setups that would run but save nothing or mislead, adjusted or reported once at initialize;
-- `state.py`: SDP4Bit's part of a checkpoint and its integrity check.
+- `state.py`: SDP4Bit's part of a checkpoint and its integrity check;
+- `shm.py`: the /dev/shm files of DeepSpeed's CPU all-reduce, released once every rank has mapped them.
 """
 
 from .activate import activate_engine, initialize, install_initialize_hook

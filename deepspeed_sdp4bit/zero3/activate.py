@@ -5,8 +5,9 @@ validates the block (before DeepSpeed builds anything), builds the engine with D
 settings, builds the topology and collectives, patches the engine (see patches.py) and syncs the replicas in full
 precision; otherwise it is deepspeed.initialize unchanged. `import deepspeed_sdp4bit` routes plain
 `deepspeed.initialize` calls (HF Trainer, Accelerate) through it, and watches every DeepSpeedEngine built: a model
-whose parameters a live SDP4Bit engine still serves is refused, and an engine built with an enabled block but
-without SDP4Bit (an initialize imported before this package) is reported.
+whose parameters a live SDP4Bit engine still serves is refused, an engine built with an enabled block but
+without SDP4Bit (an initialize imported before this package) is reported, and after the first engine the names of
+DeepSpeed's CPU shared-memory segments, which DeepSpeed never removes, are released (shm.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .. import codec
 from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
 from ..log import logger
 from ..topology import Topology, build_topology
-from . import patches
+from . import patches, shm
 from .checks import check_ds_config, check_engine
 from .compat import check_deepspeed
 from .runtime import SDP4BitRuntime
@@ -112,6 +113,13 @@ def _report_unactivated(engine: Any, activating: bool) -> None:
                        "deepspeed_sdp4bit.initialize(...)")
 
 
+def _after_engine_init(engine: Any, activating: bool) -> None:
+    """What follows every DeepSpeedEngine's construction: the unactivated-block report, and the release of DeepSpeed's
+    leaked CPU shared-memory names (shm.py)."""
+    _report_unactivated(engine, activating)
+    shm.release_workspace()
+
+
 def release(runtime: SDP4BitRuntime) -> None:
     """Give the engine's model back to DeepSpeed (engine.destroy()): undo the patches, drop the replicas."""
     patches.undo(runtime)
@@ -194,4 +202,4 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
 def install_initialize_hook() -> None:
     """Make plain deepspeed.initialize calls activate SDP4Bit, and watch every engine built (idempotent)."""
     patches.patch_initialize(_activate)
-    patches.patch_engine_init(_refuse_served_model, _report_unactivated)
+    patches.patch_engine_init(_refuse_served_model, _after_engine_init)

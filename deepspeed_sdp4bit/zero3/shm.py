@@ -1,0 +1,56 @@
+"""DeepSpeed's CPU shared-memory all-reduce workspace, whose /dev/shm files DeepSpeed never removes.
+
+When every rank of a job runs on one machine under the `deepspeed` launcher (LOCAL_SIZE equals the world size),
+DeepSpeed 0.19.8's TorchBackend on CPU creates one 66 MiB POSIX shared-memory segment per rank for its inference
+all-reduce (ops/csrc/cpu/comm/shm.cpp) and never unlinks it: each job leaves world x 66 MiB of RAM-backed files in
+/dev/shm, after a normal exit too, until the machine runs out of memory. ZeRO-3 training never uses that all-reduce.
+Once every rank has mapped every segment (a barrier after the process's first engine is built), each rank unlinks
+its own segment's name: the mappings stay valid, and the kernel frees the memory when the job's processes exit,
+however they exit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import deepspeed.comm.comm as ds_comm
+import torch.distributed as dist
+
+from ..log import logger
+
+SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
+SHM_DIR = Path("/dev/shm")
+
+_released = False
+
+
+def segment_path(rank: int) -> Path:
+    """Where DeepSpeed's segment of `rank` lives: its name is built from the uid, MASTER_ADDR and MASTER_PORT."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return SHM_DIR / f"{SEGMENT_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def workspace_mapped() -> bool:
+    """Whether DeepSpeed mapped its shared-memory workspace in this job (the same answer on every rank)."""
+    backend = ds_comm.cdb
+    if getattr(backend, "shm_comm_op", None) is None or not dist.is_initialized():
+        return False
+    local_size = os.environ.get("LOCAL_SIZE", "")
+    return local_size.isdigit() and int(local_size) == dist.get_world_size()
+
+
+def release_workspace() -> None:
+    """Unlink this rank's segment name once every rank has mapped all segments (collective, once per process)."""
+    global _released
+    if _released or not workspace_mapped():
+        return
+    _released = True
+    dist.barrier()
+    path = segment_path(dist.get_rank())
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        logger.warning(f"sdp4bit: DeepSpeed's CPU shared-memory all-reduce segment {path} was not found (its name "
+                       "changed in this DeepSpeed?); if it exists under another name, it stays in /dev/shm after "
+                       "the job")
