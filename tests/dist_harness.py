@@ -12,7 +12,6 @@ Batch many cases into one call: starting W interpreters costs seconds on a 2-cor
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import pickle
 import queue as queue_module
@@ -20,9 +19,12 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
 
 
 def free_port() -> int:
@@ -96,12 +98,18 @@ def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, An
         results[rank] = pickle.loads(payload)
 
 
+def shm_segments(port: int | str) -> list[Path]:
+    """The shared-memory segments DeepSpeed's CPU all-reduce made for the job on `port` that are still in /dev/shm
+    (named as deepspeed_sdp4bit.zero3.shm describes)."""
+    return sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*"))
+
+
 def _remove_shm_buffers(port: int) -> None:
-    """Delete the shared-memory buffers DeepSpeed's CPU shm op made for this job (named after its master address
-    and port); killed workers never unlink them, and each job's take 64 MB of /dev/shm per rank."""
-    for path in glob.glob(f"/dev/shm/deepspeed_*_127.0.0.1_{port}_*"):
+    """Delete this job's segments: workers that build no engine, or are killed before, never unlink them, and each
+    takes 66 MiB of /dev/shm."""
+    for path in shm_segments(port):
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+            path.unlink()
 
 
 def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None,

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
-from dist_harness import free_port
+from dist_harness import free_port, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -48,7 +47,7 @@ def launch(launcher: list[str], script: str, *args: str, out: Path) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     port = next(value for flag, value in zip(launcher, launcher[1:]) if flag.endswith("_port"))
-    assert not sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*")), "the job left its shm segments in /dev/shm"
+    assert not shm_segments(port), "the job left its shm segments in /dev/shm"
     line = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))
     summary = json.loads(line.removeprefix("SUMMARY "))
     assert summary == json.loads((out / "sdp4bit_summary.json").read_text())

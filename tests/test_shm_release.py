@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
-from dist_harness import free_port
+from dist_harness import free_port, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,4 +30,4 @@ def test_engine_releases_deepspeed_shm_segments(tmp_path: Path) -> None:
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     expected = {"before_engine": True, "after_engine": False, "all_reduce_ok": True, "shm_kernel": True}
     assert seen == [expected, expected]
-    assert not sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*"))
+    assert not shm_segments(port)

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 import zero3_harness as H
-from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
-from dist_harness import free_port, run_distributed
+from dist_harness import free_port, run_distributed, shm_segments
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def test_a_failed_rank_ends_every_rank_and_the_launcher(tmp_path: Path, fault: s
     assert len(pids) == 4, tail
     assert code != 0 and elapsed <= FAULT_BOUND_S, (code, elapsed, tail)
     assert [pid for pid in pids if _alive(pid)] == [], tail
-    assert not sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*")), "the job left its shm segments in /dev/shm"
+    assert not shm_segments(port), "the job left its shm segments in /dev/shm"
 
 
 def _replicas(engine: Any) -> list[torch.Tensor]:
