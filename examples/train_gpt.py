@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad_vocab_multiple", type=int, default=128,
                    help="pad the embedding to a multiple of this (Megatron's --make-vocab-size-divisible-by)")
     p.add_argument("--seq_len", type=int, help="sequence length and positions (card: 2048; tiny: 128)")
+    p.add_argument("--n_layer", type=int, help="transformer layers (card)")
+    p.add_argument("--n_embd", type=int, help="hidden size (card)")
+    p.add_argument("--n_head", type=int, help="attention heads; must divide --n_embd (card)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout everywhere (0: deterministic)")
     p.add_argument("--seed", type=int, default=1234, help="model initialisation and data order")
     g = p.add_argument_group("optimizer (torch AdamW) and schedule; defaults from the model card")
@@ -108,6 +111,9 @@ class Settings:
     """The resolved training settings (card defaults with command-line overrides applied)."""
 
     model: str
+    n_layer: int
+    n_embd: int
+    n_head: int
     seq_len: int
     lr: float
     min_lr: float
@@ -140,12 +146,17 @@ def resolve(args: argparse.Namespace, world: int) -> Settings:
               "lr": _flag_or(args, "lr", card.lr),
               "lr_decay_iters": _flag_or(args, "lr_decay_iters", card.lr_decay_iters),
               "seq_len": _flag_or(args, "seq_len", card.seq_len),
+              "n_layer": _flag_or(args, "n_layer", card.n_layer),
+              "n_embd": _flag_or(args, "n_embd", card.n_embd),
+              "n_head": _flag_or(args, "n_head", card.n_head),
               "train_iters": _flag_or(args, "train_iters", card.train_iters)}
     for name, value in values.items():
         _positive(name, value)
     if values["global_batch"] % (micro * world):
         raise ValueError(f"--global_batch {values['global_batch']} is not a multiple of --micro_batch {micro} x "
                          f"{world} ranks")
+    if values["n_embd"] % values["n_head"]:
+        raise ValueError(f"--n_embd {values['n_embd']} is not a multiple of --n_head {values['n_head']}")
     if not 0 <= args.warmup_fraction < 1:
         raise ValueError(f"--warmup_fraction = {args.warmup_fraction}: must be in [0, 1)")
     return Settings(model=args.model, min_lr=_flag_or(args, "min_lr", values["lr"] / 10),
@@ -281,9 +292,15 @@ def lr_multiplier(settings: Settings):
     return factor
 
 
+def model_config(args: argparse.Namespace, settings: Settings, vocab: int, eod_id: int) -> Any:
+    """The GPT2Config of this run: the card's with the run's shape and sequence length."""
+    shape = replace(CARDS[settings.model], n_layer=settings.n_layer, n_embd=settings.n_embd, n_head=settings.n_head)
+    return gpt2_config(shape, vocab, settings.seq_len, args.dropout, eod_id)
+
+
 def build_engine(args: argparse.Namespace, settings: Settings, ds_config: dict, vocab: int, eod_id: int):
     """Model, torch AdamW and LambdaLR handed to deepspeed.initialize; returns (engine, parameter count)."""
-    config = gpt2_config(CARDS[settings.model], vocab, settings.seq_len, args.dropout, eod_id)
+    config = model_config(args, settings, vocab, eod_id)
     use_zero_init = args.zero_init == "yes" or (args.zero_init == "auto" and zero_stage(ds_config) == 3)
     torch.manual_seed(args.seed)
     model = build_model(config, ds_config if use_zero_init else None)

@@ -129,3 +129,20 @@ def test_ds_set_overrides_and_bad_block_is_named():
 def test_batch_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="--global_batch 256 is not a multiple of --micro_batch 8 x 3 ranks"):
         prepared(ROOT / "configs/125m/baseline.json", 3)
+
+
+def test_shape_flags_replace_the_card_and_reach_the_model():
+    args = train_gpt.build_parser().parse_args(["--model", "tiny", "--deepspeed_config", "x.json", "--n_layer", "3",
+                                                "--n_embd", "96", "--n_head", "6"])
+    config = train_gpt.model_config(args, train_gpt.resolve(args, 4), vocab=512, eod_id=0)
+    assert (config.n_layer, config.n_embd, config.n_head) == (3, 96, 6)
+    card = train_gpt.CARDS["tiny"]
+    default = train_gpt.build_parser().parse_args(["--model", "tiny", "--deepspeed_config", "x.json"])
+    config = train_gpt.model_config(default, train_gpt.resolve(default, 4), vocab=512, eod_id=0)
+    assert (config.n_layer, config.n_embd, config.n_head) == (card.n_layer, card.n_embd, card.n_head)
+
+
+def test_heads_that_do_not_divide_the_width_are_refused():
+    args = train_gpt.build_parser().parse_args(["--model", "tiny", "--deepspeed_config", "x.json", "--n_head", "5"])
+    with pytest.raises(ValueError, match="--n_embd 128 is not a multiple of --n_head 5"):
+        train_gpt.resolve(args, 4)
