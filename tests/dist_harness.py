@@ -17,6 +17,7 @@ import pickle
 import queue as queue_module
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -43,7 +44,9 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str,
     try:
         import deepspeed
         import torch
+        from tqdm import tqdm
 
+        tqdm.set_lock(threading.RLock())  # its default, a multiprocessing lock, would outlive os._exit (see _leave)
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -59,7 +62,9 @@ def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str,
 
 def _leave(queue: Any, ok: bool) -> None:
     """Deliver the report, tear the process group down, and exit with 0 (or 1 after a failure) without the
-    interpreter's finalization; a teardown that raises exits with 2 and its traceback on stderr."""
+    interpreter's finalization; a teardown that raises exits with 2 and its traceback on stderr. Skipping the
+    finalization also skips unlinking this process's multiprocessing semaphores, which the resource tracker would
+    then report as leaked: the worker keeps tqdm, which makes one per process by default, off them."""
     queue.close()
     queue.join_thread()  # the report is in the pipe before anything else can end the process
     code = 0 if ok else 1

@@ -1,6 +1,9 @@
 """The spawn harness itself: real gloo ranks, results in rank order, worker failures surface."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +52,23 @@ def test_worker_exit_code_after_its_report_is_checked():
     """A rank that reported but did not end cleanly fails the call, naming its exit code."""
     with pytest.raises(RuntimeError, match="rank 1 reported, then exited with code 5"):
         run_distributed(2, _crash_in_teardown, timeout=120)
+
+
+def _progress_bar() -> int:
+    """A progress bar on every rank, as the trainer and the accuracy runner draw."""
+    from tqdm import tqdm
+
+    with tqdm(total=2, disable=dist.get_rank() != 0) as bar:
+        bar.update(2)
+    return dist.get_rank()
+
+
+def test_workers_leave_no_semaphore_behind():
+    """Workers end with os._exit; nothing they made is left for the resource tracker to report at the parent's exit."""
+    tests = Path(__file__).resolve().parent
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_harness_smoke as t; "
+            "from dist_harness import run_distributed; print(run_distributed(2, t._progress_bar, timeout=300))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tests)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.splitlines()[-1] == "[0, 1]"
+    assert "leaked" not in proc.stderr, proc.stderr[-4000:]
