@@ -325,7 +325,8 @@ def parse(argv: list[str] | None = None) -> tuple[Bench, bool]:
     parser.add_argument("--ref-repeat", type=int, default=3, help="timed calls per reference row (median)")
     parser.add_argument("--ops", default="all", help=f"comma-separated from {list(CASES)}, or 'all'")
     parser.add_argument("--ref-ops", default="quantize,dequantize_add",
-                        help="ops that also get a reference row (default: the issue's two target ops), 'all', 'none'")
+                        help="ops that also get a reference row (default: the two with H200 speed targets), 'all', "
+                             "'none'")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -3,7 +3,7 @@
 Each row is a dict with op, backend, device, dtype, bits, numel, ms (median per call) and gbps (bytes read + bytes
 written per second, counted from the tensors each call reads and writes), plus the case's parameters; a row whose
 kernel failed carries "error" instead of numbers. ZeRO++'s kernels take fp16 input, so the head-to-head rows use
-fp16 too. `target_rows` turns the rows into the issue's H200 targets (ratio and pass/fail).
+fp16 too. `target_rows` turns the rows into the H200 speed targets of docs/gpu_check.md (ratio and pass/fail).
 
     python benchmarks/kernels_zeropp.py --json            # one JSON object per line
     python benchmarks/kernels_zeropp.py --numel 67108864  # a table
@@ -256,7 +256,8 @@ def _ratio(num: Row | None, den: Row | None, key: str) -> float | None:
 
 
 def target_rows(rows: list[Row]) -> list[Row]:
-    """The issue's H200 targets from measured rows: (name, value, goal, passed); a missing row gives passed None."""
+    """The H200 speed targets (docs/gpu_check.md) from measured rows: (name, value, goal, passed); a missing row
+    gives passed None."""
     copy = {d: _find(rows, op="copy", dtype=d) for d in ("fp16", "fp32")}
     checks: list[Row] = []
 

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ds_set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ds_config entry, dotted key and JSON value, e.g. sdp4bit.ranks_per_node=2")
     r.add_argument("--save_dir", help="DeepSpeed checkpoint directory")
-    r.add_argument("--save_interval", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
+    r.add_argument("--save_interval", type=int, default=0,
+                   help="with --save_dir: a checkpoint every N steps and at the end (0: at the end only)")
     r.add_argument("--load_dir", help="resume from the latest checkpoint in this directory")
     r.add_argument("--threads", type=int, help="torch threads per rank on CPU (default cores / local ranks)")
     r.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
