@@ -2,7 +2,7 @@
 
 DeepSpeed's own logger stays at WARNING in training processes, which would hide the one line that says what
 SDP4Bit does in this run (topology, codec backend, what is quantized). SDP4BIT_LOG_LEVEL (debug, info, warning,
-error) changes the level; standard logging configuration of "deepspeed_sdp4bit" works as well.
+error, critical) changes the level; standard logging configuration of "deepspeed_sdp4bit" works as well.
 """
 
 from __future__ import annotations
@@ -12,5 +12,15 @@ import os
 
 from deepspeed.utils.logging import LoggerFactory, get_log_level_from_string
 
-logger: logging.Logger = LoggerFactory.create_logger(
-    name="deepspeed_sdp4bit", level=get_log_level_from_string(os.environ.get("SDP4BIT_LOG_LEVEL", "info")))
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _level() -> int:
+    """The level SDP4BIT_LOG_LEVEL names (info when unset); a ValueError naming the variable for any other value."""
+    name = os.environ.get("SDP4BIT_LOG_LEVEL", "info")
+    if name.lower() not in LEVELS:
+        raise ValueError(f"SDP4BIT_LOG_LEVEL = {name!r}: must be one of {', '.join(LEVELS)}")
+    return get_log_level_from_string(name.lower())
+
+
+logger: logging.Logger = LoggerFactory.create_logger(name="deepspeed_sdp4bit", level=_level())

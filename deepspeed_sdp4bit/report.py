@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import socket
@@ -21,11 +20,12 @@ import sys
 from pathlib import Path
 
 import deepspeed
+import hjson
 import torch
 
 from . import __version__
 from .codec import dispatch
-from .config import SDP4BitConfigError, config_from_ds_config
+from .config import config_from_ds_config
 from .ops.builder import CodecCPUBuilder, CodecCUDABuilder, cuda_toolkit_root
 from .topology import ENV_SOURCES
 from .zero3.compat import TESTED_RANGE, SDP4BitCompatError, check_deepspeed
@@ -153,25 +153,45 @@ def topology(ranks_per_node: int | str) -> Section:
     env = {name: os.environ.get(name) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *ENV_SOURCES)}
     lines = [(name, value if value is not None else "unset") for name, value in env.items()]
     lines.append(("hostname", socket.gethostname()))
+    try:
+        layout = _layout(env, ranks_per_node)
+    except ValueError as err:
+        layout = f"ERROR: {err}"
+    return lines + [("layout", layout)]
+
+
+def _integer(name: str, value: str | None, low: int) -> int | None:
+    """A launcher variable as an integer >= low (None when unset); ValueError naming it otherwise."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name} = {value!r} is not an integer") from None
+    if number < low:
+        raise ValueError(f"{name} = {number} must be >= {low}")
+    return number
+
+
+def _layout(env: dict[str, str | None], ranks_per_node: int | str) -> str:
+    """Nodes x ranks and this rank's place, from the launcher variables (ValueError for an invalid one)."""
     per_node, source = ranks_per_node, "ranks_per_node setting"
     if per_node == "auto":
         found = next(((name, env[name]) for name in ENV_SOURCES if env[name] is not None), None)
-        per_node, source = (int(found[1]), found[0]) if found else (None, "the ranks' hostnames at initialize")
-    world = int(env["WORLD_SIZE"]) if env["WORLD_SIZE"] else None
+        per_node, source = (_integer(*found, 1), found[0]) if found else (None, "the ranks' hostnames at initialize")
+    world = _integer("WORLD_SIZE", env["WORLD_SIZE"], 1)
     if world is None:
-        layout = (f"not inside a launcher (WORLD_SIZE unset); ranks per node would come from {source}"
-                  + (f" = {per_node}" if per_node else ""))
-    elif per_node is None:
-        layout = f"{world} ranks; ranks per node from {source}"
-    elif world % per_node:
-        layout = f"ERROR: {per_node} ranks per node (from {source}) do not divide the world of {world}"
-    else:
-        nodes = world // per_node
-        layout = f"{nodes} node(s) x {per_node} ranks (from {source})"
-        if env["RANK"] is not None:
-            rank = int(env["RANK"])
-            layout += f"; this rank {rank} = node {rank // per_node}, local {rank % per_node}"
-    return lines + [("layout", layout)]
+        return (f"not inside a launcher (WORLD_SIZE unset); ranks per node would come from {source}"
+                + (f" = {per_node}" if per_node else ""))
+    if per_node is None:
+        return f"{world} ranks; ranks per node from {source}"
+    if world % per_node:
+        raise ValueError(f"{per_node} ranks per node (from {source}) do not divide the world of {world}")
+    layout = f"{world // per_node} node(s) x {per_node} ranks (from {source})"
+    rank = _integer("RANK", env["RANK"], 0)
+    if rank is not None:
+        layout += f"; this rank {rank} = node {rank // per_node}, local {rank % per_node}"
+    return layout
 
 
 def block(path: str | None) -> tuple[Section, int | str]:
@@ -179,8 +199,8 @@ def block(path: str | None) -> tuple[Section, int | str]:
     if path is None:
         return [], "auto"
     try:
-        cfg = config_from_ds_config(json.loads(Path(path).read_text()))
-    except (OSError, json.JSONDecodeError, SDP4BitConfigError) as err:
+        cfg = config_from_ds_config(hjson.loads(Path(path).read_text()))
+    except (OSError, ValueError) as err:  # an unreadable file, invalid JSON/HJSON, or an invalid block
         return [(path, "ERROR: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))], "auto"
     if cfg is None:
         return [(path, "no \"sdp4bit\" block: DeepSpeed runs unchanged")], "auto"

@@ -66,6 +66,7 @@ class Topology:
 
 
 def _gather(value: object) -> list:
+    """Every rank's `value`, in rank order (collective over the default group)."""
     values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
@@ -88,7 +89,7 @@ def _from_hostnames(hosts: list[str]) -> int:
     return sizes.pop()
 
 
-def _detect(explicit: int | str, world: int) -> tuple[int, str, list[str]]:
+def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
     """(ranks per node, where it came from, hostnames); collective over the default group."""
     hosts = _gather(socket.gethostname())
     if explicit != "auto":
@@ -109,6 +110,7 @@ def _detect(explicit: int | str, world: int) -> tuple[int, str, list[str]]:
 
 
 def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> None:
+    """Raise TopologyError unless the ranks per node divide the world and each node's ranks share one host."""
     if ranks_per_node < 1 or world % ranks_per_node:
         raise TopologyError(f"ranks per node = {ranks_per_node} (from {source}) must be >= 1 and divide the world "
                             f"size {world}")
@@ -119,20 +121,29 @@ def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> No
                                 f"{sorted(set(block))} on node {node}: ranks must be numbered node by node")
 
 
+# Process groups already created, per layout, for the default group they belong to: torch keeps every group (and
+# NCCL its communicators) until the process group is destroyed, so engines built one after another share them.
+_GROUPS: dict[tuple[tuple[int, ...], ...], list[ProcessGroup]] = {}
+_groups_world: ProcessGroup | None = None
+
+
 def _my_group(groups: list[list[int]], rank: int) -> ProcessGroup | None:
-    """Create every group (all ranks must take part in each creation) and return the one holding `rank`."""
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+    """The group holding `rank` among `groups`, creating all of them on first use (creation is collective: every
+    rank builds the same layouts in the same order, so every rank creates or reuses alike)."""
+    global _groups_world
+    if _groups_world is not dist.group.WORLD:  # a new default group: the old groups died with the old one
+        _GROUPS.clear()
+        _groups_world = dist.group.WORLD
+    key = tuple(map(tuple, groups))
+    if key not in _GROUPS:
+        _GROUPS[key] = [dist.new_group(ranks) for ranks in groups]
+    return next((group for ranks, group in zip(groups, _GROUPS[key]) if rank in ranks), None)
 
 
 def build_topology(ranks_per_node: int | str = "auto") -> Topology:
     """Detect and check the node layout and create the intra- and inter-node groups (collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node, source, hosts = _detect(ranks_per_node, world)
+    per_node, source, hosts = _detect(ranks_per_node)
     _check(per_node, source, world, hosts)
     nodes = world // per_node
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)

@@ -134,3 +134,17 @@ def test_topology_from_launcher_variables_and_config(clean_env: Path, monkeypatc
     bad.write_text('{"sdp4bit": {"quantized_weights": true, "wq_group_size": 100}}')
     line = lines_of(report.report(str(bad)))[str(bad)]
     assert line.startswith("ERROR: invalid ds_config:") and "sdp4bit.wq_group_size = 100" in line
+
+    commented = tmp_path / "commented.hjson"  # deepspeed.initialize reads config files as HJSON
+    commented.write_text('{\n  # CPU ranks as 2 nodes\n  "sdp4bit": {"quantized_gradients": true, "ranks_per_node": 2}\n}')
+    assert lines_of(report.report(str(commented)))[str(commented)].startswith('valid "sdp4bit" block, active: {')
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("LOCAL_SIZE", "0", "LOCAL_SIZE = 0 must be >= 1"), ("LOCAL_SIZE", "two", "LOCAL_SIZE = 'two' is not an integer"),
+    ("WORLD_SIZE", "8x", "WORLD_SIZE = '8x' is not an integer"), ("RANK", "-1", "RANK = -1 must be >= 0")])
+def test_an_invalid_launcher_variable_is_named(clean_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str,
+                                               error: str):
+    for variable, default in (("WORLD_SIZE", "8"), ("RANK", "5"), ("LOCAL_SIZE", "4")):
+        monkeypatch.setenv(variable, value if variable == name else default)
+    assert lines_of(report.report())["layout"] == f"ERROR: {error}"

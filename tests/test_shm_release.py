@@ -31,3 +31,21 @@ def test_engine_releases_deepspeed_shm_segments(tmp_path: Path) -> None:
     expected = {"before_engine": True, "after_engine": False, "all_reduce_ok": True, "shm_kernel": True}
     assert seen == [expected, expected]
     assert not shm_segments(port)
+
+
+def test_another_deepspeed_keeps_its_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment's name and DeepSpeed's mapping of every segment at start are 0.19.8's: on another version the
+    release neither synchronizes nor unlinks anything."""
+    import deepspeed
+
+    from deepspeed_sdp4bit.zero3 import shm
+
+    def no_barrier() -> None:
+        raise AssertionError("release_workspace synchronized on an untested DeepSpeed")
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    monkeypatch.setattr(shm, "workspace_mapped", lambda: True)
+    monkeypatch.setattr(shm, "_released", False)
+    monkeypatch.setattr(shm.dist, "barrier", no_barrier)
+    shm.release_workspace()
+    assert shm._released is False

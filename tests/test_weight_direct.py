@@ -177,7 +177,12 @@ def _weights_seen() -> dict[str, Any]:
         used = seen[0]["forward"][key][0].view(-1)[rank * ps:rank * ps + valid]
         own_exact[key] = torch.equal(used, _bits(param.ds_tensor).view(-1)[:valid])
     unchanged = all(torch.equal(shards_before[k], _bits(p.ds_tensor)) for k, p in engine.sdp4bit.params.items())
-    return {"seen": seen, "matrices": matrices, "all_matrices": all_matrices, "world": world,
+    try:
+        engine.sdp4bit.verify()
+        verify_error = ""
+    except RuntimeError as error:
+        verify_error = str(error)
+    return {"verify_error": verify_error, "seen": seen, "matrices": matrices, "all_matrices": all_matrices, "world": world,
             "weights_unchanged": unchanged, "forward_used_exact_weights": own_exact,
             "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.params[matrices[-1]])}
 
@@ -217,6 +222,13 @@ def test_weights_edited_within_a_step_are_requantized_at_the_next_gather() -> No
     for result in _engine_results():
         before, after = result["nonzero_before_and_after_edit"]
         assert before > 0 and after == 0, (before, after)
+
+
+@pytest.mark.slow
+def test_verify_says_that_direct_weights_keep_no_replica() -> None:
+    for result in _engine_results():
+        assert "verify() checks the weight replicas" in result["verify_error"], result["verify_error"]
+        assert "keeps none" in result["verify_error"], result["verify_error"]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3
 
 from deepspeed_sdp4bit.zero3 import patches
+from deepspeed_sdp4bit.zero3.activate import checked_block
 from deepspeed_sdp4bit.zero3.compat import PATCHED_SYMBOLS, SDP4BitCompatError, check_deepspeed, check_param_gather
 
 
@@ -24,6 +25,14 @@ def test_untested_version_is_refused(monkeypatch: pytest.MonkeyPatch, version: s
     monkeypatch.setattr(deepspeed, "__version__", version)
     with pytest.raises(SDP4BitCompatError, match=f"deepspeed {version} is outside the tested range"):
         check_deepspeed()
+
+
+def test_an_untested_version_stops_a_block_before_its_settings_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    block = {"zero_optimization": {"stage": 3}, "sdp4bit": {"quantized_gradients": True}}
+    with pytest.raises(SDP4BitCompatError, match="deepspeed 0.20.0 is outside the tested range"):
+        checked_block(block)
+    assert checked_block({"zero_optimization": {"stage": 3}}) is None  # plain ZeRO-3 is left to DeepSpeed
 
 
 def test_missing_symbol_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,11 @@ BLOCK_ERRORS = [
     ({"hadamard_transform": True}, "hadamard_transform"),
     ({"gradient_alltoall_pipeline": 4}, "gradient_alltoall_pipeline"),
     ({"weight_replica": "off", **QW}, "weight_replica"),
+    ({"gq_group_size_intra": 128, **QW}, "gq_group_size_intra = 128: needs quantized_gradients = true"),
+    ({"verify_interval": 2, **QG}, "verify_interval = 2: needs quantized_weights = true"),
+    ({"weight_replica": "node", "weight_quantization": "direct", **QW}, "weight_replica = \"node\": tunes the weight "
+                                                                         "replica"),
+    ({"verify_interval": 1, "weight_quantization": "direct", **QW}, "verify_interval = 1: tunes the weight replica"),
 ]
 
 
@@ -52,6 +57,14 @@ def test_block_error_names_key_before_deepspeed_builds(block: dict, key: str) ->
     model = torch.nn.Linear(4, 4)
     with pytest.raises(deepspeed_sdp4bit.SDP4BitConfigError, match=key.replace(".", r"\.")):
         deepspeed.initialize(model=model, config=H.ds_config(sdp4bit=block))
+
+
+def test_keys_at_their_harmless_values_are_accepted() -> None:
+    """A key whose switch is off is accepted at its default, and 'direct' weights with weight_replica 'off'."""
+    from deepspeed_sdp4bit.config import parse_config
+
+    assert parse_config({"wq_group_size": 2048, "verify_interval": 0, **QG}).quantized_gradients
+    assert parse_config({"weight_quantization": "direct", "weight_replica": "off", **QW}).weight_replica == "off"
 
 
 def test_block_that_is_not_an_object_is_rejected() -> None:

@@ -191,3 +191,30 @@ def test_unreadable_sdp4bit_state_fails_the_load_naming_the_file(tmp_path: Path)
     with pytest.raises(RuntimeError, match=r"rank 1:[\s\S]*zero_pp_rank_1_mp_rank_00_model_states\.pt \(this rank's "
                                            r"DeepSpeed model states, which hold its sdp4bit state\) cannot be read"):
         run_distributed(2, _truncated_file, str(tmp_path), timeout=600)
+
+
+def _load_with(directory: str, block: dict[str, Any]) -> str:
+    """The error of loading the checkpoint into an engine with another sdp4bit block ('' if it loads)."""
+    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=block))
+    try:
+        engine.load_checkpoint(directory, tag="t")
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+    return ""
+
+
+def _other_blocks(directory: str) -> list[str]:
+    """Saved with weight differences and TLq; loaded without TLq, then with qW in place of the differences."""
+    _saved(directory).destroy()
+    no_tlq = {**BLOCK, "quantized_gradients": False, "hadamard_transform": False}
+    return [_load_with(directory, no_tlq), _load_with(directory, {**BLOCK, "weight_quantization": "direct"})]
+
+
+def test_a_checkpoint_of_another_block_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    for errors in run_distributed(2, _other_blocks, str(tmp_path)):
+        assert errors == ["sdp4bit checkpoint and this run disagree on quantized_gradients: on when it was saved, off "
+                          "now; load with the same sdp4bit block",
+                          'sdp4bit checkpoint and this run disagree on quantized_weights with weight_quantization '
+                          '"difference": on when it was saved, off now; load with the same sdp4bit block'], errors

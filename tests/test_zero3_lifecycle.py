@@ -9,6 +9,7 @@ DeepSpeed's ds_tensor, or with a known written value, on every rank.
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from typing import Any
 
@@ -37,21 +38,29 @@ def _engine(model: torch.nn.Module, sdp4bit: dict | None) -> Any:
 
 
 def _rewrap_after_destroy() -> dict[str, Any]:
-    """An SDP4Bit engine trains, is destroyed, and a plain engine wraps the same model and trains on."""
+    """An SDP4Bit engine trains, is destroyed, and a plain engine wraps the same model and trains on; then another
+    SDP4Bit engine does, in the first one's process groups."""
     model = H.tiny_gpt2(0)
     engine = _engine(model, BLOCK)
     H.train_steps(engine, 0, 2)
+    groups = (engine.sdp4bit.topology.intra, engine.sdp4bit.topology.inter)
     engine.destroy()
     plain = _engine(model, None)
     losses = H.train_steps(plain, 2, 5)
-    return {"served_is_ds_tensor": H.served_equals_ds_tensor(plain.module), "losses": losses,
-            "patched": sorted(name for p in model.parameters() for name in vars(p) if name.startswith("_sdp4bit"))}
+    result = {"served_is_ds_tensor": H.served_equals_ds_tensor(plain.module), "losses": losses,
+              "patched": sorted(name for p in model.parameters() for name in vars(p) if name.startswith("_sdp4bit"))}
+    plain.destroy()
+    again = _engine(model, BLOCK)
+    result["losses_again"] = H.train_steps(again, 5, 7)
+    result["groups_reused"] = (again.sdp4bit.topology.intra, again.sdp4bit.topology.inter) == groups
+    return result
 
 
 def test_plain_engine_after_destroy_trains_on_its_own_weights() -> None:
     for rank, result in enumerate(run_distributed(2, _rewrap_after_destroy, timeout=TIMEOUT)):
         assert result["served_is_ds_tensor"], f"rank {rank}: the plain engine computes with stale SDP4Bit replicas"
         assert result["patched"] == [], (rank, result["patched"])
+        assert result["groups_reused"] and all(map(math.isfinite, result["losses_again"])), (rank, result)
 
 
 def _rewrap_without_destroy() -> str:

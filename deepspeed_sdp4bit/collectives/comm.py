@@ -40,16 +40,16 @@ def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None, stats: CommStats,
-                      kind: str, part: str, async_op: bool = False):
-    """Equal-split all-to-all of `tensor` into `output` over `group`."""
+                      kind: str, part: str, async_op: bool = False) -> dist.Work | None:
+    """Equal-split all-to-all of `tensor` into `output` over `group`; the work handle when async_op."""
     nbytes = _nbytes(tensor)
     stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node))
     return ds_comm.all_to_all_single(output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}")
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
-                           stats: CommStats, kind: str, part: str, async_op: bool = False):
-    """All-gather of equal `tensor`s into `output` (rank-major) over `group`."""
+                           stats: CommStats, kind: str, part: str, async_op: bool = False) -> dist.Work | None:
+    """All-gather of equal `tensor`s into `output` (rank-major) over `group`; the work handle when async_op."""
     nbytes = _nbytes(tensor)
     stats.add_wire(kind, nbytes, cross_node_bytes("all_gather", nbytes, group, stats.ranks_per_node))
     return ds_comm.all_gather_into_tensor(output, tensor, group=group, async_op=async_op,

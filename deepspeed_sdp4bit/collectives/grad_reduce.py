@@ -185,7 +185,8 @@ class TLqReducer:
         self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
         self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
 
-    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], group=None) -> list[torch.Tensor]:
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
+                                 group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         """Per tensor, this rank's DeepSpeed partition of the mean over all ranks, in the input dtype."""
         _check_group(group, self.topo.world)
         if not tensors:

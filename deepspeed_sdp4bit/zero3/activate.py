@@ -73,13 +73,16 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
 
 
 def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
-    """What deepspeed.initialize checks before DeepSpeed builds: the block, then the DeepSpeed settings it needs.
+    """What deepspeed.initialize checks before DeepSpeed builds: the block, the DeepSpeed version and the symbols
+    this package patches, then the DeepSpeed settings the block needs.
 
     Returns the block when SDP4Bit is to be activated, None when DeepSpeed runs unchanged; raises
-    SDP4BitConfigError (or DeepSpeed's own validation error for an invalid ZeRO section) naming the key.
+    SDP4BitConfigError (or DeepSpeed's own validation error for an invalid ZeRO section) naming the key, or
+    SDP4BitCompatError for a DeepSpeed this package cannot patch.
     """
     cfg = _block(ds_config)
     if cfg is not None:
+        check_deepspeed()
         check_ds_config(ds_config, cfg)
     return cfg
 
@@ -165,9 +168,9 @@ def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
 def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
     """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype."""
     topo, cfg = runtime.topology, runtime.config
-    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, replica "
-               f"{cfg.weight_replica}" if runtime.store or runtime.direct
-               else "not quantized (DeepSpeed's own gathers)")
+    replica = f"replica {cfg.weight_replica}" if runtime.store else "no replica"
+    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, {replica}"
+               if runtime.store or runtime.direct else "not quantized (DeepSpeed's own gathers)")
     grads = (f"{_gradient_levels(topo, cfg)}, hadamard {cfg.hadamard_transform}, pipeline "
              f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer
              else "not quantized (DeepSpeed's own reduce-scatter)")
@@ -188,7 +191,6 @@ def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
     cfg = checked_block(ds_config) if ds_config is not None else None
     if cfg is None:
         return original(*args, **kwargs)
-    check_deepspeed()
     result = patches.activating(original, args, kwargs)
     activate_engine(result[0], cfg)
     return result

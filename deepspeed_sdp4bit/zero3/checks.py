@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
-from deepspeed.compile.config import CompileConfig
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -49,7 +48,7 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
     if _offload_device(zero.offload_param) != "none":
         problems.append(f"zero_optimization.offload_param.device = {_offload_device(zero.offload_param)!r}: "
                         "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)")
-    if zero.zenflow is not None:
+    if getattr(zero, "zenflow", None) is not None:
         problems.append("zero_optimization.zenflow is set: ZenFlow's selective optimizer writes ds_tensor outside "
                         "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block")
     if _offload_device(zero.offload_optimizer) == "nvme":
@@ -73,6 +72,8 @@ def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
     An invalid zero_optimization or compile section raises DeepSpeed's own validation error (naming the field), as
     DeepSpeed would a moment later.
     """
+    from deepspeed.compile.config import CompileConfig  # here: DeepSpeed releases before DeepCompile lack the module
+
     _section(ds_config, "zero_optimization")
     _section(ds_config, "compile")
     problems = _zero_problems(get_zero_config(ds_config), cfg)

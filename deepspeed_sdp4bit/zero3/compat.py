@@ -89,12 +89,17 @@ def check_param_gather(param: object) -> None:
                                  f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}")
 
 
+def version_tested() -> bool:
+    """Whether the installed DeepSpeed is inside TESTED_RANGE (a local build suffix such as +cu124 aside)."""
+    low, high = TESTED_RANGE
+    return low <= Version(deepspeed.__version__.split("+")[0]) < high
+
+
 def check_deepspeed() -> None:
     """Raise SDP4BitCompatError unless DeepSpeed's version is tested and every patched symbol is as expected."""
-    version = Version(deepspeed.__version__.split("+")[0])
     problems = []
     low, high = TESTED_RANGE
-    if not low <= version < high:
+    if not version_tested():
         problems.append(f"deepspeed {deepspeed.__version__} is outside the tested range >={low},<{high}")
     problems += [p for p in (_symbol_problem(*entry) for entry in PATCHED_SYMBOLS) if p]
     if problems:

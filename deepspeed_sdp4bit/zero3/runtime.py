@@ -40,6 +40,8 @@ class ParamGatherHandle:
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
+        """Finish the gather and publish the full weights on the parameters (handle_dependency is DeepSpeed's
+        signature; the inner handle has no dependency to wait on)."""
         if self.complete:
             return
         for param, full in zip(self.params, self.inner.wait()):
@@ -55,6 +57,7 @@ class MultipleHandles:
         self.handles = list(handles)
 
     def wait(self, handle_dependency: bool = True) -> None:
+        """Wait on every handle, passing DeepSpeed's handle_dependency on."""
         for handle in self.handles:
             handle.wait(handle_dependency=handle_dependency)
 
@@ -281,11 +284,16 @@ class SDP4BitRuntime:
 
     def verify(self) -> bool:
         """Checksum every replica region across holders; on a mismatch log it and resync in full precision."""
+        if self.store is None:
+            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
+                               "exist only with quantized_weights and weight_quantization 'difference' on more than "
+                               "one node (or with weight_replica 'rank')")
         report = self.store.checksum()
         if not report.ok:
             self.checksum_mismatches += 1
             logger.warning(f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
-                           f"(param ds_id, shard) regions {report.mismatches[:8]}; resyncing in full precision")
+                           f"{len(report.mismatches)} of {report.regions} (param ds_id, shard) regions "
+                           f"{report.mismatches[:8]}; resyncing in full precision")
             self.resync()
         return report.ok
 
@@ -415,15 +423,20 @@ class SDP4BitRuntime:
             own.data.copy_(shard.view_as(own))
 
     def _check_state(self, saved: dict[str, Any]) -> None:
-        """The saved state must come from the same topology and weight mode (the same on every rank)."""
+        """The saved state must come from the same topology and the same quantized parts (the same on every rank)."""
         layout = (saved["world"], saved["ranks_per_node"])
         if layout != (self.topology.world, self.topology.ranks_per_node):
             raise RuntimeError(f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
                                f"this run has {self.topology.world} and {self.topology.ranks_per_node}")
-        weights_saved = "own_shards" in saved
-        if weights_saved != (self.store is not None):
-            raise RuntimeError("sdp4bit checkpoint and this run disagree on quantized_weights with weight "
-                               "differences; load with the same sdp4bit block")
+        parts = {"own_shards": ("quantized_weights with weight_quantization \"difference\"", self.store),
+                 "direct": ("quantized_weights with weight_quantization \"direct\"", self.direct),
+                 "reducer": ("quantized_gradients", self.reducer)}
+        for key, (setting, here) in parts.items():
+            saved_on = key in saved
+            if saved_on != (here is not None):
+                raise RuntimeError(f"sdp4bit checkpoint and this run disagree on {setting}: "
+                                   f"{'on' if saved_on else 'off'} when it was saved, "
+                                   f"{'on' if here is not None else 'off'} now; load with the same sdp4bit block")
 
 
 def _weight_params(engine: Any) -> list[torch.nn.Parameter]:

@@ -18,6 +18,7 @@ import deepspeed.comm.comm as ds_comm
 import torch.distributed as dist
 
 from ..log import logger
+from . import compat
 
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 SHM_DIR = Path("/dev/shm")
@@ -41,9 +42,11 @@ def workspace_mapped() -> bool:
 
 
 def release_workspace() -> None:
-    """Unlink this rank's segment name once every rank has mapped all segments (collective, once per process)."""
+    """Unlink this rank's segment name once every rank has mapped all segments (collective, once per process).
+
+    Only on the tested DeepSpeed: the name and the map-every-segment-at-start behaviour are read from its shm.cpp."""
     global _released
-    if _released or not workspace_mapped():
+    if _released or not compat.version_tested() or not workspace_mapped():
         return
     _released = True
     dist.barrier()
