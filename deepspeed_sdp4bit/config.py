@@ -22,16 +22,14 @@ class SDP4BitConfigError(ValueError):
     """An invalid "sdp4bit" block or a DeepSpeed setting it cannot work with."""
 
 
-# Keys that act only when their switch is on; set to anything but their default with it off, they would be ignored.
+# Settings that act only when their switch is on. With it off they are inert: a block may keep them so that one
+# switch turns a part on and off, and `inert_keys` names those set away from their default (logged at initialize).
 _SWITCHED_KEYS = {
     "quantized_weights": ("weight_quantization_bits", "wq_group_size", "weight_replica", "weight_quantization",
-                          "refresh_bucket_size", "verify_interval"),
+                          "refresh_bucket_size"),
     "quantized_gradients": ("gradient_quantization_bits_intra", "gq_group_size_intra",
-                            "gradient_quantization_bits_inter", "gq_group_size_inter", "hadamard_transform",
-                            "gradient_alltoall_pipeline"),
+                            "gradient_quantization_bits_inter", "gq_group_size_inter"),
 }
-# Keys of the weight replica, which weight_quantization "direct" does not keep ('off' is its weight_replica).
-_REPLICA_KEYS = ("weight_replica", "refresh_bucket_size", "verify_interval")
 
 
 def _group_size(key: str, value: int) -> int:
@@ -120,31 +118,36 @@ class SDP4BitConfig(BaseModel):
             return value
         raise ValueError("ranks_per_node must be 'auto' or an integer >= 1")
 
-    def _ignored(self, keys: tuple[str, ...], harmless: dict[str, Any] | None = None) -> str:
-        """'key = value' for each of `keys` set in the block to something other than its harmless value (by default
-        its default), comma-separated."""
-        harmless = {key: field.default for key, field in type(self).model_fields.items()} | (harmless or {})
-        return ", ".join(f"{key} = {json.dumps(getattr(self, key))}" for key in keys
-                         if key in self.model_fields_set and getattr(self, key) != harmless[key])
-
     @model_validator(mode="after")
     def _check_combinations(self) -> SDP4BitConfig:
-        """Refuse combinations that cannot work, and keys that would be ignored because what they tune is off."""
-        for switch, keys in _SWITCHED_KEYS.items():
-            ignored = "" if getattr(self, switch) else self._ignored(keys)
-            if ignored:
-                raise ValueError(f"{ignored}: needs {switch} = true (with it off, this is ignored); remove it or turn "
-                                 f"{switch} on")
-        if self.quantized_weights and self.weight_quantization == "difference" and self.weight_replica == "off":
+        """Refuse combinations that cannot work or would promise what does not happen."""
+        if self.hadamard_transform and not self.quantized_gradients:
+            raise ValueError("hadamard_transform = true needs quantized_gradients = true (it smooths gradients)")
+        if self.gradient_alltoall_pipeline > 1 and not self.quantized_gradients:
+            raise ValueError("gradient_alltoall_pipeline > 1 needs quantized_gradients = true")
+        replica = self.quantized_weights and self.weight_quantization == "difference"
+        if replica and self.weight_replica == "off":
             raise ValueError("weight_replica = 'off' cannot be used with quantized_weights and "
                              "weight_quantization = 'difference': weight differences need a persistent replica; "
                              "use 'rank' or 'node'")
-        if self.quantized_weights and self.weight_quantization == "direct":
-            ignored = self._ignored(_REPLICA_KEYS, harmless={"weight_replica": "off"})
-            if ignored:
-                raise ValueError(f"{ignored}: tunes the weight replica of weight_quantization = 'difference', and "
-                                 "'direct' keeps none (weight_replica 'off'); remove it")
+        if self.verify_interval and not replica:
+            raise ValueError(f"verify_interval = {self.verify_interval} checks the weight replicas, which exist only "
+                             "with quantized_weights = true and weight_quantization = 'difference'; set it to 0")
+        direct = self.quantized_weights and self.weight_quantization == "direct"
+        if direct and "weight_replica" in self.model_fields_set and self.weight_replica != "off":
+            raise ValueError(f"weight_replica = '{self.weight_replica}': weight_quantization = 'direct' keeps no "
+                             "replica; set weight_replica to 'off' or leave it out")
         return self
+
+    def inert_keys(self) -> list[str]:
+        """Settings in the block, away from their default, that this block does not use, each with the reason."""
+        defaults = {key: field.default for key, field in type(self).model_fields.items()}
+        inert = [(key, f"{switch} is off") for switch, keys in _SWITCHED_KEYS.items() if not getattr(self, switch)
+                 for key in keys]
+        if self.quantized_weights and self.weight_quantization == "direct":
+            inert.append(("refresh_bucket_size", "weight_quantization 'direct' keeps no replica to refresh"))
+        return [f"{key} = {json.dumps(getattr(self, key))} ({why})" for key, why in inert
+                if key in self.model_fields_set and getattr(self, key) != defaults[key]]
 
     @property
     def active(self) -> bool:

@@ -40,11 +40,10 @@ BLOCK_ERRORS = [
     ({"hadamard_transform": True}, "hadamard_transform"),
     ({"gradient_alltoall_pipeline": 4}, "gradient_alltoall_pipeline"),
     ({"weight_replica": "off", **QW}, "weight_replica"),
-    ({"gq_group_size_intra": 128, **QW}, "gq_group_size_intra = 128: needs quantized_gradients = true"),
-    ({"verify_interval": 2, **QG}, "verify_interval = 2: needs quantized_weights = true"),
-    ({"weight_replica": "node", "weight_quantization": "direct", **QW}, "weight_replica = \"node\": tunes the weight "
-                                                                         "replica"),
-    ({"verify_interval": 1, "weight_quantization": "direct", **QW}, "verify_interval = 1: tunes the weight replica"),
+    ({"verify_interval": 2, **QG}, "verify_interval = 2 checks the weight replicas"),
+    ({"verify_interval": 1, "weight_quantization": "direct", **QW}, "verify_interval = 1 checks the weight replicas"),
+    ({"weight_replica": "node", "weight_quantization": "direct", **QW}, "weight_replica = 'node': weight_quantization "
+                                                                         "= 'direct' keeps no replica"),
 ]
 
 
@@ -59,12 +58,17 @@ def test_block_error_names_key_before_deepspeed_builds(block: dict, key: str) ->
         deepspeed.initialize(model=model, config=H.ds_config(sdp4bit=block))
 
 
-def test_keys_at_their_harmless_values_are_accepted() -> None:
-    """A key whose switch is off is accepted at its default, and 'direct' weights with weight_replica 'off'."""
+def test_settings_a_block_does_not_use_are_named() -> None:
+    """Settings kept for a part that is switched off are accepted (one switch turns a part off) and named; at their
+    defaults they are not."""
     from deepspeed_sdp4bit.config import parse_config
 
-    assert parse_config({"wq_group_size": 2048, "verify_interval": 0, **QG}).quantized_gradients
-    assert parse_config({"weight_quantization": "direct", "weight_replica": "off", **QW}).weight_replica == "off"
+    paper = {"wq_group_size": 2048, "gq_group_size_intra": 128, "gradient_quantization_bits_inter": 4}
+    assert parse_config({**paper, **QW}).inert_keys() == ["gq_group_size_intra = 128 (quantized_gradients is off)"]
+    assert parse_config({**paper, "weight_replica": "rank", **QG}).inert_keys() == [
+        'weight_replica = "rank" (quantized_weights is off)']
+    direct = parse_config({"weight_quantization": "direct", "weight_replica": "off", "refresh_bucket_size": 10, **QW})
+    assert direct.inert_keys() == ["refresh_bucket_size = 10 (weight_quantization 'direct' keeps no replica to refresh)"]
 
 
 def test_block_that_is_not_an_object_is_rejected() -> None:

@@ -99,6 +99,8 @@ def _cases() -> dict[str, dict[str, Any]]:
         "fp32 masters aliased": _with(accelerator, "current_device_name", lambda: torch.device(device_name()),
                                       lambda: _built(H.ds_config(sdp4bit=TWO_NODES))),
         "initialize taken before the import": _unhooked_initialize(),
+        "settings of a part that is off": _built(H.ds_config(sdp4bit={**TWO_NODES, "quantized_gradients": False,
+                                                                      "gradient_quantization_bits_intra": 4})),
     }
 
 
@@ -109,6 +111,15 @@ def cases() -> list[dict[str, dict[str, Any]]]:
 
 def _warned(result: dict[str, Any], *phrases: str) -> bool:
     return any(all(phrase in message for phrase in phrases) for message in result["warnings"])
+
+
+@pytest.mark.slow
+def test_settings_of_a_part_that_is_off_are_named_at_initialize(cases: list) -> None:
+    on_rank0, on_rank1 = (r["settings of a part that is off"] for r in cases)
+    assert _warned(on_rank0, "have no effect in this block", "gq_group_size_intra = 128 (quantized_gradients is off)",
+                   "gradient_quantization_bits_intra = 4 (quantized_gradients is off)"), on_rank0
+    assert not _warned(on_rank1, "have no effect"), on_rank1
+    assert on_rank0["store"] and not on_rank0["reducer"], on_rank0
 
 
 @pytest.mark.slow

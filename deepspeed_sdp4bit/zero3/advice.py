@@ -1,6 +1,8 @@
 """Setups that would run but save nothing or report wrong numbers, decided once at initialize.
 
 Each is logged once (rank 0) with what happens and what to change:
+- settings of the block that it does not use (a gradient group size with quantized_gradients off, ...): named, so
+  that nothing in the block is ignored silently;
 - weight differences on a single node with the node replica: nothing would cross a node, so quantizing would only
   add error; quantized weights are turned off for the run;
 - parameters SDP4Bit does not serve (persistent below `stage3_param_persistence_threshold`, frozen): the share of
@@ -50,6 +52,13 @@ def _warn(topology: Topology, message: str) -> None:
     """Log once per job (rank 0): every rank reaches the same decision."""
     if topology.rank == 0:
         logger.warning(message)
+
+
+def inert_keys(cfg: SDP4BitConfig, topology: Topology) -> None:
+    """Name the block's settings that this run does not use."""
+    inert = cfg.inert_keys()
+    if inert:
+        _warn(topology, f"sdp4bit: these settings have no effect in this block: {'; '.join(inert)}")
 
 
 def weight_config(cfg: SDP4BitConfig, topology: Topology, cover: Coverage, threshold: int) -> SDP4BitConfig:

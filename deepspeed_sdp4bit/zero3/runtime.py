@@ -92,6 +92,7 @@ class SDP4BitRuntime:
         self.undo_patches: list[Callable[[], None]] = []
         self.comm_stats = SentBytes(topology.ranks_per_node)
         self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
+        advice.inert_keys(config, topology)
         self.coverage = advice.coverage(engine.module, self.params)
         threshold = engine._config.zero_config.param_persistence_threshold
         self.config = config = advice.weight_config(config, topology, self.coverage, threshold)
