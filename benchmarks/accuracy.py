@@ -393,7 +393,8 @@ def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]
     any_result = next(iter(results.values()))
     t = any_result["trainer"]
     seeds = max(len(s["finals"]) for s in stats.values())
-    shape = f"{t['n_layer']} layers, width {t['n_embd']}, " if "n_layer" in t else ""  # absent in results that predate the shape flags
+    # results trained before the trainer recorded its shape flags name only the card
+    shape = f"{t['n_layer']} layers, width {t['n_embd']}, " if "n_layer" in t else ""
     model = (f"{args.model}: {shape}{any_result['parameters'] / 1e6:.2f}M params, seq {t['seq_len']}, "
              f"batch {t['global_batch']}, {t['train_iters']} steps")
     lines = [f"| GPT ({model}) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),

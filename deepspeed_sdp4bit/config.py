@@ -125,16 +125,14 @@ class SDP4BitConfig(BaseModel):
             raise ValueError("hadamard_transform = true needs quantized_gradients = true (it smooths gradients)")
         if self.gradient_alltoall_pipeline > 1 and not self.quantized_gradients:
             raise ValueError("gradient_alltoall_pipeline > 1 needs quantized_gradients = true")
-        replica = self.quantized_weights and self.weight_quantization == "difference"
-        if replica and self.weight_replica == "off":
+        if self.weight_differences and self.weight_replica == "off":
             raise ValueError("weight_replica = 'off' cannot be used with quantized_weights and "
                              "weight_quantization = 'difference': weight differences need a persistent replica; "
                              "use 'rank' or 'node'")
-        if self.verify_interval and not replica:
+        if self.verify_interval and not self.weight_differences:
             raise ValueError(f"verify_interval = {self.verify_interval} checks the weight replicas, which exist only "
                              "with quantized_weights = true and weight_quantization = 'difference'; set it to 0")
-        direct = self.quantized_weights and self.weight_quantization == "direct"
-        if direct and "weight_replica" in self.model_fields_set and self.weight_replica != "off":
+        if self.weights_direct and "weight_replica" in self.model_fields_set and self.weight_replica != "off":
             raise ValueError(f"weight_replica = '{self.weight_replica}': weight_quantization = 'direct' keeps no "
                              "replica; set weight_replica to 'off' or leave it out")
         return self
@@ -144,10 +142,20 @@ class SDP4BitConfig(BaseModel):
         defaults = {key: field.default for key, field in type(self).model_fields.items()}
         inert = [(key, f"{switch} is off") for switch, keys in _SWITCHED_KEYS.items() if not getattr(self, switch)
                  for key in keys]
-        if self.quantized_weights and self.weight_quantization == "direct":
+        if self.weights_direct:
             inert.append(("refresh_bucket_size", "weight_quantization 'direct' keeps no replica to refresh"))
         return [f"{key} = {json.dumps(getattr(self, key))} ({why})" for key, why in inert
                 if key in self.model_fields_set and getattr(self, key) != defaults[key]]
+
+    @property
+    def weight_differences(self) -> bool:
+        """Whether the block quantizes weight differences (qWD), which keep a weight replica."""
+        return self.quantized_weights and self.weight_quantization == "difference"
+
+    @property
+    def weights_direct(self) -> bool:
+        """Whether the block quantizes the weights themselves (qW), which keeps no replica."""
+        return self.quantized_weights and self.weight_quantization == "direct"
 
     @property
     def active(self) -> bool:

@@ -97,10 +97,8 @@ class SDP4BitRuntime:
         threshold = engine._config.zero_config.param_persistence_threshold
         self.config = config = advice.weight_config(config, topology, self.coverage, threshold)
         self._sent_sizes = advice.sent_element_sizes(engine, self.params, config, topology)
-        self.store = self._make_store() if config.quantized_weights and config.weight_quantization == "difference" \
-            else None
-        self.direct = self._make_direct() if config.quantized_weights and config.weight_quantization == "direct" \
-            else None
+        self.store = self._make_store() if config.weight_differences else None
+        self.direct = self._make_direct() if config.weights_direct else None
         self.reducer = self._make_reducer() if config.quantized_gradients else None
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
