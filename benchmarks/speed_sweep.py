@@ -60,6 +60,7 @@ VARIANTS = {v.name: v for v in (
     Variant("qwd", "qWD only", SDP4BIT, (AUTO, "sdp4bit.quantized_gradients=false",
                                            "sdp4bit.hadamard_transform=false")),
     Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
+    Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true")),
 )}
 RATES = ("25", "50", "200", "1000", "unshaped")
 
@@ -118,6 +119,7 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
                    "link_bytes": link_bytes, "link_payload": link_payload, "accounted_cross": accounted,
                    "accounted_vs_link": accounted / link_payload - 1 if link_payload else None,
                    "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"), "world": summary["world_size"],
+                   "auto": summary.get("sdp4bit_auto"),
                    "model_wire": model.wire,
                    "model_cross": model.cross,
                    "train_s": summary["train_s"], "startup_s": summary["startup_s"]})
@@ -199,6 +201,29 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+AUTO_BOUND = 0.05  # auto's median step within 5% of the best fixed variant's
+
+
+def auto_table(rows: Sequence[dict], runs: Sequence[dict]) -> tuple[str, bool]:
+    """Per dtype and rate: auto's decision and median step against the best fixed variant's; whether all are within
+    AUTO_BOUND."""
+    lines = ["| dtype | link Mbit/s | auto switched on | auto step s | best fixed variant | its step s | auto / best |",
+             "|---|---|---|---:|---|---:|---:|"]
+    ok = True
+    for row in (r for r in rows if r["variant"] == "auto"):
+        fixed = [r for r in rows if r["variant"] != "auto" and (r["dtype"], r["rate"]) == (row["dtype"], row["rate"])]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_s"])
+        decisions = {" + ".join(run["auto"]["on"]) or "nothing" for run in runs if run.get("auto") and
+                     (run["variant"], run["dtype"], run["rate"]) == ("auto", row["dtype"], row["rate"])}
+        ratio = row["step_s"] / best["step_s"]
+        ok = ok and ratio <= 1 + AUTO_BOUND
+        lines.append(f"| {row['dtype']} | {row['rate']} | {', '.join(sorted(decisions))} | {row['step_s']:.3f} | "
+                     f"{VARIANTS[best['variant']].label} | {best['step_s']:.3f} | {ratio:.3f} |")
+    return "\n".join(lines) + "\n", ok
+
+
 def plot(rows: Sequence[dict], path: Path) -> None:
     """Step time vs link rate (one line per variant, one panel per dtype) and link bytes per step."""
     import matplotlib
@@ -243,11 +268,16 @@ def plot(rows: Sequence[dict], path: Path) -> None:
 
 def report(out: Path) -> None:
     """Write OUT/table.md and OUT/step_time.png from OUT/runs.jsonl and print the table."""
-    rows = aggregate(load_runs(out / "runs.jsonl"))
+    runs = load_runs(out / "runs.jsonl")
+    rows = aggregate(runs)
     if not rows:
         print("speed_sweep: nothing measured yet")
         return
     text = table(rows)
+    if any(r["variant"] == "auto" for r in rows):
+        checked, ok = auto_table(rows, runs)
+        text += f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n" \
+                f"{checked}"
     (out / "table.md").write_text(text)
     plot(rows, out / "step_time.png")
     print(text)

@@ -16,6 +16,8 @@ from .codec.spec import MAX_GROUP, MIN_GROUP
 
 CONFIG_KEY = "sdp4bit"
 _U64_MAX = (1 << 64) - 1
+AUTO_START_STEP = 5  # under auto: plain steps 0-4, step 0 left out of the timing (warm-up), decided after step 4
+AUTO_MIN_START_STEP = 3  # two timed plain steps at least
 
 
 class SDP4BitConfigError(ValueError):
@@ -49,6 +51,11 @@ class SDP4BitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = Field(True, description="`false` leaves DeepSpeed untouched (so a block can stay in the file)")
+    auto: bool = Field(False, description=(
+        "measure the job and switch on only the parts that pay: at initialize the job times its inter- and "
+        "intra-node links and its codec; the steps before `quantization_start_step` (default 5 under auto) run as "
+        "plain ZeRO-3 and are timed; then the cost model picks which of the block's parts (`quantized_weights`, "
+        "`quantized_gradients`) to keep, the same on every rank, logged and saved in checkpoints"))
     quantized_weights: bool = Field(False, description=(
         "qWD: after each optimizer step, all-gather 4-bit differences between the updated weights in the parameters' "
         "dtype (DeepSpeed's ds_tensor after the step, e.g. bf16, not the fp32 masters) and the model weights every "
@@ -79,7 +86,8 @@ class SDP4BitConfig(BaseModel):
         "slice i+1's intra-node one (needs `quantized_gradients`)"),
         json_schema_extra={"flag": "--gradient-alltoall-pipeline"})
     quantization_start_step: int = Field(0, ge=0, description=(
-        "optimizer steps before this one communicate in full precision"),
+        "optimizer steps before this one communicate in full precision (under `auto`: default 5, at least 3; they "
+        "are the measured plain steps)"),
         json_schema_extra={"flag": "--gradients-quantization-start-iteration",
                            "flag_note": "not in the original README; ours applies to weights too"})
     ranks_per_node: Literal["auto"] | PositiveInt = Field("auto", description=(
@@ -132,6 +140,14 @@ class SDP4BitConfig(BaseModel):
         if self.verify_interval and not self.weight_differences:
             raise ValueError(f"verify_interval = {self.verify_interval} checks the weight replicas, which exist only "
                              "with quantized_weights = true and weight_quantization = 'difference'; set it to 0")
+        if self.auto and "quantization_start_step" in self.model_fields_set and \
+                self.quantization_start_step < AUTO_MIN_START_STEP:
+            raise ValueError(f"quantization_start_step = {self.quantization_start_step}: auto times the plain steps "
+                             f"before it from the second on, so it must be >= {AUTO_MIN_START_STEP} with auto = true "
+                             f"(or left out: {AUTO_START_STEP})")
+        if self.auto and self.weights_direct:
+            raise ValueError("auto = true decides on weight differences and TLq; weight_quantization = 'direct' (the "
+                             "qW ablation) is not one of its choices: set auto to false or use 'difference'")
         if self.weights_direct and "weight_replica" in self.model_fields_set and self.weight_replica != "off":
             raise ValueError(f"weight_replica = '{self.weight_replica}': weight_quantization = 'direct' keeps no "
                              "replica; set weight_replica to 'off' or leave it out")
@@ -156,6 +172,14 @@ class SDP4BitConfig(BaseModel):
     def weights_direct(self) -> bool:
         """Whether the block quantizes the weights themselves (qW), which keeps no replica."""
         return self.quantized_weights and self.weight_quantization == "direct"
+
+    @property
+    def start_step(self) -> int:
+        """The first optimizer step that communicates quantized: `quantization_start_step`, whose default under auto
+        is AUTO_START_STEP."""
+        if self.auto and "quantization_start_step" not in self.model_fields_set:
+            return AUTO_START_STEP
+        return self.quantization_start_step
 
     @property
     def active(self) -> bool:

@@ -538,6 +538,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         bar.close()
     extra = {"model": args.model, "config": args.deepspeed_config, "world_size": world, "parameters": n_params,
              "vocab_size": vocab, "ln_vocab": expected_initial_loss(vocab), "sdp4bit": hasattr(engine, "sdp4bit"),
+             "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
              "startup_s": startup_s, "train_s": time.perf_counter() - began}
     summary = summarise(trainer, settings, args, extra)
     trainer.close()

@@ -175,14 +175,15 @@ def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
              f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer
              else "not quantized (DeepSpeed's own reduce-scatter)")
     comm_dtype = str(runtime.engine.communication_data_type).removeprefix("torch.")
+    start = (f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-3 and are timed, then only the parts that pay "
+             f"stay on" if runtime.auto else f"quantization from step {cfg.start_step}")
     memory = runtime.store.memory_bytes() if runtime.store else 0
     served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
     if topo.rank == 0:
         logger.info(f"sdp4bit active: topology {topo.describe()}; codec {codec_status}; weights {weights} "
                     f"({len(runtime.params)} params, {served:.1%} of the model's elements, replica "
                     f"{memory / 2**20:.1f} MiB/rank); gradients {grads}, from {comm_dtype} "
-                    f"(communication_data_type); "
-                    f"quantization from step {cfg.quantization_start_step}")
+                    f"(communication_data_type); {start}")
 
 
 def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:

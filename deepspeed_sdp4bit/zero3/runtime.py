@@ -25,7 +25,7 @@ from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
-from . import advice, state
+from . import advice, auto, state
 from .checks import check_replica_memory
 
 WEIGHT_KINDS = frozenset(kind for kind in KINDS if kind.startswith("weight_"))
@@ -100,6 +100,7 @@ class SDP4BitRuntime:
         self.store = self._make_store() if config.weight_differences else None
         self.direct = self._make_direct() if config.weights_direct else None
         self.reducer = self._make_reducer() if config.quantized_gradients else None
+        self.auto = self._make_auto() if config.auto and (self.store or self.reducer) else None
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
         self._weights_written: Any = None
@@ -138,14 +139,26 @@ class SDP4BitRuntime:
                           pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
                           stats=self.comm_stats)
 
+    def _make_auto(self) -> auto.AutoTuner:
+        """The auto block's tuner: it measures the links and the codec now (collective) and decides later."""
+        candidates = (self.store is not None, self.reducer is not None)
+        model = auto.job_model(self.engine, self.config, self.topology, candidates)
+        device = next(iter(self.params.values())).ds_tensor.device
+        return auto.AutoTuner(model, self.topology, device, self.config.start_step)
+
     # ----- when quantization applies
     def quantizing(self) -> bool:
-        """True from `quantization_start_step` on (engine.global_steps counts optimizer steps, skipped ones too)."""
-        return self.engine.global_steps >= self.config.quantization_start_step
+        """True from the start step on (engine.global_steps counts optimizer steps, skipped ones too)."""
+        return self.engine.global_steps >= self.config.start_step
+
+    def measuring(self) -> bool:
+        """Whether auto is still timing plain ZeRO-3 steps (DeepSpeed's own gathers and reductions)."""
+        return self.auto is not None and self.auto.measuring
 
     def manages(self, param: torch.nn.Parameter) -> bool:
         """Whether this parameter's gathers are served by SDP4Bit."""
-        return getattr(param, "ds_id", None) in self.params and (self.store is not None or self.direct_active())
+        return (getattr(param, "ds_id", None) in self.params and not self.measuring()
+                and (self.store is not None or self.direct_active()))
 
     @contextmanager
     def _counting(self, keys: Sequence[int]) -> Iterator[None]:
@@ -175,7 +188,7 @@ class SDP4BitRuntime:
         step's codes of these parameters so their next gather quantizes the rewritten shards (local)."""
         if self.direct is not None:
             self.direct.forget(None if keys is None else [k for k in keys if k in self.params])
-        if self.store is None:
+        if self.store is None or self.measuring():  # under auto the replicas are built at the decision
             return
         keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
         if keys:
@@ -185,9 +198,11 @@ class SDP4BitRuntime:
             self._mark_weights_written()
 
     def begin(self) -> None:
-        """The start-up sync: replicas from every rank's ds_tensor in full precision (collective); the per-step byte
-        counts (last_step_bytes) start after it, the cumulative ones (stats()) include it."""
-        self.resync()
+        """The start-up sync: replicas from every rank's ds_tensor in full precision (collective; under auto at the
+        decision instead); the per-step byte counts (last_step_bytes) start after it, the cumulative ones (stats())
+        include it."""
+        if not self.measuring():
+            self.resync()
         self._at_last_step = self.comm_stats.snapshot()
 
     def resync_if_written(self, keys: Sequence[int]) -> None:
@@ -201,7 +216,7 @@ class SDP4BitRuntime:
         keys = sorted(k for k in keys if k in self.params)
         if self.direct is not None:
             self.direct.forget(keys)
-        if self.store is None or not keys:
+        if self.store is None or not keys or self.measuring():
             return
         written = any(not self._ds_tensor_is_w(k) for k in keys)
         flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
@@ -226,7 +241,7 @@ class SDP4BitRuntime:
 
     def refresh(self) -> None:
         """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
-        if self.store is None:
+        if self.store is None or self.measuring():
             return
         with self._counting(list(self.params)):
             self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
@@ -264,14 +279,19 @@ class SDP4BitRuntime:
     # ----- gradients
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor] | None:
         """TLq reduce-scatter, or None when DeepSpeed's own should run (before the start step)."""
-        if self.reducer is None or not self.quantizing():
+        if self.reducer is None or not self.quantizing() or self.measuring():
             return None
         return self.reducer.reduce_scatter_coalesced(tensors, group)
 
     # ----- lifecycle
     def after_step(self) -> None:
         """Called once per successful optimizer step, before DeepSpeed's own post-step work."""
-        self.refresh()
+        if self.measuring():
+            decision = self.auto.after_step(self.engine.global_steps)
+            if decision is not None:
+                self.apply_decision(decision)
+        else:
+            self.refresh()
         if self.direct is not None:
             self.direct.new_step()
         self._mark_weights_written()
@@ -280,6 +300,16 @@ class SDP4BitRuntime:
         if interval and self.store is not None and self.optimizer_steps % interval == 0:
             self.verify()
         self._record_step()
+
+    def apply_decision(self, decision: auto.Decision) -> None:
+        """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
+        from ds_tensor in full precision (collective)."""
+        if not decision.weights:
+            self.store = None
+        if not decision.gradients:
+            self.reducer = None
+        self.resync()
+        auto.log_decision(self.auto)
 
     def verify(self) -> bool:
         """Checksum every replica region across holders; on a mismatch log it and resync in full precision."""
@@ -307,9 +337,17 @@ class SDP4BitRuntime:
         return f"the SDP4Bit engine #{self.created} on {type(self.engine.module).__name__}"
 
     # ----- telemetry
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Logical and wire bytes per kind (and 'total') since the last reset_stats(), for this rank."""
-        return self.comm_stats.snapshot()
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Logical and wire bytes per kind (and 'total') since the last reset_stats(), for this rank; under auto also
+        its decision ('auto': the parts on, the measured numbers and the predicted steps; {'measuring': True}
+        before it)."""
+        snapshot: dict[str, dict[str, Any]] = self.comm_stats.snapshot()
+        if self.auto is not None:
+            snapshot["auto"] = self._auto_state()
+        return snapshot
+
+    def _auto_state(self) -> dict[str, Any]:
+        return {"measuring": True} if self.auto.decision is None else self.auto.decision.to_dict()
 
     def reset_stats(self) -> None:
         """Zero the cumulative byte counts (stats())."""
@@ -347,6 +385,10 @@ class SDP4BitRuntime:
         saved: dict[str, Any] = {"version": state.STATE_VERSION, "world": self.topology.world,
                                  "ranks_per_node": self.topology.ranks_per_node,
                                  "config": self.config.model_dump(), "optimizer_steps": self.optimizer_steps}
+        if self.auto is not None:
+            saved["auto"] = self._auto_state()
+        if self.measuring():  # the replicas are stale until the decision, and the reducer has not run
+            return state.sealed(saved)
         if self.store is not None:
             saved["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in sorted(self.params)]
             saved["store"] = self.store.state_dict()
@@ -397,7 +439,13 @@ class SDP4BitRuntime:
         return False
 
     def _apply_state(self, saved: dict[str, Any]) -> None:
-        """Restore the counters and this rank's w~ shards from an intact state of this topology and block."""
+        """Restore the counters and this rank's w~ shards from an intact state of this topology and block (under
+        auto, the decision first: a resumed job keeps it)."""
+        if self.auto is not None:
+            self._restore_decision(saved.get("auto"))
+            if self.measuring():
+                self.optimizer_steps = saved["optimizer_steps"]
+                return
         self._check_state(saved)
         self.optimizer_steps = saved["optimizer_steps"]
         if self.store is not None:
@@ -407,6 +455,18 @@ class SDP4BitRuntime:
             self.direct.load_state_dict(saved["direct"])
         if self.reducer is not None:
             self.reducer.load_state_dict(saved["reducer"])
+
+    def _restore_decision(self, saved: dict[str, Any] | None) -> None:
+        """Apply the decision a checkpoint holds; one written before it leaves auto measuring."""
+        if saved is None:
+            raise RuntimeError("sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was "
+                               "written with")
+        if not saved.get("measuring"):
+            decision = auto.Decision.from_dict(saved)
+            self.store = self.store if decision.weights else None
+            self.reducer = self.reducer if decision.gradients else None
+            self.auto.restore(decision)
+            auto.log_decision(self.auto)
 
     def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
         """ds_tensor <- the saved w~, matched by position in ds_id order (ds_ids themselves shift between runs)."""

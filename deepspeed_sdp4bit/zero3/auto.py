@@ -1,0 +1,240 @@
+"""`"auto": true`: the job measures itself and switches on only the parts of SDP4Bit that pay.
+
+At initialize the job times all-gathers over its inter- and intra-node groups (`collectives.probe`) and its codec on
+a gradient-sized buffer. The optimizer steps before the start step (`SDP4BitConfig.start_step`) run as plain
+ZeRO-3, every gather and reduction DeepSpeed's own, and their wall-clock times (from the second step on) are
+recorded. At the last of them the cost model (`sdp4bit_cost.timing`) is fitted to this job: the compute per
+micro-batch is the value for which it predicts the measured plain step with the measured link rates. It then predicts
+every combination of the block's parts (weight differences, gradients) and switches on the fewest whose predicted
+step is within `TOLERANCE` of the fastest, or none. The numbers are all-reduced (the slowest rank's time, the slowest
+link and codec) and rank 0's decision is broadcast, so every rank takes the same one. The decision is logged in
+one line, kept in `engine.sdp4bit.stats()["auto"]` and saved in checkpoints, so a resumed job keeps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdp4bit_cost.timing import Rates, Workload, deepspeed_step, second_pass
+from sdp4bit_cost.traffic import Layout, Scheme
+
+from .. import codec
+from ..collectives import probe
+from ..config import SDP4BitConfig
+from ..log import logger
+from ..topology import Topology
+
+TOLERANCE = 0.02  # a part is switched on only if it makes the predicted step more than 2% faster
+CODEC_PROBE_NUMEL = 1 << 20
+PARTS = ("weights", "gradients")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What one rank measured (or, reduced, the job): link rates, codec throughput, the plain step's seconds."""
+
+    inter_bytes_s: float
+    intra_bytes_s: float
+    codec_bytes_s: float
+    plain_step_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The parts switched on, from which numbers, with the predicted step of every combination considered."""
+
+    weights: bool
+    gradients: bool
+    measured: Measurements
+    compute_s: float
+    predicted: dict[str, float] = field(default_factory=dict)
+    step: int = 0
+    source: str = "measured"
+
+    def parts(self) -> list[str]:
+        return [name for name, on in zip(PARTS, (self.weights, self.gradients)) if on]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "on": self.parts()}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Decision:
+        fields = {k: v for k, v in saved.items() if k in cls.__dataclass_fields__}
+        return cls(**{**fields, "measured": Measurements(**saved["measured"]), "source": "checkpoint"})
+
+
+def label(weights: bool, gradients: bool) -> str:
+    """A combination's name in the log and in `predicted`."""
+    return {(False, False): "ZeRO-3", (True, False): "qWD", (False, True): "TLq",
+            (True, True): "qWD + TLq"}[(weights, gradients)]
+
+
+def _reduce(local: Measurements, device: torch.device) -> Measurements:
+    """The job's numbers: the slowest rank's step and the lowest rates (one all-reduce)."""
+    values = torch.tensor([local.plain_step_s, -local.inter_bytes_s, -local.intra_bytes_s, -local.codec_bytes_s],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    step, inter, intra, codec_rate = values.tolist()
+    return Measurements(-inter, -intra, -codec_rate, step)
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """This engine's job in the cost model's terms: its tensors, layout and settings, the candidate parts."""
+
+    tensors: tuple[int, ...]
+    layout: Layout
+    scheme: Scheme
+    grad_accum: int
+    dtype_bytes: int
+    comm_bytes: int
+    second_pass: float
+    overlap: bool
+    backend: str
+    candidates: tuple[bool, bool]
+
+    def step_s(self, compute_s: float, measured: Measurements, weights: bool, gradients: bool) -> float:
+        """Predicted seconds of one optimizer step with these parts on."""
+        work = Workload(self.tensors, compute_s, self.grad_accum, dtype_bytes=self.dtype_bytes,
+                        comm_bytes=self.comm_bytes, second_pass=self.second_pass, overlap=self.overlap)
+        rates = Rates(1.0, measured.inter_bytes_s, measured.intra_bytes_s, measured.codec_bytes_s)
+        scheme = replace(self.scheme, quantized_weights=weights, quantized_gradients=gradients)
+        return deepspeed_step(work, self.layout, scheme, rates, backend=self.backend).step_s
+
+    def compute_s(self, measured: Measurements) -> float:
+        """The compute per micro-batch for which the model predicts the measured plain step (0 if communication
+        alone takes longer); the step is monotone in it, so bisection finds it."""
+        low, high = 0.0, measured.plain_step_s / self.grad_accum
+        if self.step_s(low, measured, False, False) >= measured.plain_step_s:
+            return 0.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            if self.step_s(middle, measured, False, False) < measured.plain_step_s:
+                low = middle
+            else:
+                high = middle
+        return (low + high) / 2
+
+    def decide(self, measured: Measurements, step: int) -> Decision:
+        """The fewest parts whose predicted step is within TOLERANCE of the fastest combination."""
+        compute = self.compute_s(measured)
+        options = [(w, g) for w, g in itertools.product((False, True), repeat=2)
+                   if (not w or self.candidates[0]) and (not g or self.candidates[1])]
+        predicted = {option: self.step_s(compute, measured, *option) for option in options}
+        fastest = min(predicted.values())
+        good = [o for o in options if predicted[o] <= fastest * (1 + TOLERANCE)]
+        weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))
+        return Decision(weights, gradients, measured, compute, {label(*o): t for o, t in predicted.items()}, step)
+
+
+def job_model(engine: Any, cfg: SDP4BitConfig, topology: Topology, candidates: tuple[bool, bool]) -> JobModel:
+    """The cost model's view of this engine."""
+    zero = engine._config.zero_config
+    params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
+    tensors = tuple(p.ds_numel for p in params)
+    dtype_bytes = params[0].ds_tensor.element_size()
+    comm_bytes = torch.empty(0, dtype=engine.communication_data_type).element_size()
+    scheme = Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
+                    bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
+                    bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
+                    pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica,
+                    persistence_threshold=zero.param_persistence_threshold, reduce_bucket=zero.reduce_bucket_size)
+    cpu = params[0].ds_tensor.device.type == "cpu"
+    live = min(zero.max_live_parameters, zero.max_reuse_distance)
+    return JobModel(tensors, Layout(topology.nodes, topology.ranks_per_node), scheme,
+                    engine.gradient_accumulation_steps(), dtype_bytes, comm_bytes, second_pass(sum(tensors), live),
+                    overlap=not cpu and bool(zero.overlap_comm), backend="gloo" if cpu else "nccl",
+                    candidates=candidates)
+
+
+def codec_bytes_s(device: torch.device) -> float:
+    """Bytes per second (read + written) of the gradient quantizer with Hadamard smoothing on this device."""
+    x = torch.randn(CODEC_PROBE_NUMEL, device=device)
+    codec.quantize(x, bits=8, group_size=128, stochastic=True, hadamard=True)
+    times = []
+    for _ in range(3):
+        probe._synchronize(device)
+        began = time.perf_counter()
+        codec.quantize(x, bits=8, group_size=128, stochastic=True, hadamard=True)
+        probe._synchronize(device)
+        times.append(time.perf_counter() - began)
+    moved = CODEC_PROBE_NUMEL * (4 + 1) + 4 * CODEC_PROBE_NUMEL // 128
+    return moved / max(statistics.median(times), 1e-9)
+
+
+class AutoTuner:
+    """Measures the job, then decides once which parts of SDP4Bit its runtime keeps (see the module docstring)."""
+
+    def __init__(self, model: JobModel, topology: Topology, device: torch.device, start_step: int) -> None:
+        self.model = model
+        self.topology = topology
+        self.device = device
+        self.start_step = start_step
+        self.links = probe.measure_links(topology, device)
+        self.codec_bytes_s = codec_bytes_s(device)
+        self.step_ends: list[float] = []
+        self.decision: Decision | None = None
+
+    @property
+    def measuring(self) -> bool:
+        return self.decision is None
+
+    def local_measurements(self) -> Measurements:
+        """This rank's numbers: its links, codec and the median of its plain steps after the first."""
+        durations = [b - a for a, b in zip(self.step_ends, self.step_ends[1:])]
+        return Measurements(self.links.inter_bytes_s, self.links.intra_bytes_s, self.codec_bytes_s,
+                            statistics.median(durations))
+
+    def after_step(self, step: int) -> Decision | None:
+        """Record a plain step's end; at the last one before the start step, decide (collective). Returns the new
+        decision, or None."""
+        if self.decision is not None:
+            return None
+        self.step_ends.append(time.perf_counter())
+        if step + 1 < self.start_step or len(self.step_ends) < 2:  # two step ends time one step
+            return None
+        return self.decide(self.local_measurements(), step)
+
+    def decide(self, local: Measurements, step: int) -> Decision:
+        """Decide from every rank's numbers: reduce them, let rank 0 decide, broadcast its choice (collective)."""
+        measured = _reduce(local, self.device)
+        decision = self.model.decide(measured, step)
+        chosen = torch.tensor([int(decision.weights), int(decision.gradients)], dtype=torch.int32, device=self.device)
+        dist.broadcast(chosen, src=0)
+        weights, gradients = (bool(v) for v in chosen.tolist())
+        self.decision = replace(decision, weights=weights, gradients=gradients)
+        return self.decision
+
+    def restore(self, decision: Decision) -> None:
+        """Take a saved decision (a resumed job keeps the one it made)."""
+        self.decision = decision
+
+    def describe(self) -> str:
+        """The decision's log line."""
+        d = self.decision
+        m = d.measured
+        predicted = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in d.predicted.items())
+        on = " + ".join({"weights": "qWD", "gradients": "TLq"}[p] for p in d.parts()) or "nothing (plain ZeRO-3)"
+        best = d.predicted.get(label(d.weights, d.gradients))
+        gain = f", {d.predicted['ZeRO-3'] / best:.2f}x predicted" if best and "ZeRO-3" in d.predicted else ""
+        return (f"sdp4bit auto ({d.source}, after step {d.step}): inter-node {_rate(m.inter_bytes_s)} per node, "
+                f"intra-node {_rate(m.intra_bytes_s)} per rank, codec {_rate(m.codec_bytes_s)}, plain ZeRO-3 step "
+                f"{m.plain_step_s:.3f} s of which compute {d.compute_s * self.model.grad_accum:.3f} s; predicted "
+                f"{predicted}; on: {on}{gain}")
+
+
+def _rate(bytes_s: float) -> str:
+    return "no link" if bytes_s == float("inf") else f"{bytes_s / 1e6:,.1f} MB/s"
+
+
+def log_decision(tuner: AutoTuner) -> None:
+    """The decision's one line, on rank 0."""
+    if tuner.topology.rank == 0:
+        logger.info(tuner.describe())

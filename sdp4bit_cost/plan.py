@@ -1,0 +1,320 @@
+"""sdp4bit-plan: will SDP4Bit pay on this cluster? Projected step times of ZeRO-3, ZeRO++ and SDP4Bit's variants.
+
+The projection is the cost model of this package (`sdp4bit_cost.timing`), whose Megatron-LM form is checked against
+the SDP4Bit paper's measurements by `benchmarks/cost_model.py paper`. Its inputs are yours: the model, the cluster,
+the achieved compute per GPU (`--tflops`, or the GPU preset's default of 40% of its dense peak) and the inter-node
+bandwidth per node, taken at `--link-efficiency` of its line rate. Communication is assumed to overlap compute
+perfectly where DeepSpeed can overlap it (prefetch and overlap_comm), so the gains it shows are a lower bound for a
+cluster whose links are the bottleneck; `--no-overlap` shows the other bound.
+
+    sdp4bit-plan --model 1.3b --nodes 16 --gpus-per-node 8 --gpu h100 --inter-node-gbps 100
+    sdp4bit-plan --model path/to/config.json --nodes 4 --gpus-per-node 8 --gpu a100 --inter-node-gbps 200 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
+from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
+from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
+from .traffic import Layout, Scheme
+
+GAIN_WORTH_IT = 0.05  # below this projected gain the recommendation is to leave SDP4Bit off
+RANK_REPLICA_MEMORY_SHARE = 0.10  # the rank replica is recommended only if its model copy fits in this share
+DEEPSPEED_VARIANTS = ("ZeRO-3", "ZeRO++", "SDP4Bit", "SDP4Bit (rank replica)", "qWD", "TLq-HS")
+MEGATRON_VARIANTS = ("Megatron", "ZeRO++", "SDP4Bit", "qWD", "TLq-HS")
+PLOT_GBPS = (10, 3200)
+
+
+class PlanError(ValueError):
+    """Bad planner input: the message names the flag and the allowed values."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a projection needs: the job, the cluster, the system and the SDP4Bit block's settings."""
+
+    job: Job
+    cluster: Cluster
+    system: str
+    block: Scheme
+
+    @property
+    def layout(self) -> Layout:
+        per_node = self.cluster.gpus_per_node // self.job.tp
+        return Layout(self.cluster.nodes, per_node)
+
+    @property
+    def rates(self) -> Rates:
+        c = self.cluster
+        return Rates(c.flops_s, c.inter_bytes_s, c.intra_bytes_s, c.gpu.codec_bytes_s)
+
+    def variants(self) -> dict[str, Scheme]:
+        """The schemes compared, by variant name."""
+        b = self.block
+        sdp4bit = replace(b, quantized_weights=True, quantized_gradients=True, zeropp=False)
+        if self.system == "megatron":
+            return {"Megatron": replace(b, quantized_weights=False, quantized_gradients=False),
+                    "ZeRO++": replace(sdp4bit, bits_intra=4), "SDP4Bit": sdp4bit,
+                    "qWD": replace(sdp4bit, quantized_gradients=False),
+                    "TLq-HS": replace(sdp4bit, quantized_weights=False)}
+        return {"ZeRO-3": replace(b, quantized_weights=False, quantized_gradients=False, zeropp=False),
+                "ZeRO++": replace(b, zeropp=True), "SDP4Bit": replace(sdp4bit, replica="node"),
+                "SDP4Bit (rank replica)": replace(sdp4bit, replica="rank"),
+                "qWD": replace(sdp4bit, quantized_gradients=False, replica="node"),
+                "TLq-HS": replace(sdp4bit, quantized_weights=False)}
+
+    def step(self, scheme: Scheme, name: str) -> StepTime:
+        work = self.job.workload(self.rates)
+        if self.system == "megatron":
+            return megatron_seconds(work, self.layout, scheme, self.rates, name)
+        return deepspeed_step(work, self.layout, scheme, self.rates, name)
+
+    def replica_bytes(self, name: str) -> float:
+        """Bytes of model-weight replica one GPU keeps (SDP4Bit's w~; Megatron keeps its full model anyway)."""
+        scheme = self.variants()[name]
+        if self.system == "megatron" or not scheme.quantized_weights or scheme.zeropp:
+            return 0.0
+        copy = self.job.shape.numel() * self.job.dtype_bytes / self.job.tp
+        return copy if scheme.replica == "rank" else copy / self.layout.per_node
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant's projection."""
+
+    variant: str
+    step: StepTime
+    speedup: float
+    replica_bytes: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "step_s": self.step.step_s, "speedup": self.speedup,
+                "cross_node_bytes": self.step.cross_node_bytes, "tokens_per_s": self.step.tokens_per_s,
+                "compute_s": self.step.compute_s, "exposed_s": self.step.exposed_s,
+                "replica_bytes_per_gpu": self.replica_bytes}
+
+
+def project(plan: Plan) -> list[Row]:
+    """Every variant's step, with its speed-up over the baseline (the first variant)."""
+    steps = {name: plan.step(scheme, name) for name, scheme in plan.variants().items()}
+    base = next(iter(steps.values())).step_s
+    return [Row(name, step, base / step.step_s, plan.replica_bytes(name)) for name, step in steps.items()]
+
+
+def recommend(plan: Plan, rows: Sequence[Row]) -> str:
+    """One line: what to switch on, and why."""
+    base = rows[0]
+    ours = [r for r in rows[1:] if r.variant != "ZeRO++"]
+    memory = plan.cluster.gpu.memory_gb * 1e9
+    fits = [r for r in ours if r.replica_bytes <= RANK_REPLICA_MEMORY_SHARE * memory or "rank" not in r.variant]
+    best = max(fits, key=lambda r: r.speedup)
+    exposed = base.step.exposed_s / base.step.step_s
+    if best.speedup < 1 + GAIN_WORTH_IT:
+        return (f"communication hides behind compute here ({exposed:.0%} of the {base.variant} step is exposed "
+                f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off")
+    leaner = [r for r in fits if r.speedup >= best.speedup / (1 + GAIN_WORTH_IT / 2)]
+    choice = min(leaner, key=lambda r: (len(_block(plan, r.variant)), -r.speedup))
+    return (f"use {choice.variant}: {choice.speedup:.2f}x over {base.variant} ({exposed:.0%} of its step is exposed "
+            f"communication); \"sdp4bit\": {json.dumps(_block(plan, choice.variant))}")
+
+
+def _block(plan: Plan, variant: str) -> dict[str, Any]:
+    """The sdp4bit block that turns a variant on."""
+    s = plan.variants()[variant]
+    block: dict[str, Any] = {}
+    if s.quantized_weights:
+        block.update(quantized_weights=True, weight_quantization_bits=s.weight_bits, wq_group_size=s.weight_group)
+        if s.replica != "node":
+            block["weight_replica"] = s.replica
+    if s.quantized_gradients:
+        block.update(quantized_gradients=True, gradient_quantization_bits_intra=s.bits_intra,
+                     gq_group_size_intra=s.group_intra, gradient_quantization_bits_inter=s.bits_inter,
+                     gq_group_size_inter=s.group_inter, hadamard_transform=True)
+    return block
+
+
+def table(plan: Plan, rows: Sequence[Row]) -> str:
+    """The projection as a markdown table."""
+    lines = [f"{plan.cluster.describe()} ({plan.cluster.flops_s / 1e12:.0f} TFLOP/s achieved per GPU, links at "
+             f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
+             f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
+             f"micro-batch(es) per step, TP {plan.job.tp}, {plan.system}"
+             f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
+             "", "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.variant} | {r.step.step_s:.3f} | {r.step.tokens_per_s:,.0f} | {r.step.exposed_s:.3f} | "
+                     f"{r.step.cross_node_bytes / 1e9:.2f} | {r.replica_bytes / 1e9:.2f} | {r.speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(plan: Plan, path: Path) -> None:
+    """Speed-up over the baseline against inter-node bandwidth, one line per variant."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlanError("--plot needs matplotlib (pip install matplotlib)") from None
+    low, high = PLOT_GBPS
+    rates = [low * (high / low) ** (i / 60) for i in range(61)]
+    curves: dict[str, list[float]] = {}
+    for gbps in rates:
+        point = replace(plan, cluster=replace(plan.cluster, inter_node_gbps=gbps))
+        for row in project(point):
+            curves.setdefault(row.variant, []).append(row.speedup)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in curves.items():
+        ax.plot(rates, values, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-node bandwidth per node, Gbit/s")
+    ax.set_ylabel(f"speed-up over {next(iter(curves))}")
+    ax.axvline(plan.cluster.inter_node_gbps, color="grey", linestyle=":", label="this cluster")
+    ax.set_title(f"{plan.job.shape.numel() / 1e9:.2f}B on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
+                 f"{plan.cluster.gpu.name.upper()} ({plan.system})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sdp4bit-plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model (a card, a config.json, or --params with --layers and --hidden)")
+    model.add_argument("--model", help=f"a card ({', '.join(CARDS)}) or the path of a Hugging Face config.json")
+    model.add_argument("--params", type=float, help="parameters, e.g. 7e9 (with --layers and --hidden)")
+    model.add_argument("--layers", type=int, help="transformer layers (with --params)")
+    model.add_argument("--hidden", type=int, help="hidden size (with --params)")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    cluster.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    cluster.add_argument("--inter-node-gbps", type=float, required=True,
+                         help="inter-node bandwidth per node, Gbit/s each way (all its NICs together)")
+    cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
+    cluster.add_argument("--tflops", type=float,
+                         help="achieved TFLOP/s per GPU on this model (default: 40%% of the preset's dense bf16 peak)")
+    cluster.add_argument("--link-efficiency", type=float, default=LINK_EFFICIENCY,
+                         help=f"share of the inter-node line rate the collectives reach (default {LINK_EFFICIENCY})")
+    job = p.add_argument_group("job")
+    job.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a node (default 1)")
+    job.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    job.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-batch (default 1, or the config's)")
+    job.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1, or the config's)")
+    job.add_argument("--system", choices=("deepspeed", "megatron"), default="deepspeed",
+                     help="DeepSpeed ZeRO-3 with this package (default), or Megatron-LM's distributed optimizer with "
+                          "the paper's SDP4Bit fork")
+    job.add_argument("--config", type=Path, help="a ds_config.json: its zero_optimization settings, batch sizes, "
+                                                 "communication_data_type and sdp4bit block")
+    job.add_argument("--no-overlap", action="store_true",
+                     help="collectives block compute (the bound opposite to perfect overlap)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
+    out.add_argument("--plot", type=Path, help="draw the speed-up against inter-node bandwidth into this image file")
+    return p
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    sizes = (args.params, args.layers, args.hidden)
+    if args.model and any(v is not None for v in sizes):
+        raise PlanError("give either --model or --params with --layers and --hidden, not both")
+    if args.model:
+        return from_hf_config(args.model) if Path(args.model).suffix == ".json" else card(args.model)
+    if any(v is None for v in sizes):
+        raise PlanError(f"--model (one of {', '.join(CARDS)}, or a config.json), or all of --params, --layers and "
+                        "--hidden, is required")
+    return from_size(args.params, args.layers, args.hidden)
+
+
+def _at_least_one(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise PlanError(f"{flag} {value}: must be an integer >= 1")
+
+
+def _ds_config(path: Path | None) -> dict[str, Any]:
+    """The ds_config as DeepSpeed reads it (HJSON), or {}."""
+    if path is None:
+        return {}
+    import hjson
+
+    try:
+        return dict(hjson.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--config {path}: not a readable DeepSpeed config ({exc})") from None
+
+
+def _block_scheme(ds: dict[str, Any]) -> Scheme:
+    """The SDP4Bit settings and ZeRO-3 sizes of a ds_config (validated by the package's own config), or defaults."""
+    zero = ds.get("zero_optimization", {})
+    sizes = {"persistence_threshold": int(zero.get("stage3_param_persistence_threshold", 100_000)),
+             "reduce_bucket": int(zero.get("reduce_bucket_size", 500_000_000))}
+    if "sdp4bit" not in ds:
+        return Scheme(**sizes)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its accelerator line on import
+        from deepspeed_sdp4bit.config import SDP4BitConfigError, parse_config
+    try:
+        cfg = parse_config(ds["sdp4bit"])
+    except SDP4BitConfigError as exc:
+        raise PlanError(f"--config: {exc}") from None
+    return Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
+                  bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
+                  bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
+                  pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica, **sizes)
+
+
+def build(args: argparse.Namespace) -> Plan:
+    """The plan the flags describe (PlanError naming the flag for bad input)."""
+    for flag in ("tp", "seq", "micro_batch", "grad_accum"):
+        _at_least_one(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if args.gpus_per_node >= 1 and args.gpus_per_node % args.tp:
+        divisors = [d for d in range(1, args.gpus_per_node + 1) if args.gpus_per_node % d == 0]
+        raise PlanError(f"--tp {args.tp} does not divide --gpus-per-node {args.gpus_per_node}; allowed: "
+                        f"{', '.join(map(str, divisors))}")
+    ds = _ds_config(args.config)
+    zero = ds.get("zero_optimization", {})
+    cluster = Cluster(args.nodes, args.gpus_per_node, gpu(args.gpu), args.inter_node_gbps, args.tflops,
+                      args.link_efficiency)
+    comm = {"fp32": 4, "float32": 4}.get(str(ds.get("communication_data_type", "")).lower())
+    live = min(int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
+               int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)))
+    megatron = args.system == "megatron"
+    job = Job(_shape(args), seq=args.seq, micro_batch=args.micro_batch or int(ds.get(
+                  "train_micro_batch_size_per_gpu", 1)),
+              grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp,
+              comm_bytes=4 if megatron else comm, live_parameters=live,
+              overlap=not (args.no_overlap or megatron or zero.get("overlap_comm") is False))
+    return Plan(job, cluster, args.system, _block_scheme(ds))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        plan = build(args)
+        rows = project(plan)
+        if args.plot:
+            plot(plan, args.plot)
+    except (PlanError, ShapeError, HardwareError) as exc:
+        print(f"sdp4bit-plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+    else:
+        print(table(plan, rows))
+        print()
+        print(recommend(plan, rows))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

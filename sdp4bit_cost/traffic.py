@@ -1,0 +1,293 @@
+"""Bytes per training step: what each collective passes, what crosses node boundaries and what the codec touches.
+
+One `Transfer` per collective kind and phase. Cross-node bytes follow the algorithms the collectives use: a ring in
+rank order for all-gathers and reduce-scatters (gloo, and NCCL's rings, which cross each node boundary once per
+ring), direct sends for all-to-alls; gloo's reduce-scatter moves twice a ring's bytes (measured on 2 nodes x 2
+ranks: 3 x the input, like a ring all-reduce). The ZeRO-3 builder counts SDP4Bit's kinds exactly as SDP4Bit's own
+accounting does (`engine.sdp4bit.stats()`), bucket padding included, so the two can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+PHASES = ("forward", "backward", "step")
+SDP4BIT_KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter")
+SCALE_BYTES = 4  # one fp32 scale per quantization group
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What a run communicates: ZeRO-3's settings and the SDP4Bit block's (defaults: the paper's SDP4Bit block).
+
+    `zeropp` stands for DeepSpeed's ZeRO++ (qwZ 8-bit weights, hpZ secondary partition in the node, qgZ 4-bit
+    gradients), which replaces the weight and gradient paths and ignores the SDP4Bit fields.
+    """
+
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    weight_bits: int = 4
+    weight_group: int = 2048
+    bits_intra: int = 8
+    group_intra: int = 128
+    bits_inter: int = 4
+    group_inter: int = 128
+    pipeline: int = 1
+    replica: str = "node"
+    persistence_threshold: int = 100_000
+    reduce_bucket: int = 500_000_000
+    zeropp: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Data-parallel ranks numbered node by node: `nodes` x `per_node` (GPUs per node / tensor parallelism)."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective in one phase of a step.
+
+    wire: bytes one rank passes to the kind's collectives (as DeepSpeed's comms logger counts them);
+    cross: bytes all ranks together send to other nodes; intra: bytes one rank receives from ranks of its node;
+    codec: bytes one rank's codec kernels read and write; levels: None where the inter- and intra-node links carry
+    the collective at once (a ring), else the number of slices in which an intra-node level and then an inter-node
+    level run (TLq's pipeline).
+    """
+
+    kind: str
+    phase: str
+    wire: float
+    cross: float
+    intra: float = 0.0
+    codec: float = 0.0
+    levels: int | None = None
+
+
+@dataclass
+class StepBytes:
+    """The transfers of one step (one micro-batch's, plus what runs once after the optimizer step)."""
+
+    transfers: list[Transfer] = field(default_factory=list)
+
+    def add(self, transfer: Transfer) -> None:
+        self.transfers.append(transfer)
+
+    def _by_kind(self, attribute: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in self.transfers:
+            out[t.kind] = out.get(t.kind, 0.0) + getattr(t, attribute)
+        return out
+
+    @property
+    def wire(self) -> dict[str, float]:
+        """Bytes per rank per kind passed to the collectives."""
+        return self._by_kind("wire")
+
+    @property
+    def cross(self) -> dict[str, float]:
+        """Bytes per kind that all ranks together send across node boundaries."""
+        return self._by_kind("cross")
+
+    @property
+    def cross_total(self) -> float:
+        return sum(t.cross for t in self.transfers)
+
+
+def shard(numel: int, world: int) -> int:
+    """ZeRO-3's shard size ceil(n / W)."""
+    return -(-numel // world)
+
+
+def codes_and_scales(numel: float, bits: int, group: int) -> float:
+    """Bytes of packed codes plus fp32 scales of `numel` values."""
+    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)
+
+
+def ring_cross(wire: float, layout: Layout, members_per_node: int | None = None) -> float:
+    """Cross-node bytes of a ring all-gather with `wire` bytes per rank over the world (or over `members_per_node`
+    ranks of each node: one ring per local index)."""
+    if layout.nodes == 1:
+        return 0.0
+    group = layout.world if members_per_node is None else layout.nodes * members_per_node
+    rings = 1 if members_per_node is None else layout.per_node // members_per_node
+    return rings * layout.nodes * (group - 1) * wire
+
+
+def reduce_scatter_cross(wire: float, layout: Layout, backend: str) -> float:
+    """Cross-node bytes of a reduce-scatter of `wire` bytes per rank over the world."""
+    if layout.nodes == 1:
+        return 0.0
+    ring = layout.nodes * (layout.world - 1) / layout.world * wire
+    return 2 * ring if backend == "gloo" else ring
+
+
+def gradient_buckets(numels: Sequence[int], bucket: int) -> list[list[int]]:
+    """Gradient buckets as ZeRO-3 fills them: in backward (reverse) order, flushed before one would overflow."""
+    out: list[list[int]] = [[]]
+    for n in reversed(numels):
+        if out[-1] and sum(out[-1]) + n > bucket:
+            out.append([])
+        out[-1].append(n)
+    return out
+
+
+def tlq_part(bucket: Sequence[int], world: int, s: Scheme) -> int:
+    """Elements of one rank's TLq part of a bucket: its chunks, padded to lcm(groups, 32) x pipeline."""
+    unit = math.lcm(s.group_intra, s.group_inter, 32) * s.pipeline
+    used = sum(shard(n, world) for n in bucket)
+    return max(1, -(-used // unit)) * unit
+
+
+def zero3_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int,
+               comm_bytes: int | None = None, second_pass: float = 0.0, backend: str = "nccl") -> StepBytes:
+    """The transfers of one DeepSpeed ZeRO-3 micro-batch, plus its optimizer step's, for parameter tensors of these
+    element counts.
+
+    comm_bytes: bytes per element of the gradient reduce-scatter (DeepSpeed's communication_data_type; default the
+    parameters' dtype). second_pass: the share of the sharded parameters that the backward gathers again (DeepSpeed
+    keeps parameters gathered between forward and backward up to stage3_max_live_parameters and
+    stage3_max_reuse_distance).
+    """
+    comm_bytes = comm_bytes or dtype_bytes
+    w = layout.world
+    persistent = [n for n in tensors if n <= scheme.persistence_threshold]
+    sharded = [n for n in tensors if n > scheme.persistence_threshold]
+    out = StepBytes()
+    own = sum(shard(n, w) for n in sharded)
+    if scheme.zeropp:
+        _zeropp(out, own, sum(tensors), dtype_bytes, second_pass, layout)
+    else:
+        if scheme.quantized_weights:
+            _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout)
+        else:
+            _gathers(out, "param_gather", own * dtype_bytes, ring_cross(own * dtype_bytes, layout),
+                     _ring_intra(own * dtype_bytes, layout), second_pass)
+        if scheme.quantized_gradients:
+            _grads_tlq(out, tensors, dtype_bytes, scheme, layout)
+        else:
+            wire = sum(tensors) * comm_bytes
+            out.add(Transfer("grad_reduce_scatter", "backward", wire, reduce_scatter_cross(wire, layout, backend),
+                             intra=_ring_intra(wire / w, layout)))
+    wire = sum(shard(n, w) for n in persistent) * dtype_bytes
+    out.add(Transfer("persistent_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
+    return out
+
+
+def _ring_intra(per_rank: float, layout: Layout) -> float:
+    """Bytes a rank receives over its node's links in a ring over the world passing `per_rank` bytes from each rank
+    (every rank but the first of each node has its ring neighbour in its node)."""
+    return (layout.world - 1) * per_rank if layout.per_node > 1 else 0.0
+
+
+def _gathers(out: StepBytes, kind: str, wire: float, cross: float, intra: float, second_pass: float) -> None:
+    """A parameter gather in the forward and, for `second_pass` of the parameters, again in the backward."""
+    out.add(Transfer(kind, "forward", wire, cross, intra=intra))
+    if second_pass:
+        out.add(Transfer(kind, "backward", wire * second_pass, cross * second_pass, intra=intra * second_pass))
+
+
+def _weights_qwd(out: StepBytes, own: int, dtype_bytes: int, second_pass: float, s: Scheme, layout: Layout) -> None:
+    """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters), all-gathered among the
+    ranks with its local index (one ring per local index); the rank replica then gathers what arrived inside the
+    node; the node replica's forward/backward gathers stay inside the node.
+
+    Codec: the sender reads its ds_tensor and w~ shards and writes codes; every holder reads the codes of what it
+    holds (its slice of each node's shards, or everything with the rank replica) and updates w~ in place."""
+    n, d = layout.nodes, layout.per_node
+    codes = codes_and_scales(own, s.weight_bits, s.weight_group)
+    holders = n if s.replica == "node" else layout.world
+    codec = own * 2 * dtype_bytes + codes + holders * (own * 2 * dtype_bytes + codes)
+    if n > 1:
+        out.add(Transfer("weight_refresh", "step", codes, ring_cross(codes, layout, members_per_node=1), codec=codec))
+    if s.replica == "rank" and d > 1:
+        out.add(Transfer("weight_refresh", "step", n * codes, 0.0, intra=(d - 1) * n * codes,
+                         codec=0.0 if n > 1 else codec))
+    elif s.replica == "node" and d > 1:
+        per_rank = n * own * dtype_bytes
+        _gathers(out, "weight_gather", per_rank, 0.0, (d - 1) * per_rank, second_pass)
+
+
+def _tlq_codec(part: int, layout: Layout, grad_bytes: int, intra: float, inter: float) -> float:
+    """Bytes one rank's TLq kernels read and write for one bucket: quantize every part (Hadamard fused), the
+    intra-node dequantize-reduce-requantize of its N parts from D peers, and the final dequantize-reduce."""
+    w, n, d = layout.world, layout.nodes, layout.per_node
+    first = intra if d > 1 else inter
+    middle = d * n * intra + n * inter if d > 1 and n > 1 else 0.0
+    last = (n * inter if n > 1 else d * intra) + 4 * part
+    return w * part * grad_bytes + w * first + middle + last
+
+
+def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Scheme, layout: Layout) -> None:
+    """TLq per gradient bucket: the intra-node all-to-all of all W parts, then the inter-node one of N parts (one
+    node: intra only; one rank per node: inter only, over all W parts)."""
+    w, n, d = layout.world, layout.nodes, layout.per_node
+    for bucket in gradient_buckets(tensors, s.reduce_bucket):
+        part = tlq_part(bucket, w, s)
+        intra, inter = codes_and_scales(part, s.bits_intra, s.group_intra), codes_and_scales(part, s.bits_inter,
+                                                                                             s.group_inter)
+        codec = _tlq_codec(part, layout, grad_bytes, intra, inter)
+        if d > 1:
+            out.add(Transfer("grad_intra", "backward", w * intra, 0.0, intra=(d - 1) * n * intra, codec=codec,
+                             levels=s.pipeline))
+        if n > 1:
+            wire = (n if d > 1 else w) * inter
+            out.add(Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec,
+                             levels=s.pipeline))
+
+
+def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: Layout) -> None:
+    """ZeRO++: qwZ gathers 8-bit weights (groups of 2048) over the world in the forward and keeps the node's part as
+    hpZ's secondary partition, from which the backward gathers inside the node in 16 bits; qgZ reduces gradients
+    with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out)."""
+    w, n, d = layout.world, layout.nodes, layout.per_node
+    codes = codes_and_scales(own, 8, 2048)
+    out.add(Transfer("param_gather", "forward", codes, ring_cross(codes, layout), intra=_ring_intra(codes, layout),
+                     codec=own * (dtype_bytes + 1) + w * own * (1 + dtype_bytes)))
+    if second_pass and d > 1:
+        per_rank = n * own * dtype_bytes
+        out.add(Transfer("param_gather", "backward", per_rank * second_pass, 0.0,
+                         intra=(d - 1) * per_rank * second_pass))
+    part = total / w
+    codec = total * (dtype_bytes + 0.5) + d * n * part * 0.5 + n * part * 0.5 * 2 + part * 4
+    if d > 1:
+        out.add(Transfer("grad_intra", "backward", total * 0.5, 0.0, intra=total * 0.5 * (d - 1) / d, codec=codec,
+                         levels=1))
+    if n > 1:
+        wire = (n if d > 1 else w) * part * 0.5
+        out.add(Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec,
+                         levels=1))
+
+
+def megatron_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int = 2,
+                  grad_bytes: int = 4) -> StepBytes:
+    """The transfers of one step of Megatron-LM's distributed optimizer as the paper ran it: gradients reduce-scattered
+    once per step (fp32 main gradients, or the fork's TLq), the updated 16-bit weights all-gathered once after the
+    optimizer step (or the fork's 4-bit differences: every rank holds the whole model, so one ring over the
+    data-parallel group carries them)."""
+    w = layout.world
+    own = shard(sum(tensors), w)
+    out = StepBytes()
+    if scheme.quantized_weights:
+        codes = codes_and_scales(own, scheme.weight_bits, scheme.weight_group)
+        out.add(Transfer("weight_refresh", "step", codes, ring_cross(codes, layout), intra=_ring_intra(codes, layout),
+                         codec=own * 2 * dtype_bytes + codes + w * (own * 2 * dtype_bytes + codes)))
+    else:
+        wire = own * dtype_bytes
+        out.add(Transfer("param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
+    if scheme.quantized_gradients:
+        _grads_tlq(out, tensors, grad_bytes, scheme, layout)
+    else:
+        wire = sum(tensors) * grad_bytes
+        out.add(Transfer("grad_reduce_scatter", "backward", wire, reduce_scatter_cross(wire, layout, "nccl"),
+                         intra=_ring_intra(wire / w, layout)))
+    return out
