@@ -21,8 +21,8 @@ fi
 have_all() {
   "$py" - <<'PY'
 import importlib.util, sys
-mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "sdp4bit_cost", "scipy", "transformers", "accelerate", "datasets", "tokenizers", "matplotlib",
-        "pytest", "pytest_timeout", "hypothesis", "ninja"]
+mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "sdp4bit_cost", "scipy", "transformers", "accelerate", "datasets",
+        "tokenizers", "matplotlib", "pytest", "pytest_timeout", "hypothesis", "ninja"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PY
 }
