@@ -28,12 +28,15 @@ DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters and stag
 @dataclass(frozen=True)
 class Rates:
     """What a second buys: FLOPs of one GPU, bytes one node sends to other nodes, bytes one GPU sends inside its node,
-    bytes the codec kernels of one GPU read and write."""
+    bytes the codec kernels of one GPU read and write. `shared_links`: the same cores move the inter- and the
+    intra-node bytes (gloo on CPU ranks), so the two links of a collective take the sum of their times, not the
+    longer of them as NVLink beside a NIC does."""
 
     flops_s: float
     inter_bytes_s: float
     intra_bytes_s: float
     codec_bytes_s: float
+    shared_links: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,18 +131,20 @@ def _seconds(transfer: Transfer, layout: Layout, tp: int, rates: Rates) -> tuple
 
 
 def phase_comm(transfers: list[Transfer], layout: Layout, tp: int, rates: Rates) -> float:
-    """Seconds of a phase's collectives, one after the other: a ring keeps both links busy at once; the two levels of
-    a quantized reduction run in sequence, overlapping slice by slice when pipelined."""
+    """Seconds of a phase's collectives, one after the other: a ring keeps both links busy at once (unless they share
+    the cores that move the bytes); the two levels of a quantized reduction run in sequence, overlapping slice by
+    slice when pipelined."""
     ring = 0.0
     intra_level = inter_level = 0.0
     slices = 1
     for t in transfers:
         inter, intra = _seconds(t, layout, tp, rates)
         if t.levels is None:
-            ring += max(inter, intra)
+            ring += inter + intra if rates.shared_links else max(inter, intra)
         else:
             intra_level, inter_level, slices = intra_level + intra, inter_level + inter, t.levels
-    return ring + max(intra_level, inter_level) + min(intra_level, inter_level) / slices
+    overlapped = 0.0 if rates.shared_links else min(intra_level, inter_level) * (1 - 1 / slices)
+    return ring + intra_level + inter_level - overlapped
 
 
 def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates, per_step: dict[str, int]) -> dict[str, float]:

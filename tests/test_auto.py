@@ -44,7 +44,7 @@ def test_a_fast_link_leaves_everything_off() -> None:
 
 
 def test_the_fewest_parts_within_the_tolerance_win() -> None:
-    """Where both parts and one part are predicted within 2% of each other, the single part is chosen."""
+    """Where both parts and one part are predicted within the tolerance of each other, the single part is chosen."""
     model = _model()
     for inter in (3e6, 1e7, 3e7, 1e8, 3e8, 1e9):
         measured = _measured(inter, step_s=1.0)

@@ -31,7 +31,7 @@ from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
 
-TOLERANCE = 0.02  # a part is switched on only if it makes the predicted step more than 2% faster
+TOLERANCE = 0.01  # a part is switched on only if it makes the predicted step more than 1% faster
 CODEC_PROBE_NUMEL = 1 << 20
 PARTS = ("weights", "gradients")
 
@@ -104,7 +104,8 @@ class JobModel:
         """Predicted seconds of one optimizer step with these parts on."""
         work = Workload(self.tensors, compute_s, self.grad_accum, dtype_bytes=self.dtype_bytes,
                         comm_bytes=self.comm_bytes, second_pass=self.second_pass, overlap=self.overlap)
-        rates = Rates(1.0, measured.inter_bytes_s, measured.intra_bytes_s, measured.codec_bytes_s)
+        rates = Rates(1.0, measured.inter_bytes_s, measured.intra_bytes_s, measured.codec_bytes_s,
+                      shared_links=self.backend == "gloo")
         scheme = replace(self.scheme, quantized_weights=weights, quantized_gradients=gradients)
         return deepspeed_step(work, self.layout, scheme, rates, backend=self.backend).step_s
 
