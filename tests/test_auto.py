@@ -17,7 +17,7 @@ from sdp4bit_cost.shapes import gpt
 from sdp4bit_cost.traffic import Layout, Scheme
 
 AUTO = {"auto": True, "ranks_per_node": 2, "quantized_weights": True, "quantized_gradients": True,
-        "gq_group_size_intra": 128, "hadamard_transform": True}
+        "gq_group_size_intra": 128, "hadamard_transform": True, "verify_interval": 1}
 
 
 def _model(overlap: bool = False, candidates: tuple[bool, bool] = (True, True)) -> auto.JobModel:
@@ -112,6 +112,7 @@ def _job(checkpoint: str) -> dict[str, Any]:
         H.train_steps(engine, AUTO_START_STEP - 1, AUTO_START_STEP + 2)
         decided = engine.sdp4bit.stats()["auto"]
         parts = engine.sdp4bit.store is not None, engine.sdp4bit.reducer is not None
+        verified = engine.sdp4bit.optimizer_steps, engine.sdp4bit.checksum_mismatches, engine.sdp4bit.verify()
         engine.save_checkpoint(checkpoint, tag="auto")
         engine.destroy()
 
@@ -132,7 +133,7 @@ def _job(checkpoint: str) -> dict[str, Any]:
     finally:
         auto.AutoTuner.local_measurements = original
         logger.removeHandler(handler)
-    return {"measuring": measuring, "decided": decided, "parts": parts, "restored": restored,
+    return {"measuring": measuring, "decided": decided, "parts": parts, "verified": verified, "restored": restored,
             "resumed_grad_inter_bytes": resumed_bytes, "fast": fast_decision, "fast_parts": fast_parts,
             "lines": [line for line in handler.lines if line.startswith("sdp4bit auto")]}
 
@@ -145,6 +146,7 @@ def test_auto_decides_once_alike_on_every_rank_logs_reports_and_resumes(tmp_path
         assert result["measuring"] == (True, 0), rank  # plain ZeRO-3 steps: nothing went through SDP4Bit
         assert result["decided"] == first["decided"], rank  # one decision although every rank measured otherwise
         assert result["parts"] == (True, True), rank
+        assert result["verified"] == (AUTO_START_STEP + 2, 0, True), rank  # replicas checked after the decision only
         assert result["restored"][0]["on"] == ["weights", "gradients"], rank
         assert result["restored"][0]["source"] == "checkpoint" and result["restored"][1] == (True, True), rank
         assert result["resumed_grad_inter_bytes"] > 0, rank  # the resumed job quantizes, as decided before

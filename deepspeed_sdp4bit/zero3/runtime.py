@@ -297,7 +297,7 @@ class SDP4BitRuntime:
         self._mark_weights_written()
         self.optimizer_steps += 1
         interval = self.config.verify_interval
-        if interval and self.store is not None and self.optimizer_steps % interval == 0:
+        if interval and self.store is not None and not self.measuring() and self.optimizer_steps % interval == 0:
             self.verify()
         self._record_step()
 
@@ -317,6 +317,9 @@ class SDP4BitRuntime:
             raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
                                "exist only with quantized_weights and weight_quantization 'difference' on more than "
                                "one node (or with weight_replica 'rank')")
+        if self.measuring():
+            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, after "
+                               f"step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
         report = self.store.checksum()
         if not report.ok:
             self.checksum_mismatches += 1
