@@ -54,6 +54,10 @@ REF = "deepspeed_sdp4bit/codec/reference.py"
 GRAD = "deepspeed_sdp4bit/collectives/grad_reduce.py"
 STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
 RUNTIME = "deepspeed_sdp4bit/zero3/runtime.py"
+TRAFFIC = "sdp4bit_cost/traffic.py"
+TIMING = "sdp4bit_cost/timing.py"
+AUTO = "deepspeed_sdp4bit/zero3/auto.py"
+COST_TESTS = ("tests/test_cost_model.py", "tests/test_planner.py", "-k", "not console_script")
 
 TARGETS = {
     "reference": Target("reference", REF, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
@@ -62,6 +66,9 @@ TARGETS = {
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
     "runtime": Target("runtime", RUNTIME, ("tests/test_zero3_training.py", "-k",
                                            "every_replica_mode or verify_finds or paper_setting_trains and float32")),
+    "traffic": Target("traffic", TRAFFIC, COST_TESTS),
+    "timing": Target("timing", TIMING, COST_TESTS),
+    "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
 }
 
 MUTANTS = [
@@ -266,9 +273,46 @@ MUTANTS = [
            "\n    def gather(", "ds_tensor not set to w~ after a refresh"),
     Mutant("Z11", RUNTIME, "        if not report.ok:\n            self.checksum_mismatches += 1",
            "        if False:\n            self.checksum_mismatches += 1", "verify never repairs"),
-    Mutant("Z12", RUNTIME, "        if interval and self.store is not None and self.optimizer_steps % interval == 0:",
-           "        if interval and self.store is not None and self.optimizer_steps % interval == 1:",
+    Mutant("Z12", RUNTIME,
+           "        if interval and self.store is not None and not self.measuring() and "
+           "self.optimizer_steps % interval == 0:",
+           "        if interval and self.store is not None and not self.measuring() and "
+           "self.optimizer_steps % interval == 1:",
            "verification on the wrong steps"),
+    # sdp4bit_cost/traffic.py
+    Mutant("C01", TRAFFIC, "    return rings * layout.nodes * (group - 1) * wire",
+           "    return rings * layout.nodes * group * wire", "a ring all-gather sends every input across nodes"),
+    Mutant("C02", TRAFFIC, "    return 2 * ring if backend == \"gloo\" else ring", "    return ring",
+           "gloo's reduce-scatter counted as a ring"),
+    Mutant("C03", TRAFFIC, "            out.add(Transfer(\"grad_inter\", \"backward\", wire, w * wire * (n - 1) / n,",
+           "            out.add(Transfer(\"grad_inter\", \"backward\", wire, w * wire,",
+           "the inter-node piece for the own node counted as crossing"),
+    Mutant("C04", TRAFFIC, "    for n in reversed(numels):", "    for n in numels:",
+           "gradient buckets filled in forward order"),
+    Mutant("C05", TRAFFIC, "    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)",
+           "    return -(-numel * bits // 8) + SCALE_BYTES * (numel // group)", "a partial last group has no scale"),
+    # sdp4bit_cost/timing.py
+    Mutant("M01", TIMING, "        micro += max(busy, comm) if work.overlap else busy + comm", "        micro += busy + comm",
+           "overlap ignored"),
+    Mutant("M02", TIMING, "    return StepTime(variant, m * micro + tail, m * work.compute_s,",
+           "    return StepTime(variant, m * micro, m * work.compute_s,", "the post-step refresh hidden"),
+    Mutant("M03", TIMING, "    cross = m * sum(t.cross for t in step.transfers if t.phase != \"step\")",
+           "    cross = sum(t.cross for t in step.transfers if t.phase != \"step\")",
+           "micro-batches' bytes counted once per step"),
+    Mutant("M04", TIMING, "            ring += inter + intra if rates.shared_links else max(inter, intra)",
+           "            ring += max(inter, intra)", "links shared by the same cores taken as independent"),
+    Mutant("M05", TIMING, "    return max(0.0, 1.0 - live_parameters / (2 * numel)) if numel else 0.0",
+           "    return max(0.0, 1.0 - live_parameters / numel) if numel else 0.0",
+           "the backward keeps all live parameters, not half"),
+    # zero3/auto.py
+    Mutant("A01", AUTO, "        weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))",
+           "        weights, gradients = min(good, key=lambda o: predicted[o])", "the fastest, not the fewest parts"),
+    Mutant("A02", AUTO, "    dist.all_reduce(values, op=dist.ReduceOp.MAX)", "    dist.all_reduce(values, op=dist.ReduceOp.MIN)",
+           "the fastest rank's numbers decide"),
+    Mutant("A03", AUTO, "                   if (not w or self.candidates[0]) and (not g or self.candidates[1])]",
+           "                   ]", "parts the block does not switch on are considered"),
+    Mutant("A04", AUTO, "        if step + 1 < self.start_step or len(self.step_ends) < 2:",
+           "        if step < self.start_step or len(self.step_ends) < 2:", "the decision one step late"),
 ]
 
 

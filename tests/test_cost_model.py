@@ -159,3 +159,23 @@ def test_comm_to_compute_ratio_does_not_depend_on_the_model_size() -> None:
         step = timing.deepspeed_step(work, layout, Scheme(), rates)
         shares.append(step.exposed_s / step.step_s)
     assert max(shares) - min(shares) < 0.05
+
+
+def test_links_moved_by_the_same_cores_add_their_times() -> None:
+    """gloo on CPU ranks: a ring's inter- and intra-node bytes take the sum of their times; NVLink beside a NIC the
+    longer of the two."""
+    rates = _rates(10)
+    transfer = traffic.Transfer("param_gather", "forward", 1e6, cross=4e6, intra=3e6)
+    layout = Layout(2, 2)
+    inter, intra = 4e6 / 2 / rates.inter_bytes_s, 3e6 / rates.intra_bytes_s
+    assert timing.phase_comm([transfer], layout, 1, rates) == pytest.approx(max(inter, intra))
+    shared = replace(rates, shared_links=True)
+    assert timing.phase_comm([transfer], layout, 1, shared) == pytest.approx(inter + intra)
+
+
+def test_zero3_gathers_again_what_it_released_after_the_forward() -> None:
+    """With DeepSpeed's defaults (a billion live parameters) a small model is gathered once per micro-batch and a
+    large one again in the backward for all but its last half-billion elements."""
+    assert timing.second_pass(100_000_000) == 0.0
+    assert timing.second_pass(4_000_000_000) == pytest.approx(0.875)
+    assert timing.second_pass(4_000_000_000, live_parameters=8_000_000_000) == 0.0
