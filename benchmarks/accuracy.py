@@ -71,6 +71,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and bench
 
 from dist_harness import run_distributed  # noqa: E402
 
+from deepspeed_sdp4bit.provenance import provenance  # noqa: E402
+
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
             "TLq-HS": "ablation_tlq_hs", "SDP4Bit": "ablation_sdp4bit", "ZeRO++-4bit": "ablation_zeropp4",
@@ -298,7 +300,8 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
     trainer.close()
     engine.destroy()
     rows = trainer.rows
-    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "parameters": n_params,
+    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "provenance": provenance(),
+            "parameters": n_params,
             "trainer": asdict(settings), "config": str(Path(targs.deepspeed_config).relative_to(ROOT)),
             "sdp4bit_block": ds_config.get("sdp4bit"),
             "val_curve": [[r["step"] + 1, r["val_loss"]] for r in rows if r["val_loss"] is not None],
@@ -486,7 +489,7 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
     (out / "summary.json").write_text(json.dumps(
-        {"settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
+        {"settings": expected, "provenance": provenance(), "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
          "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
          "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60}, indent=1) + "\n")
     print(text, flush=True)

@@ -35,6 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import HfArgumentParser, default_data_collator
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
+from deepspeed_sdp4bit.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,  # noqa: E402
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     runtime = getattr(engine, "sdp4bit", None)
     result = {"sdp4bit": active, "world_size": accelerator.num_processes, "global_step": step,
               "stats": runtime.stats() if runtime is not None else None, "resumed_at": resumed_at,
-              "train_losses": losses}
+              "train_losses": losses, "provenance": provenance()}
     settle_gloo_before_exit()
     accelerator.end_training()
     if not accelerator.is_main_process:
