@@ -283,7 +283,7 @@ def _error_partitions(grads: torch.Tensor) -> dict[bool, torch.Tensor]:
 
 def _error_worker(path: str) -> dict[bool, torch.Tensor]:
     """A spawned rank: read the gradients from `path` (memory-mapped) and return its partitions."""
-    return _error_partitions(torch.load(path, mmap=True))
+    return _error_partitions(torch.load(path, mmap=True, weights_only=True))
 
 
 def _run_processes(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tensor]]:
