@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and bench
 
 from dist_harness import run_distributed  # noqa: E402
 
-from deepspeed_sdp4bit.provenance import provenance  # noqa: E402
+from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
@@ -300,8 +300,7 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
     trainer.close()
     engine.destroy()
     rows = trainer.rows
-    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "provenance": provenance(),
-            "parameters": n_params,
+    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "parameters": n_params,
             "trainer": asdict(settings), "config": str(Path(targs.deepspeed_config).relative_to(ROOT)),
             "sdp4bit_block": ds_config.get("sdp4bit"),
             "val_curve": [[r["step"] + 1, r["val_loss"]] for r in rows if r["val_loss"] is not None],
@@ -318,7 +317,7 @@ def _worker(args: argparse.Namespace, pending: list[Run], out: Path) -> None:
         result = _train_one(args, run, out)
         gc.collect()
         if dist.get_rank() == 0:
-            (out / run.folder / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_result(out / run.folder / "result.json", result)
             print(f"accuracy: {run.variant} seed {run.seed}: final validation loss {result['final_val_loss']:.4f} "
                   f"({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
 
@@ -488,10 +487,10 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     text = markdown(stats, results, args)
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
-    (out / "summary.json").write_text(json.dumps(
-        {"settings": expected, "provenance": provenance(), "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
-         "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
-         "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60}, indent=1) + "\n")
+    write_result(out / "summary.json", {
+        "settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
+        "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
+        "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60})
     print(text, flush=True)
     print(f"wrote {out / 'table.md'}, {out / 'curves.png'} and {out / 'summary.json'} "
           f"({len(results)} of {len(runs)} runs finished)", flush=True)

@@ -103,12 +103,17 @@ install() {
 export -f install
 export PY
 step install 300 setup.log bash -c install
+# what every log here came from: commit (dirty or not), versions, machine and GPU, this command line
+step provenance 60 setup.log "$PY" -c "import sys; from pathlib import Path; \
+from deepspeed_sdp4bit.provenance import write_result; \
+write_result(Path(sys.argv[1]), {'script': 'benchmarks/gpu_check.sh'})" "$OUT/provenance.json"
 step build 360 build.log bash -c build_ops
 step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
   --durations=10 "${CODEC_TESTS[@]}"
 # kernels.py's rows for every codec op, with ZeRO++'s rows plugged into its provider list.
 step bench_kernels 200 kernels.jsonl "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import kernels, \
-kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); kernels.main(['--device', 'cuda', '--json'])"
+kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); \
+kernels.main(['--device', 'cuda', '--json', '--out', '$OUT/kernels'])"
 step bench_zeropp 200 zeropp.jsonl "$PY" benchmarks/kernels_zeropp.py --json
 IGNORE=()
 for t in "${CODEC_TESTS[@]}"; do IGNORE+=(--ignore="$t"); done
@@ -152,7 +157,7 @@ for log in ("pytest_codec.log", "pytest_other.log"):
 measured = rows("kernels.jsonl") + rows("zeropp.jsonl")
 print(f"\n{'op':<27}{'backend':<10}{'dtype':<6}{'bits':>4} {'parameters':<40}{'ms':>9}{'GB/s':>8}")
 for r in measured:
-    if "target" in r or "provenance" in r:
+    if "target" in r:
         continue
     keys = ("outputs", "group_size", "in_bits", "pieces", "stochastic", "hadamard")
     extra = " ".join(f"{k}={r[k]}" for k in keys if k in r).replace("group_size", "g").replace("stochastic", "sr").replace(

@@ -4,10 +4,10 @@ runtime, each run against the smallest test selection that covers its file; prin
 A mutant is one small, plausible bug (a flipped comparison, a dropped term, a swapped constant), written as the exact
 text it replaces. The checkout is never modified: its committed state is cloned with git into a scratch folder that
 this run creates (a fresh temporary folder, or --work, which must not exist yet) and removes at the end unless
---keep; a folder it did not create is never deleted. Each mutant is applied there, the selection runs with that clone first on PYTHONPATH (spawned ranks inherit it), and the
-file is restored. A mutant is killed when the selection fails or times out, and survives when it passes. A mutant
-that no input can tell apart from the original carries the reason; surviving, it counts as equivalent, and the score
-is killed / (mutants - equivalent).
+--keep; a folder it did not create is never deleted. Each mutant is applied there, the selection runs with that
+clone first on PYTHONPATH (spawned ranks inherit it), and the file is restored. A mutant is killed when the
+selection fails or times out, and survives when it passes. A mutant that no input can tell apart from the original
+carries the reason; surviving, it counts as equivalent, and the score is killed / (mutants - equivalent).
 
     python benchmarks/mutation.py                       # every file (about an hour on 2 cores)
     python benchmarks/mutation.py --files grad_reduce --only G15 --keep  # one mutant; keep the scratch clone
@@ -19,7 +19,6 @@ Output: one line per mutant, a table per file, and with --json the same as a JSO
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepspeed_sdp4bit.provenance import provenance
+from deepspeed_sdp4bit.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -360,7 +359,7 @@ def main() -> None:
     print("survivors:", [(r["id"], r["what"]) for r in results if r["outcome"] == "survived"])
     print("equivalent:", [(r["id"], r["equivalent"]) for r in results if r["outcome"] == "equivalent"])
     if args.json:
-        args.json.write_text(json.dumps({"provenance": provenance(), "mutants": results}, indent=1) + "\n")
+        write_result(args.json, {"mutants": results})
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ says whether its tracked files or untracked, non-ignored files differed from tha
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -22,26 +23,26 @@ import torch
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ("deepspeed", "deepspeed-sdp4bit")
-# the instruction-set extensions that decide which kernels torch, its BLAS and the compiled ops run (docs/determinism.md)
+# instruction-set extensions that decide which kernels torch, its BLAS and the compiled ops run (docs/determinism.md)
 ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
 
 
-def _git(*args: str) -> str | None:
-    """Output of a read-only git command in the package's checkout, None where git or the checkout is missing.
+def _git(checkout: Path, *args: str) -> str | None:
+    """Output of a read-only git command in `checkout`, None where git or the checkout is missing.
 
     safe.directory lets a runner started with sudo read a checkout owned by the invoking user."""
     try:
-        done = subprocess.run(["git", "-c", f"safe.directory={CHECKOUT}", "-C", str(CHECKOUT), *args],
+        done = subprocess.run(["git", "-c", f"safe.directory={checkout}", "-C", str(checkout), *args],
                               capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def source() -> dict[str, Any]:
-    """The commit of the package's checkout and whether the tree differs from it (both None outside a checkout)."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain") if commit else None
+def source(checkout: Path = CHECKOUT) -> dict[str, Any]:
+    """The commit of a checkout (the package's) and whether its tree differs from it (both None outside one)."""
+    commit = _git(checkout, "rev-parse", "HEAD")
+    status = _git(checkout, "status", "--porcelain") if commit else None
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
@@ -100,3 +101,16 @@ def provenance() -> dict[str, Any]:
     """Commit, dirty flag, versions, machine, command line and the UTC time, for a result file's "provenance"."""
     return {**source(), "versions": versions(), "machine": machine(), "command": command(), "cwd": os.getcwd(),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def with_provenance(payload: dict[str, Any]) -> dict[str, Any]:
+    """`payload` with its "provenance" added (what every result file holds)."""
+    return {**payload, "provenance": provenance()}
+
+
+def write_result(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write `payload` with its provenance to `path` as indented JSON (folders created); returns what was written."""
+    result = with_provenance(payload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result

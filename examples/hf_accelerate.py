@@ -35,7 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import HfArgumentParser, default_data_collator
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
-from deepspeed_sdp4bit.provenance import provenance
+from deepspeed_sdp4bit.provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,  # noqa: E402
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     runtime = getattr(engine, "sdp4bit", None)
     result = {"sdp4bit": active, "world_size": accelerator.num_processes, "global_step": step,
               "stats": runtime.stats() if runtime is not None else None, "resumed_at": resumed_at,
-              "train_losses": losses, "provenance": provenance()}
+              "train_losses": losses}
     settle_gloo_before_exit()
     accelerator.end_training()
     if not accelerator.is_main_process:
         return None
-    (out / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    result = write_result(out / SUMMARY_FILE, result)
     print("SUMMARY " + json.dumps(result), flush=True)
     return result
 

@@ -36,7 +36,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser,
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
-from deepspeed_sdp4bit.provenance import provenance
+from deepspeed_sdp4bit.provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_models import CARDS, gpt2_config  # noqa: E402  (this folder is put on the path above)
@@ -208,12 +208,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainer.save_model()
     trainer.save_state()
     result = {**summary(trainer, callback, active), "eval_loss": metrics.get("eval_loss"),
-              "eval_perplexity": math.exp(metrics["eval_loss"]) if "eval_loss" in metrics else None,
-              "provenance": provenance()}
+              "eval_perplexity": math.exp(metrics["eval_loss"]) if "eval_loss" in metrics else None}
     settle_gloo_before_exit()
     if not trainer.is_world_process_zero():
         return None
-    (Path(training.output_dir) / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    result = write_result(Path(training.output_dir) / SUMMARY_FILE, result)
     print("SUMMARY " + json.dumps(result), flush=True)
     return result
 

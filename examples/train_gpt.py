@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
-from deepspeed_sdp4bit.provenance import provenance
+from deepspeed_sdp4bit.provenance import write_result
 from comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
 from gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from token_dataset import SampleOrder, Split, TokenFile
@@ -545,8 +545,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     trainer.close()
     dist.destroy_process_group()
     if rank == 0:
-        summary["provenance"] = provenance()
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = write_result(out / "summary.json", summary)
         print("SUMMARY " + json.dumps(summary), flush=True)
         return summary
     return None
