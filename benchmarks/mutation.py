@@ -323,11 +323,11 @@ def main() -> None:
         parser.error(f"--work {args.work}: it exists, and this run removes the folder it clones into; name a folder "
                      "that does not exist yet (it is created here) or leave --work out for a fresh temporary one")
     args.work = scratch(args.work)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
     env = {**os.environ, "PYTHONPATH": str(args.work), "SDP4BIT_HYPOTHESIS_PROFILE": "ci",
            "TORCH_EXTENSIONS_DIR": str(args.work / ".torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
     results = []
     try:
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
         for target in targets:
             status, baseline, tail = run_tests(args.work, target.tests, 3600, env)
             print(f"{target.name}: unmutated selection {status} in {baseline:.0f} s", flush=True)
