@@ -93,8 +93,8 @@ class Invoker:
         return self.uid == os.geteuid()
 
     def env(self) -> dict[str, str]:
-        """The user's HOME, USER and LOGNAME, which sudo set to root's."""
-        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+        """The user's HOME, USER and LOGNAME, which sudo set to root's (nothing to change for the runner's own)."""
+        return {} if self.is_self() else {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """`argv` as this user: setpriv switches the real and effective ids and groups, then execs it."""
@@ -133,21 +133,21 @@ class Invoker:
 def invoker() -> Invoker:
     """The user who ran sudo when this process is root with SUDO_UID set, else this process's user.
 
-    TwoNodesError naming the variable when SUDO_UID or SUDO_GID is not a number or the uid has no account."""
-    uid, gid = os.geteuid(), os.getegid()
-    if uid == 0 and "SUDO_UID" in os.environ:
-        try:
-            uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", ""))
-        except ValueError:
-            raise TwoNodesError(f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID="
-                                f"{os.environ.get('SUDO_GID')!r} must both be numeric ids (sudo sets them)") from None
+    TwoNodesError naming the variable when SUDO_UID or SUDO_GID is not a number or SUDO_UID has no account."""
+    if os.geteuid() != 0 or "SUDO_UID" not in os.environ:
+        return Invoker(os.geteuid(), os.getegid(), tuple(os.getgroups()), os.environ.get("USER", ""),
+                       os.environ.get("HOME", ""))
+    try:
+        uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", ""))
+    except ValueError:
+        raise TwoNodesError(f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID={os.environ.get('SUDO_GID')!r} "
+                            "must both be numeric ids (sudo sets them)") from None
     try:
         account = pwd.getpwuid(uid)
     except KeyError:
-        raise TwoNodesError(f"uid {uid} (SUDO_UID) has no account on this machine: no name, home or groups to run "
-                            f"the jobs with") from None
-    groups = tuple(os.getgrouplist(account.pw_name, gid)) if uid != os.geteuid() else tuple(os.getgroups())
-    return Invoker(uid, gid, groups, account.pw_name, account.pw_dir)
+        raise TwoNodesError(f"SUDO_UID={uid} has no account on this machine: no name, home or groups to run the jobs "
+                            "with") from None
+    return Invoker(uid, gid, tuple(os.getgrouplist(account.pw_name, gid)), account.pw_name, account.pw_dir)
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:

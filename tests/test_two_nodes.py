@@ -224,3 +224,16 @@ def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) ->
         assert [str(p) for p in made if (p.stat().st_uid, p.stat().st_gid) != (user.pw_uid, user.pw_gid)] == []
     finally:
         shutil.rmtree(checkout)
+
+
+def test_sudo_ids_that_name_no_user_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUDO_UID", "abc")
+    monkeypatch.setenv("SUDO_GID", "0")
+    with pytest.raises(two_nodes.TwoNodesError, match=r"SUDO_UID='abc' and SUDO_GID='0' must both be numeric ids"):
+        two_nodes.invoker()
+    unused = next(uid for uid in range(54321, 60000) if uid not in {p.pw_uid for p in pwd.getpwall()})
+    monkeypatch.setenv("SUDO_UID", str(unused))
+    with pytest.raises(two_nodes.TwoNodesError, match=f"SUDO_UID={unused} has no account"):
+        two_nodes.invoker()
+    monkeypatch.delenv("SUDO_UID")
+    assert two_nodes.invoker().is_self() and two_nodes.invoker().command(["true"]) == ["true"]
