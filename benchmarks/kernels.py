@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout when imported; stdout carries the rows
     from deepspeed_sdp4bit.codec import reference  # noqa: E402

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import zero3_harness as H  # noqa: E402
+import zero3_harness as H  # beside this script, which is on the path of a script run by the launcher
 
 
 class OwnGroup:
