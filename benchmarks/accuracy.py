@@ -30,7 +30,9 @@ A seed sets the model initialisation, the data order and the stochastic-rounding
 process) and train that seed's pending runs one after another (each a fresh DeepSpeed engine, destroyed
 afterwards). Each finished run writes OUT/<variant>/seed<k>/result.json (and the trainer's log.csv); a new
 invocation skips finished runs, so an interrupted ablation resumes where it stopped (the unfinished run starts
-over). A result made with other settings (model, steps, data, trainer flags) is refused rather than mixed in.
+over). A result made with other settings (model, steps, data, trainer flags, and for the probed run its
+--grad_error_steps) is refused rather than mixed in. Every result.json and summary.json records its provenance
+(commit, versions, machine, command).
 
 In the first seed's TLq-HS run, at the steps of --grad_error_steps, every gradient bucket ZeRO-3 hands to the
 reduce-scatter (the real buckets of this model, in DeepSpeed's communication dtype) is also reduced exactly (an
@@ -70,6 +72,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and benchmarks share
 
 from dist_harness import run_distributed  # noqa: E402
+
+from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
@@ -158,8 +162,14 @@ def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
             "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
 
 
-def load_result(out: Path, run: Run, expected: dict[str, Any]) -> dict[str, Any] | None:
-    """A finished run's result, None if unfinished; an error if it was made with other settings."""
+def probed(run: Run) -> bool:
+    """Whether this run carries the real-bucket probe (its --grad_error_steps are part of its result)."""
+    return run.variant == PROBE_VARIANT and run.seed == 0
+
+
+def load_result(out: Path, run: Run, expected: dict[str, Any], probe_steps: Sequence[int]) -> dict[str, Any] | None:
+    """A finished run's result, None if unfinished; an error if it was made with other settings (for the probed
+    run, also other --grad_error_steps: training is the same, the measured errors are not)."""
     path = out / run.folder / "result.json"
     if not path.exists():
         return None
@@ -167,6 +177,11 @@ def load_result(out: Path, run: Run, expected: dict[str, Any]) -> dict[str, Any]
     if result["settings"] != expected:
         raise SystemExit(f"{path} was made with other settings ({result['settings']}) than this invocation "
                          f"({expected}); use another --out or remove that folder")
+    measured = sorted(int(step) for step in result.get("grad_error") or {})
+    if probed(run) and measured != sorted(probe_steps):
+        raise SystemExit(f"{path} measured the gradient errors at steps {measured}, this invocation's "
+                         f"--grad_error_steps are {sorted(probe_steps)}; pass those steps, use another --out or "
+                         "remove that folder")
     return result
 
 
@@ -284,7 +299,7 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
     began = time.perf_counter()
     engine, n_params = train_gpt.build_engine(targs, settings, ds_config, vocab, data.eod_id)
     probe = None
-    if run.variant == PROBE_VARIANT and run.seed == 0 and args.grad_error_steps:
+    if probed(run) and args.grad_error_steps:
         probe = engine.sdp4bit.reducer = BucketErrorProbe(engine, args.grad_error_steps)
     if rank == 0:
         (out / run.folder).mkdir(parents=True, exist_ok=True)
@@ -315,7 +330,7 @@ def _worker(args: argparse.Namespace, pending: list[Run], out: Path) -> None:
         result = _train_one(args, run, out)
         gc.collect()
         if dist.get_rank() == 0:
-            (out / run.folder / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_result(out / run.folder / "result.json", result)
             print(f"accuracy: {run.variant} seed {run.seed}: final validation loss {result['final_val_loss']:.4f} "
                   f"({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
 
@@ -477,7 +492,7 @@ def plot(results: dict[Run, dict[str, Any]], variants: list[str], path: Path) ->
 def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     """Write table.md, curves.png and summary.json from the finished runs, and print the table."""
     expected = fingerprint(args)
-    results = {run: r for run in runs if (r := load_result(out, run, expected)) is not None}
+    results = {run: r for run in runs if (r := load_result(out, run, expected, args.grad_error_steps)) is not None}
     if not results:
         raise SystemExit(f"no finished runs in {out}")
     variants = [v for v in args.variants if any(run.variant == v for run in results)]
@@ -485,10 +500,10 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     text = markdown(stats, results, args)
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
-    (out / "summary.json").write_text(json.dumps(
-        {"settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
-         "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
-         "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60}, indent=1) + "\n")
+    write_result(out / "summary.json", {
+        "settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
+        "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
+        "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60})
     print(text, flush=True)
     print(f"wrote {out / 'table.md'}, {out / 'curves.png'} and {out / 'summary.json'} "
           f"({len(results)} of {len(runs)} runs finished)", flush=True)
@@ -512,7 +527,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = [Run(variant, seed) for seed in range(args.seeds) for variant in args.variants]
     expected = fingerprint(args)
-    pending = [run for run in runs if load_result(out, run, expected) is None]
+    pending = [run for run in runs if load_result(out, run, expected, args.grad_error_steps) is None]
     if not args.report and pending:
         began = time.perf_counter()
         print(f"accuracy: {len(pending)} of {len(runs)} runs to train on {WORLD} CPU ranks as "

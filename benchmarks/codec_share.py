@@ -7,7 +7,8 @@ Launches `deepspeed --num_accelerators 4` on this machine with this file as the 
 codec functions (deepspeed_sdp4bit.codec.quantize, swizzle_quantize, ...) with a timer, runs examples/train_gpt.py's
 main() in-process, and prints its totals. The 4 ranks act as 2 nodes of 2 (ranks_per_node 2), so both gradient
 levels and the weight refresh run. The parent prints, per codec function, the seconds per training step averaged
-over ranks, and the codec's share of the median step time.
+over ranks, and the codec's share of the median step time; OUT/result.json (--out, default runs/codec_share, also
+the training run's folder) holds the same numbers with their provenance (commit, versions, machine, command).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from deepspeed_sdp4bit.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCTIONS = ("quantize", "dequantize", "hadamard32", "diff_quantize", "dequantize_add_", "swizzle_quantize",
@@ -91,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         worker(extra)
         return 0
-    result = launch(DEFAULT_TRAIN + extra, args.out)
+    result = write_result(args.out / "result.json", launch(DEFAULT_TRAIN + extra, args.out))
     total = sum(result["codec_s_per_step"].values())
     print(json.dumps(result))
     print(f"{'codec function':<28} {'ms/step':>8} {'calls/step':>10}")

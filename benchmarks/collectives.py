@@ -13,6 +13,9 @@
                                              processes (about 16 GB of memory: too much beside other work
                                              on a 24 GB machine).
 
+Either mode also writes its rows with their provenance (commit, versions, machine, command) to OUT/json.json or
+OUT/error.json (--out, default runs/collectives).
+
 Rows are functions `row(ctx) -> dict` run inside every spawned rank (append to ROWS to add one); the driver prints
 rank 0's dict with `ms` replaced by the slowest rank's median. Bytes are per rank and per call, counted as
 DeepSpeed's comms logger counts them (input tensor bytes of each collective).
@@ -39,6 +42,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests use: real
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
 from dist_harness import run_distributed  # noqa: E402
+
+from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 JSON_WORLD, JSON_RANKS_PER_NODE = 4, 2
 ERROR_NODES, ERROR_RANKS_PER_NODE, ERROR_NUMEL = 4, 8, 1 << 20
@@ -232,8 +237,8 @@ def _json_worker(dtype_names: list[str], numel: int, warmup: int, iters: int) ->
     return out
 
 
-def run_json(numel: int, warmup: int, iters: int) -> None:
-    """Print one JSON line per row and dtype, then check the inter-node ratios against their targets."""
+def run_json(numel: int, warmup: int, iters: int) -> list[dict]:
+    """Print one JSON line per row and dtype, then check the inter-node ratios against their targets; the rows."""
     rows = run_distributed(JSON_WORLD, _json_worker, list(INTER_TARGETS), numel, warmup, iters,
                            env={"DS_ACCELERATOR": "cpu"})[0]
     failed = []
@@ -251,6 +256,7 @@ def run_json(numel: int, warmup: int, iters: int) -> None:
           f"wire/logical targets: TLq inter-node {INTER_TARGETS}, qWD refresh {REFRESH_TARGETS}: "
           + ("FAILED " + "; ".join(failed) if failed else "met"),
           file=sys.stderr)
+    return rows
 
 
 def heavy_tailed_gradients(world: int, numel: int) -> torch.Tensor:
@@ -283,7 +289,7 @@ def _error_partitions(grads: torch.Tensor) -> dict[bool, torch.Tensor]:
 
 def _error_worker(path: str) -> dict[bool, torch.Tensor]:
     """A spawned rank: read the gradients from `path` (memory-mapped) and return its partitions."""
-    return _error_partitions(torch.load(path, mmap=True))
+    return _error_partitions(torch.load(path, mmap=True, weights_only=True))
 
 
 def _run_processes(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tensor]]:
@@ -338,8 +344,8 @@ def _run_threads(world: int, grads: torch.Tensor) -> list[dict[bool, torch.Tenso
     return results
 
 
-def run_error(processes: bool) -> None:
-    """Relative L2 error of TLq and TLq-HS against the exact mean, as grad_error.py defines it."""
+def run_error(processes: bool) -> list[dict]:
+    """Relative L2 error of TLq and TLq-HS against the exact mean, as grad_error.py defines it; one row per scheme."""
     world = ERROR_NODES * ERROR_RANKS_PER_NODE
     grads = heavy_tailed_gradients(world, ERROR_NUMEL)
     ref = sum(grads[r] for r in range(world)) / world
@@ -350,10 +356,13 @@ def run_error(processes: bool) -> None:
     print(f"TLq through TLqReducer, {world} ranks ({ERROR_NODES} nodes x {ERROR_RANKS_PER_NODE}) as {how}; "
           f"{ERROR_NUMEL} values per rank, 8/4 bits, groups 128/128, stochastic rounding "
           f"({time.perf_counter() - start:.0f} s)")
+    rows = []
     for hadamard, label, target in ((False, "tlq (8/4 SR, g=128)", 0.18), (True, "tlq_hs (8/4 SR, g=128, H32)", 0.11)):
         out = torch.cat([p[hadamard] for p in parts])
         rel = float((out - ref).norm() / ref.norm())
         print(f"{label:34s} rel_err={rel:.4f}  target <= {target}  {'met' if rel <= target else 'NOT MET'}")
+        rows.append({"scheme": label, "rel_err": rel, "target": target, "processes": processes})
+    return rows
 
 
 def main() -> None:
@@ -367,11 +376,13 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 21, help="elements in the benchmark bucket (--json)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "collectives",
+                        help="folder of json.json or error.json: the settings and rows with their provenance")
     args = parser.parse_args()
-    if args.json:
-        run_json(args.numel, args.warmup, args.iters)
-    else:
-        run_error(args.processes)
+    rows = run_json(args.numel, args.warmup, args.iters) if args.json else run_error(args.processes)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_result(args.out / f"{'json' if args.json else 'error'}.json",
+                 {"benchmark": "collectives", "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -13,13 +13,21 @@
 #   GPU_CHECK_WHEELS    optional folder of wheels to install from without network (pip --no-index --find-links)
 #   TORCH_CUDA_ARCH_LIST, MAX_JOBS   architectures and parallel compiles of the op builds (default: the visible
 #                       GPUs' architectures, all cores)
+#   TORCH_EXTENSIONS_DIR  where the ops are built and loaded from (default: .torch_extensions in this checkout); it
+#                       must belong to you and be writable by no one else, since the tests import the .so files in it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/runs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/sdp4bit_torch_extensions}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
+(umask 077 && mkdir -p "$TORCH_EXTENSIONS_DIR")
+if [[ ! -O "$TORCH_EXTENSIONS_DIR" ]] || [[ -n "$(find "$TORCH_EXTENSIONS_DIR" -maxdepth 0 -perm /022)" ]]; then
+  echo "gpu_check: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR must be a folder you own that no one else can write" \
+       "to (the ops' .so files are imported from it); use another folder or chmod go-w it" >&2
+  exit 2
+fi
 PY=${PYTHON:-python3}
 BEGIN=$(date +%s)
 DEADLINE=$((BEGIN + ${GPU_CHECK_BUDGET_S:-1800}))
@@ -45,8 +53,9 @@ step() {
   echo "$name: exit $rc after $(($(date +%s) - start)) s"
 }
 
-BUILD_OPS=$(mktemp --suffix=.py)
-cat > "$BUILD_OPS" <<'EOF'
+# build_ops: the two op builds in parallel, one line per build; the script is read from stdin (no temporary file).
+build_ops() {
+  "$PY" - <<'EOF'
 import concurrent.futures, subprocess, sys, time
 
 CODE = {
@@ -67,6 +76,8 @@ for name, rc, seconds, _ in results:
     print(f"BUILD {name}: exit {rc}, {seconds:.1f} s")
 sys.exit(max(rc for _, rc, _, _ in results))
 EOF
+}
+export -f build_ops
 
 PYTEST_TIMEOUT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=180)
@@ -92,12 +103,17 @@ install() {
 export -f install
 export PY
 step install 300 setup.log bash -c install
-step build 360 build.log "$PY" "$BUILD_OPS"
+# what every log here came from: commit (dirty or not), versions, machine and GPU, this command line
+step provenance 60 setup.log "$PY" -c "import sys; from pathlib import Path; \
+from deepspeed_sdp4bit.provenance import write_result; \
+write_result(Path(sys.argv[1]), {'script': 'benchmarks/gpu_check.sh'})" "$OUT/provenance.json"
+step build 360 build.log bash -c build_ops
 step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
   --durations=10 "${CODEC_TESTS[@]}"
 # kernels.py's rows for every codec op, with ZeRO++'s rows plugged into its provider list.
 step bench_kernels 200 kernels.jsonl "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import kernels, \
-kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); kernels.main(['--device', 'cuda', '--json'])"
+kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); \
+kernels.main(['--device', 'cuda', '--json', '--out', '$OUT/kernels'])"
 step bench_zeropp 200 zeropp.jsonl "$PY" benchmarks/kernels_zeropp.py --json
 IGNORE=()
 for t in "${CODEC_TESTS[@]}"; do IGNORE+=(--ignore="$t"); done

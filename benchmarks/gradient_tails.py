@@ -20,7 +20,9 @@ the ablation's 4 ranks holds) is measured:
                     direction, that direction's peak factor, and its share of the whole gradient's energy.
 
 This is an emulation of one quantization level on one micro-batch, not TLq on the real buckets (benchmarks/accuracy.py
-measures that): it shows what the gradients look like where smoothing raises the error and where it lowers it.
+measures that): it shows what the gradients look like where smoothing raises the error and where it lowers it. The
+table's rows go, with the settings and their provenance (commit, versions, machine, command), to OUT/result.json
+(--out, default runs/gradient_tails).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from accuracy import peak_sums  # noqa: E402  (the real-bucket probe's measure of the same thing)
 from deepspeed_sdp4bit.codec import reference  # noqa: E402
+from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 from gpt_models import CARDS, build_model, gpt2_config  # noqa: E402
 from token_dataset import SampleOrder  # noqa: E402
 from train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,  # noqa: E402
@@ -59,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule_steps", type=int, default=600, help="length of the warm-up + cosine schedule")
     p.add_argument("--data", default="data/pydoc/tokens", help="token file prefix from examples/prepare_data.py")
     p.add_argument("--seed", type=int, default=0, help="model initialisation, data order and rounding draws")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gradient_tails",
+                   help="folder of result.json: the settings and the table's rows with their provenance")
     args = p.parse_args()
     if args.global_batch < RANKS or args.global_batch % RANKS:
         p.error(f"--global_batch {args.global_batch}: must be a positive multiple of {RANKS}")
@@ -136,16 +141,20 @@ def main() -> None:
           f"one micro-batch of {args.global_batch // RANKS}\n\n| step | peak factor | 4-bit error | with HS | "
           "HS / plain | embedding's share | top direction's share | its peak factor |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows = []
     for step in range(max(args.at) + 1):
         batch = stack(data, data.train, [order(step * args.global_batch + j) for j in range(args.global_batch)],
                       torch.device("cpu"))
         if step in args.at:
-            print(measure(model, batch[:args.global_batch // RANKS], step, args.seed), flush=True)
+            rows.append(measure(model, batch[:args.global_batch // RANKS], step, args.seed))
+            print(rows[-1], flush=True)
         model.zero_grad()
         sequence_loss(model, batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.clip_grad)
         optimizer.step()
         schedule.step()
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
+    write_result(args.out / "result.json", {"benchmark": "gradient_tails", "settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Codec kernel benchmark: each codec op on one device, the compiled op beside the plain-torch reference and a copy.
 
     python benchmarks/kernels.py --json          # one JSON object per line; 2^26 fp32 elements on the CPU
+    python benchmarks/kernels.py --json --out benchmarks/results/kernels   # the published rows (RESULTS.md)
     python benchmarks/kernels.py                 # the same rows as a table
     python benchmarks/kernels.py --device cuda --ops quantize,dequantize_add --repeat 50
 
@@ -34,12 +35,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout when imported; stdout carries the rows
     from deepspeed_sdp4bit.codec import reference  # noqa: E402
     from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
     from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
+    from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 Row = dict[str, Any]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -316,7 +318,7 @@ def _names(text: str, allowed: list[str], flag: str) -> tuple[str, ...]:
     return names
 
 
-def parse(argv: list[str] | None = None) -> tuple[Bench, bool]:
+def parse(argv: list[str] | None = None) -> tuple[Bench, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="input dtype (default fp32)")
@@ -328,6 +330,8 @@ def parse(argv: list[str] | None = None) -> tuple[Bench, bool]:
                         help="ops that also get a reference row (default: the two with H200 speed targets), 'all', "
                              "'none'")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "kernels",
+                        help="folder of result.json: the settings and rows with their provenance")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
@@ -336,15 +340,17 @@ def parse(argv: list[str] | None = None) -> tuple[Bench, bool]:
         parser.error("--numel must be >= 8192, --repeat and --ref-repeat >= 1")
     bench = Bench(device, DTYPES[args.dtype], args.numel, args.repeat, args.ref_repeat,
                   _names(args.ops, list(CASES), "--ops"), _names(args.ref_ops, list(CASES), "--ref-ops"))
-    return bench, args.json
+    return bench, args
 
 
 def main(argv: list[str] | None = None) -> None:
-    bench, as_json = parse(argv)
+    bench, args = parse(argv)
     with contextlib.redirect_stdout(sys.stderr):  # op builds and DeepSpeed print to stdout
         rows = [row for provider in ROW_PROVIDERS for row in provider(bench)]
     add_ratios(rows)
-    print("\n".join(json.dumps(r) for r in rows) if as_json else table(rows), flush=True)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "out")}
+    write_result(args.out / "result.json", {"benchmark": "kernels", "settings": settings, "rows": rows})
+    print("\n".join(json.dumps(r) for r in rows) if args.json else table(rows), flush=True)
 
 
 if __name__ == "__main__":

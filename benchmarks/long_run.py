@@ -10,7 +10,8 @@ its resident set size (RSS) every 100 steps, and SDP4Bit's bytes of every step b
 (`engine.sdp4bit.last_step_bytes`). The driver prints one JSON line: the mismatches summed over ranks, the RSS at
 step 100 and at the last step per rank with the largest growth between them, the number of distinct per-step byte
 patterns per rank after step 0 (1 when every step passes the same bytes; step 0 differs where ZeRO-3 records its
-fetch trace, shown apart) with rank 0's bytes per step, and the loss at the start and the end.
+fetch trace, shown apart) with rank 0's bytes per step, and the loss at the start and the end; OUT/result.json (--out,
+default runs/long_run) holds the same with its provenance (commit, versions, machine, command).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
 import zero3_harness as H  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
+
+from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
 PAPER = {"quantized_weights": True, "weight_quantization_bits": 4, "wq_group_size": 2048,
@@ -106,10 +109,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--verify_interval", type=int, default=10)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "long_run",
+                        help="folder of result.json: the output line with its provenance")
     args = parser.parse_args()
     began = time.perf_counter()
     results = run_distributed(WORLD, _run, args.steps, args.verify_interval, args.dtype, timeout=48 * 3600.0)
-    print(json.dumps(_summary(results, args, time.perf_counter() - began)), flush=True)
+    summary = _summary(results, args, time.perf_counter() - began)
+    write_result(args.out / "result.json", summary)
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

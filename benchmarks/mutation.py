@@ -2,29 +2,33 @@
 runtime, each run against the smallest test selection that covers its file; prints a score per file.
 
 A mutant is one small, plausible bug (a flipped comparison, a dropped term, a swapped constant), written as the exact
-text it replaces. The checkout is never modified: its committed state is cloned with git into a scratch folder, each
-mutant is applied there, the selection runs with that clone first on PYTHONPATH (spawned ranks inherit it), and the
-file is restored. A mutant is killed when the selection fails or times out, and survives when it passes. A mutant
-that no input can tell apart from the original carries the reason; surviving, it counts as equivalent, and the score
-is killed / (mutants - equivalent).
+text it replaces. The checkout is never modified: its committed state is cloned with git into a scratch folder that
+this run creates (a fresh temporary folder, or --work, which must not exist yet) and removes at the end unless
+--keep; a folder it did not create is never deleted. Each mutant is applied there, the selection runs with that
+clone first on PYTHONPATH (spawned ranks inherit it), and the file is restored. A mutant is killed when the
+selection fails or times out, and survives when it passes. A mutant that no input can tell apart from the original
+carries the reason; surviving, it counts as equivalent, and the score is killed / (mutants - equivalent).
 
     python benchmarks/mutation.py                       # every file (about an hour on 2 cores)
     python benchmarks/mutation.py --files grad_reduce --only G15 --keep  # one mutant; keep the scratch clone
 
-Output: one line per mutant, a table per file, and with --json the same as a JSON file.
+Output: one line per mutant, a table per file, and with --json the same as a JSON file with its provenance
+(commit, versions, machine, command).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from deepspeed_sdp4bit.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -338,22 +342,37 @@ def run_tests(clone: Path, tests: tuple[str, ...], timeout: float, env: dict[str
     return ("pass" if done.returncode == 0 else "fail"), time.monotonic() - start, tail
 
 
+def scratch(work: Path | None) -> Path:
+    """The empty folder this run clones into, created here: `work` (whose parent must exist), or a temporary one."""
+    if work is None:
+        return Path(tempfile.mkdtemp(prefix="sdp4bit-mutation-"))
+    work.mkdir()
+    return work
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", default=",".join(TARGETS), help="comma-separated targets: " + ", ".join(TARGETS))
     parser.add_argument("--only", nargs="*", default=None, help="mutant ids to run (default: all of the files)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/sdp4bit-mutation"), help="scratch folder")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="scratch folder to create for the clone; must not exist yet (default: a fresh "
+                             "temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch clone afterwards")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    unknown = [name for name in args.files.split(",") if name not in TARGETS]
+    if unknown:
+        parser.error(f"--files {','.join(unknown)}: not a target; choose from {', '.join(TARGETS)}")
     targets = [TARGETS[name] for name in args.files.split(",")]
-    if args.work.exists():
-        shutil.rmtree(args.work)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
+    if args.work is not None and (args.work.exists() or args.work.is_symlink()):
+        parser.error(f"--work {args.work}: it exists, and this run removes the folder it clones into; name a folder "
+                     "that does not exist yet (it is created here) or leave --work out for a fresh temporary one")
+    args.work = scratch(args.work)
     env = {**os.environ, "PYTHONPATH": str(args.work), "SDP4BIT_HYPOTHESIS_PROFILE": "ci",
            "TORCH_EXTENSIONS_DIR": str(args.work / ".torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
     results = []
     try:
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
         for target in targets:
             status, baseline, tail = run_tests(args.work, target.tests, 3600, env)
             print(f"{target.name}: unmutated selection {status} in {baseline:.0f} s", flush=True)
@@ -370,7 +389,9 @@ def main() -> None:
                                 "seconds": round(seconds, 1)})
                 print(f"{mutant.id} {outcome:8} {status:7} {seconds:6.0f} s  {mutant.what}", flush=True)
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"mutation: the scratch clone is kept in {args.work}", flush=True)
+        else:
             shutil.rmtree(args.work, ignore_errors=True)
     print("\n| file | mutants | killed | survived | equivalent | score |\n|---|---|---|---|---|---|")
     for target in targets:
@@ -383,7 +404,7 @@ def main() -> None:
     print("survivors:", [(r["id"], r["what"]) for r in results if r["outcome"] == "survived"])
     print("equivalent:", [(r["id"], r["equivalent"]) for r in results if r["outcome"] == "equivalent"])
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_result(args.json, {"mutants": results})
 
 
 if __name__ == "__main__":

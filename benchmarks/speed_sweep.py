@@ -7,13 +7,18 @@ time, tokens/s, and the bytes that left each node through the link per step (int
 removed: `link_payload`), beside what the accounting says crossed (SDP4Bit's cross-node bytes per kind plus
 DeepSpeed's own collectives from benchmarks/cost_model.py).
 
-    python benchmarks/speed_sweep.py                       # the whole sweep (hours on 2 cores; resumable)
-    python benchmarks/speed_sweep.py --rates 50 --variants zero3 sdp4bit_node --dtypes fp32 --repeats 1
+    sudo .venv/bin/python benchmarks/speed_sweep.py        # the whole sweep (hours on 2 cores; resumable)
+    sudo .venv/bin/python benchmarks/speed_sweep.py --rates 50 --variants zero3 sdp4bit_node --dtypes fp32 --repeats 1
     python benchmarks/speed_sweep.py --report              # table and plot from what is already measured
 
-Results accumulate as JSON lines in OUT/runs.jsonl (a point already there is not run again); OUT/table.md and
-OUT/step_time.png summarise them: per (dtype, variant, rate) the median over repeats of the runs' median step
-times, its spread (min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step.
+Needs root for the two nodes (benchmarks/two_nodes.py); started with sudo, the training runs as the user who ran
+sudo, this script writes its files as that user and drops root for good once the nodes are removed. Results
+accumulate as JSON lines in OUT/runs.jsonl, each with its provenance (commit, versions, machine, command): a point
+already measured with the same --steps is not run again. After the planned repeats, every point whose runs' step
+times differ by more than --rerun_spread gets one more run. OUT/table.md and OUT/step_time.png summarise the runs
+of this --steps: per (dtype, variant, rate) the median over repeats of the runs' median step times, its spread
+(min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step. The defaults are the settings
+of the published sweep (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cost_model
+from two_nodes import LINK, TCP_OVERHEAD, Invoker, Link, TwoNodes, TwoNodesError, check_topology, invoker, run_job, \
+    signals_raise
 
-import cost_model  # noqa: E402  (benchmarks/ is put on the path above)
-from two_nodes import LINK, TCP_OVERHEAD, Link, TwoNodes, TwoNodesError, check_topology, run_job, \
-    signals_raise  # noqa: E402
+from deepspeed_sdp4bit.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = str(ROOT / "configs/cpu/tiny_baseline.json")
@@ -71,7 +76,8 @@ def parse_rate(rate: str) -> float | None:
 
 
 def point_key(record: dict) -> tuple:
-    return record["variant"], record["dtype"], record["rate"], record["repeat"]
+    """What identifies a run: its point (variant, dtype, rate), its repeat and every setting that changes it."""
+    return record["variant"], record["dtype"], record["rate"], record["repeat"], record["steps"]
 
 
 def load_runs(path: Path) -> list[dict]:
@@ -98,7 +104,8 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     load_before = os.getloadavg()[0]
     job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
     record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "exit_codes": job["exit_codes"],
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "provenance": provenance(),
+              "exit_codes": job["exit_codes"],
               "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"],
               "load_before": load_before, "load_after": os.getloadavg()[0]}
     summary_path = run_dir / "summary.json"
@@ -134,30 +141,51 @@ def _steady_step_times(csv_path: Path, steady_from: int) -> list[float]:
     return [float(row.split(",")[seconds]) for row in lines[1:] if int(row.split(",")[step]) >= steady_from]
 
 
-def plan(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:
+def plan(args: argparse.Namespace, repeats: int | None = None) -> Iterator[tuple[int, str, str, Variant]]:
     """Points in run order: repeats outermost, then rate, dtype and variant, so drifts spread over all variants."""
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats if repeats is None else repeats):
         for rate in args.rates:
             for dtype in args.dtypes:
                 for name in args.variants:
                     yield repeat, rate, dtype, VARIANTS[name]
 
 
-def sweep(args: argparse.Namespace) -> None:
-    """Run every planned point not yet in runs.jsonl."""
-    runs_path = args.out / "runs.jsonl"
-    done = {point_key(r) for r in load_runs(runs_path) if "error" not in r}
-    todo = [p for p in plan(args) if (p[3].name, p[2], p[1], p[0]) not in done]
-    print(f"speed_sweep: {len(todo)} runs to do ({len(done)} already measured) -> {runs_path}", flush=True)
-    with signals_raise(), TwoNodes(ranks_per_node=2) as nodes:
-        for index, (repeat, rate, dtype, variant) in enumerate(todo):
-            record = measure(nodes, variant, dtype, rate, repeat, args.steps, args.out)
-            with runs_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            status = record.get("error") or (f"step {record['step_s']:.3f} s, step0 {record['step0_s']:.2f} s, "
-                                             f"link {record['link_payload'] / 1e6:.3f} MB/step "
-                                             f"(accounted {record['accounted_vs_link']:+.1%})")
-            print(f"[{index + 1}/{len(todo)}] {variant.name} {dtype} {rate}: {status}", flush=True)
+def pending(args: argparse.Namespace, points: Iterator[tuple[int, str, str, Variant]]) -> list[tuple]:
+    """The points not yet measured with this --steps (failed runs are run again)."""
+    done = {point_key(r) for r in load_runs(args.out / "runs.jsonl") if "error" not in r}
+    return [p for p in points if (p[3].name, p[2], p[1], p[0], args.steps) not in done]
+
+
+def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:
+    """One more repeat of every planned point whose runs' step times differ by more than --rerun_spread."""
+    if not args.rerun_spread:
+        return
+    runs = [r for r in load_runs(args.out / "runs.jsonl") if "error" not in r and r["steps"] == args.steps]
+    for _, rate, dtype, variant in plan(args, repeats=1):
+        times = [r["step_s"] for r in runs if (r["variant"], r["dtype"], r["rate"]) == (variant.name, dtype, rate)
+                 and r["repeat"] < args.repeats]
+        if len(times) > 1 and max(times) > (1 + args.rerun_spread) * min(times):
+            yield args.repeats, rate, dtype, variant
+
+
+def sweep(args: argparse.Namespace, user: Invoker) -> None:
+    """Run every planned point not yet in runs.jsonl, then one more repeat of the points that spread too much."""
+    with signals_raise(), TwoNodes(ranks_per_node=2, user=user) as nodes:
+        run_points(args, nodes, pending(args, plan(args)), "planned")
+        run_points(args, nodes, pending(args, spread_points(args)), "spread")
+
+
+def run_points(args: argparse.Namespace, nodes: TwoNodes, todo: list[tuple], label: str) -> None:
+    """Measure each point of `todo`, appending its record to runs.jsonl (as the invoking user) as soon as it ends."""
+    print(f"speed_sweep: {len(todo)} {label} runs to do -> {args.out / 'runs.jsonl'}", flush=True)
+    for index, (repeat, rate, dtype, variant) in enumerate(todo):
+        record = measure(nodes, variant, dtype, rate, repeat, args.steps, args.out)
+        with nodes.user.files(), (args.out / "runs.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        status = record.get("error") or (f"step {record['step_s']:.3f} s, step0 {record['step0_s']:.2f} s, "
+                                         f"link {record['link_payload'] / 1e6:.3f} MB/step "
+                                         f"(accounted {record['accounted_vs_link']:+.1%})")
+        print(f"[{index + 1}/{len(todo)}] {variant.name} {dtype} {rate} repeat {repeat}: {status}", flush=True)
 
 
 def aggregate(runs: Sequence[dict]) -> list[dict]:
@@ -266,16 +294,20 @@ def plot(rows: Sequence[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def report(out: Path) -> None:
-    """Write OUT/table.md and OUT/step_time.png from OUT/runs.jsonl and print the table."""
+def report(out: Path, steps: int) -> None:
+    """Write OUT/table.md and OUT/step_time.png from the runs of OUT/runs.jsonl with `steps` steps; print the table."""
     runs = load_runs(out / "runs.jsonl")
-    rows = aggregate(runs)
+    mine = [r for r in runs if r["steps"] == steps]
+    if len(mine) < len(runs):
+        print(f"speed_sweep: {len(runs) - len(mine)} runs in {out / 'runs.jsonl'} with another --steps than {steps} "
+              f"are left out of the table")
+    rows = aggregate(mine)
     if not rows:
-        print("speed_sweep: nothing measured yet")
+        print(f"speed_sweep: nothing measured with --steps {steps} yet")
         return
     text = table(rows)
     if any(r["variant"] == "auto" for r in rows):
-        checked, ok = auto_table(rows, runs)
+        checked, ok = auto_table(rows, mine)
         text += f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n" \
                 f"{checked}"
     (out / "table.md").write_text(text)
@@ -290,29 +322,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=2, help="runs per point")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (steady from step 3)")
+    parser.add_argument("--rerun_spread", type=float, default=0.2,
+                        help="one more run of a point whose runs' step times differ by more than this fraction "
+                             "(0: never)")
+    parser.add_argument("--steps", type=int, default=16, help="training steps per run (steady from step 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "speed_sweep")
     parser.add_argument("--report", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
     for rate in args.rates:
-        if rate != "unshaped":
-            float(rate)
-    args.out.mkdir(parents=True, exist_ok=True)
+        if rate != "unshaped" and not _positive(rate):
+            parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")
+    if args.steps < 4 or args.repeats < 1 or args.rerun_spread < 0:
+        parser.error("--steps must be >= 4 (steady from step 3), --repeats >= 1 and --rerun_spread >= 0")
+    try:
+        user = invoker()
+    except TwoNodesError as err:
+        print(f"speed_sweep: cannot run: {err}", file=sys.stderr)
+        return 1
+    with user.files():
+        args.out.mkdir(parents=True, exist_ok=True)
     if not args.report and not DATA.with_suffix(".json").exists():
         print(f"speed_sweep: no data at {DATA}; prepare it first: python examples/prepare_data.py --output_prefix "
               f"{DATA.relative_to(ROOT)}", file=sys.stderr)
         return 1
     if not args.report:
         try:
-            sweep(args)
+            sweep(args, user)
         except TwoNodesError as err:
             print(f"speed_sweep: cannot run: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("speed_sweep: interrupted; finished runs are kept in runs.jsonl", file=sys.stderr)
             return 130
-    report(args.out)
+    user.become()
+    report(args.out, args.steps)
     return 0
+
+
+def _positive(text: str) -> bool:
+    """Whether `text` is a positive number."""
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@ filter; an optional delay needs the kernel's netem qdisc. One `deepspeed` launch
 ranks, as on a real cluster without ssh: a hostfile of both hosts, --no_ssh, --node_rank, --master_addr = node 0's
 address, GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link.
 
-    python benchmarks/two_nodes.py --check                      # can it run here? (exit 1 with the reasons if not)
-    python benchmarks/two_nodes.py --rate_mbit 50 -- examples/train_gpt.py --model tiny \\
+    sudo .venv/bin/python benchmarks/two_nodes.py --check       # can it run here? (exit 1 with the reasons if not)
+    sudo .venv/bin/python benchmarks/two_nodes.py --rate_mbit 50 -- examples/train_gpt.py --model tiny \\
         --deepspeed_config configs/cpu/tiny_sdp4bit.json --ds_set sdp4bit.ranks_per_node=auto --out runs/two_nodes
 
-Needs root (network and UTS namespaces), iproute2 (`ip`, `tc`) and util-linux (`unshare`). Everything it makes is
-named sdp4bit-<pid>-*, lives only inside its own two namespaces (it never touches another interface) and is
-removed on every exit path: normal end, error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the
-runner itself. It prints the topology SDP4Bit detected on each node and the bytes that crossed the link.
+Needs root (network and UTS namespaces), iproute2 (`ip`, `tc`) and util-linux (`unshare`, `setpriv`). Root is used
+for the namespaces, the link and the hostnames only: started with sudo, the runner starts the launchers (and so the
+training) as the user who ran sudo (SUDO_UID and SUDO_GID, with that user's groups, home and name) and creates
+its log folder, hostfile and logs as that user, so everything a run leaves behind belongs to that user. Run as root
+without sudo, everything runs as root. Everything it makes in the network is named sdp4bit-<pid>-*, lives only
+inside its own two namespaces (it never touches another interface) and is removed on every exit path: normal end,
+error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the runner itself. It prints the topology
+SDP4Bit detected on each node and the bytes that crossed the link.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -39,6 +44,8 @@ HOSTS = ("sdp4bit-node0", "sdp4bit-node1")
 SUBNET = "10.213.0"
 MASTER_PORT = 29500
 TCP_OVERHEAD = 66  # Ethernet 14 + IPv4 20 + TCP with timestamps 32 bytes per packet the link counters count
+# the `deepspeed` command, run by this interpreter (its console script's shebang may name another one)
+LAUNCHER = (sys.executable, "-m", "deepspeed.launcher.runner")
 TOPOLOGY_LINE = re.compile(r"sdp4bit active: topology (.*?); codec")
 
 
@@ -71,6 +78,78 @@ class Counters:
         return self.tx_bytes - TCP_OVERHEAD * self.tx_packets
 
 
+@dataclass(frozen=True)
+class Invoker:
+    """The user the jobs run as and the runner's files belong to: the one who ran sudo, or this process's user."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    name: str
+    home: str
+
+    def is_self(self) -> bool:
+        """True when the jobs run with the runner's own identity (no identity to switch to)."""
+        return self.uid == os.geteuid()
+
+    def env(self) -> dict[str, str]:
+        """The user's HOME, USER and LOGNAME, which sudo set to root's (nothing to change for the runner's own)."""
+        return {} if self.is_self() else {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` as this user: setpriv switches the real and effective ids and groups, then execs it."""
+        if self.is_self():
+            return list(argv)
+        groups = ["--groups", ",".join(map(str, self.groups))] if self.groups else ["--clear-groups"]
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", *groups, "--", *argv]
+
+    @contextlib.contextmanager
+    def files(self) -> Iterator[None]:
+        """Create files and folders as this user inside the block (effective ids switched, then restored)."""
+        if self.is_self():
+            yield
+            return
+        saved = os.getgroups()
+        os.setgroups(list(self.groups))
+        os.setegid(self.gid)
+        os.seteuid(self.uid)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+            os.setgroups(saved)
+
+    def become(self) -> None:
+        """Switch this process to the user for good (after the root-only work is done)."""
+        if self.is_self():
+            return
+        os.setgroups(list(self.groups))
+        os.setgid(self.gid)
+        os.setuid(self.uid)
+        os.environ.update(self.env())
+
+
+def invoker() -> Invoker:
+    """The user who ran sudo when this process is root with SUDO_UID set, else this process's user.
+
+    TwoNodesError naming the variable when SUDO_UID or SUDO_GID is not a number or SUDO_UID has no account."""
+    if os.geteuid() != 0 or "SUDO_UID" not in os.environ:
+        return Invoker(os.geteuid(), os.getegid(), tuple(os.getgroups()), os.environ.get("USER", ""),
+                       os.environ.get("HOME", ""))
+    try:
+        uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", ""))
+    except ValueError:
+        raise TwoNodesError(f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID={os.environ.get('SUDO_GID')!r} "
+                            "must both be numeric ids (sudo sets them)") from None
+    try:
+        account = pwd.getpwuid(uid)
+    except KeyError:
+        raise TwoNodesError(f"SUDO_UID={uid} has no account on this machine: no name, home or groups to run the jobs "
+                            "with") from None
+    return Invoker(uid, gid, tuple(os.getgrouplist(account.pw_name, gid)), account.pw_name, account.pw_dir)
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if check and done.returncode != 0:
@@ -83,7 +162,8 @@ def problems() -> list[str]:
     found = []
     if os.geteuid() != 0:
         found.append(f"not root (euid {os.geteuid()}): creating network and UTS namespaces needs root")
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux"),
+                          ("setpriv", "util-linux")):
         if shutil.which(tool) is None:
             found.append(f"`{tool}` not found on PATH (install {package})")
     if found:
@@ -147,8 +227,9 @@ def _guard(names: Sequence[str]) -> None:
 class TwoNodes:
     """Two namespaced nodes joined by one shaped link; a context manager that removes everything it made."""
 
-    def __init__(self, ranks_per_node: int = 2) -> None:
+    def __init__(self, ranks_per_node: int = 2, user: Invoker | None = None) -> None:
         self.ranks_per_node = ranks_per_node
+        self.user = user if user is not None else invoker()
         self.names = [f"{PREFIX}-{os.getpid()}-node{i}" for i in range(2)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(2)]
         self._guard: subprocess.Popen | None = None
@@ -225,26 +306,28 @@ class TwoNodes:
 
     # ----- jobs
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside the node's network namespace and a UTS namespace with the node's hostname."""
+        """`argv` run as the invoking user inside the node's network namespace and a UTS namespace with the node's
+        hostname (set as root, before the switch)."""
         return ["ip", "netns", "exec", self.names[node], "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', HOSTS[node], *argv]
+                'hostname "$0" && exec "$@"', HOSTS[node], *self.user.command(argv)]
 
     def launch(self, script: str, script_args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
                ) -> list[subprocess.Popen]:
-        """Start one `deepspeed` launcher per node for one job; their output goes to log_dir/node<i>.log."""
-        log_dir.mkdir(parents=True, exist_ok=True)
+        """Start one `deepspeed` launcher per node for one job, as the invoking user; their output goes to
+        log_dir/node<i>.log (the folder, hostfile and logs created as that user)."""
         hostfile = log_dir / "hostfile"
-        hostfile.write_text("".join(f"{host} slots={self.ranks_per_node}\n" for host in HOSTS))
-        launcher = str(Path(sys.executable).with_name("deepspeed"))
-        if not Path(launcher).is_file():
-            launcher = shutil.which("deepspeed") or "deepspeed"
-        env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": LINK, "NCCL_SOCKET_IFNAME": LINK,
+        with self.user.files():
+            log_dir.mkdir(parents=True, exist_ok=True)
+            hostfile.write_text("".join(f"{host} slots={self.ranks_per_node}\n" for host in HOSTS))
+            logs = [(log_dir / f"node{node}.log").open("w") for node in range(2)]
+        env = {**os.environ, **self.user.env(), **(env or {}), "GLOO_SOCKET_IFNAME": LINK,
+               "NCCL_SOCKET_IFNAME": LINK,
                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])}
         procs = []
-        for node in range(2):
-            argv = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+        for node, log in enumerate(logs):
+            argv = [*LAUNCHER, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
                     self.addresses[0], "--master_port", str(MASTER_PORT), script, *script_args]
-            with (log_dir / f"node{node}.log").open("w") as log:
+            with log:
                 procs.append(subprocess.Popen(self.node_command(node, argv), stdout=log, stderr=subprocess.STDOUT,
                                               env=env, start_new_session=True))
         self._procs.extend(procs)

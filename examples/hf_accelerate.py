@@ -35,6 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import HfArgumentParser, default_data_collator
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
+from deepspeed_sdp4bit.provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,  # noqa: E402
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     accelerator.end_training()
     if not accelerator.is_main_process:
         return None
-    (out / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    result = write_result(out / SUMMARY_FILE, result)
     print("SUMMARY " + json.dumps(result), flush=True)
     return result
 

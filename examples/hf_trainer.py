@@ -36,6 +36,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser,
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
+from deepspeed_sdp4bit.provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_models import CARDS, gpt2_config  # noqa: E402  (this folder is put on the path above)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     settle_gloo_before_exit()
     if not trainer.is_world_process_zero():
         return None
-    (Path(training.output_dir) / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    result = write_result(Path(training.output_dir) / SUMMARY_FILE, result)
     print("SUMMARY " + json.dumps(result), flush=True)
     return result
 

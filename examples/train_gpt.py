@@ -16,7 +16,8 @@ a config file that sets one of them must agree with the trainer, or the run stop
 
 Output in --out: log.csv (one row per step: loss, lr, validation loss, tokens/s and the bytes per
 step on rank 0, from DeepSpeed's comms logger and, when SDP4Bit is active, per SDP4Bit kind), summary.json
-(also printed as one `SUMMARY {...}` line), and a progress bar on rank 0.
+(also printed as one `SUMMARY {...}` line; its "provenance" names the commit, the versions, rank 0's machine and
+the command), and a progress bar on rank 0.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tqdm import tqdm
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
+from deepspeed_sdp4bit.provenance import write_result
 from comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
 from gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from token_dataset import SampleOrder, Split, TokenFile
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     trainer.close()
     dist.destroy_process_group()
     if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = write_result(out / "summary.json", summary)
         print("SUMMARY " + json.dumps(summary), flush=True)
         return summary
     return None

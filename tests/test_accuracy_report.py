@@ -69,3 +69,24 @@ def test_report_prints_the_same_seed_line_only_for_shared_seeds() -> None:
         found = results(seeds)
         text = accuracy.markdown(accuracy.aggregate(found, args.variants), found, args)
         assert ("TLq-HS - TLq, final validation loss of the same seed" in text) is shown
+
+
+def test_a_result_of_other_settings_or_probe_steps_is_refused(tmp_path: Path) -> None:
+    """Resuming mixes in only results made with this invocation's settings; the probed run (TLq-HS, seed 0) also
+    with its --grad_error_steps, which change its measured errors though not its training."""
+    import json
+
+    args = accuracy.parse_args(["--out", str(tmp_path)])
+    expected = accuracy.fingerprint(args)
+    probe, other = accuracy.Run("TLq-HS", 0), accuracy.Run("TLq-HS", 1)
+    for run in (probe, other):
+        (tmp_path / run.folder).mkdir(parents=True)
+        errors = {str(s): {} for s in args.grad_error_steps} if run == probe else None
+        (tmp_path / run.folder / "result.json").write_text(json.dumps({"settings": expected, "grad_error": errors}))
+    assert accuracy.load_result(tmp_path, probe, expected, args.grad_error_steps)["settings"] == expected
+    assert accuracy.load_result(tmp_path, other, expected, [10]) is not None
+    with pytest.raises(SystemExit, match=r"measured the gradient errors at steps \[10, 50, 150, 300, 450, 599\].*"
+                                         r"--grad_error_steps are \[10\]"):
+        accuracy.load_result(tmp_path, probe, expected, [10])
+    with pytest.raises(SystemExit, match="was made with other settings"):
+        accuracy.load_result(tmp_path, other, {**expected, "steps": 300}, args.grad_error_steps)

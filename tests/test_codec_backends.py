@@ -1,7 +1,9 @@
 """Every compiled codec backend equals the reference bit for bit: codes, scales and decoded values.
 
-The backend is a parameter: 'cpu' always runs (the op is JIT-built through CodecCPUBuilder on first use), 'cuda'
-runs the very same tests when a CUDA device exists (marked gpu). The reference always runs on CPU tensors, since
+The backend is a parameter: 'cpu' always runs (the op is JIT-built through CodecCPUBuilder on first use, for this
+CPU: -march=native), 'cpu-x86-64' runs the same tests on the same source built for the oldest 64-bit x86
+(-march=x86-64: no AVX, no FMA, no SSE4 rounding instructions), so the op's results do not depend on the
+instruction set it is compiled for, and 'cuda' runs the very same tests when a CUDA device exists (marked gpu). The reference always runs on CPU tensors, since
 it is the definition; compiled outputs are moved to the CPU and compared bit pattern by bit pattern (a NaN equals
 a NaN whatever its payload; +0 and -0 differ).
 
@@ -21,6 +23,7 @@ Stochastic rounding uses counter offsets 0, 2^32 - 777 (a carry into the high wo
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Iterator
 
 import pytest
@@ -28,7 +31,7 @@ import torch
 
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
-from deepspeed_sdp4bit.ops import load_codec_op
+from deepspeed_sdp4bit.ops import CodecCPUBuilder, load_codec_op
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)
@@ -42,14 +45,27 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("cpu-x86-64", id="cpu-x86-64", marks=pytest.mark.skipif(
+        platform.machine() != "x86_64", reason="the portable build is for x86-64 CPUs")),
     pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="no CUDA device")]),
 ]
 
 
+class PortableCPUBuilder(CodecCPUBuilder):
+    """The CPU op's source and flags, compiled for the baseline x86-64 instruction set instead of this CPU's."""
+
+    NAME = "sdp4bit_codec_cpu_x86_64"
+
+    def cxx_args(self) -> list[str]:
+        return ["-march=x86-64" if arg.startswith("-march=") else arg for arg in super().cxx_args()]
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> tuple[CompiledBackend, torch.device]:
     """The compiled backend under test and the device its tensors live on."""
+    if request.param == "cpu-x86-64":
+        return CompiledBackend(PortableCPUBuilder().load(), "cpu"), torch.device("cpu")
     return CompiledBackend(load_codec_op(request.param), request.param), torch.device(request.param)
 
 

@@ -65,6 +65,8 @@ def test_prepare_then_train_two_cpu_ranks(tmp_path: Path):
 
     summary = json.loads(next(line for line in stdout.splitlines() if line.startswith("SUMMARY "))[8:])
     assert summary == json.loads((out / "summary.json").read_text())
+    made_by = summary["provenance"]
+    assert len(made_by["commit"]) == 40 and "train_gpt.py" in made_by["command"] and made_by["machine"]["cpu"]
     with (out / "log.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(6))

@@ -1,6 +1,7 @@
 """Two real nodes on one machine (benchmarks/two_nodes.py): a short SDP4Bit training job across a shaped link, the
-topology SDP4Bit finds from the two hostnames, the bytes on the link against the accounting, and clean-up on every
-exit path (normal end, Ctrl-C, SIGKILL of the runner).
+topology SDP4Bit finds from the two hostnames, the bytes on the link against the accounting, clean-up on every
+exit path (normal end, Ctrl-C, SIGKILL of the runner), and under sudo a job that runs as the user who ran sudo and
+leaves only that user's files.
 
 Needs root, iproute2 and util-linux; where they are missing the tests skip with the runner's own reason.
 """
@@ -9,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -161,3 +166,74 @@ def test_check_and_delay_shaping() -> None:
                                    capture_output=True, text=True).stdout
             assert "netem" in shown and "delay 5ms" in shown and "tbf" in shown, shown
     assert not [n for n in names if n in two_nodes._namespaces()]
+
+
+WHOAMI = """import json, os, sys
+from pathlib import Path
+out = Path(sys.argv[-1])  # after the --local_rank the launcher puts first
+out.mkdir(parents=True, exist_ok=True)
+ids = {"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "egid": os.getegid(), "home": os.environ["HOME"]}
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(ids))
+"""
+
+
+PROBE = "import subprocess, sys, deepspeed.launcher.runner; subprocess.run([sys.executable, '-c', ''], check=True)"
+
+
+def _python_for(user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
+    """An interpreter the user can run with this environment's packages, and the environment it needs: this one, or,
+    where it lives in a folder only root may enter (a pyenv build under /root), the system's Python of the same
+    version with this environment's packages on PYTHONPATH. The probe imports DeepSpeed's launcher and starts the
+    interpreter again, as the launcher starts the ranks. Skips the test where there is none."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    path = os.pathsep.join([sysconfig.get_paths()["purelib"], str(ROOT)])
+    for python, env in ((sys.executable, {}), (f"/usr/bin/python{version}", {"PYTHONPATH": path})):
+        probe = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                                python, "-c", PROBE], capture_output=True,
+                               env={**os.environ, **env, "HOME": user.pw_dir}, cwd="/", timeout=300)
+        if probe.returncode == 0:
+            return python, env
+    pytest.skip(f"no Python {version} with deepspeed that user {user.pw_name} may run")
+
+
+def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) -> None:
+    """sudo's SUDO_UID/SUDO_GID name the user (here `nobody`): the ranks run as that user, and the log folder, the
+    hostfile, the logs and the job's output, all under a runs/ folder the runner creates, belong to that user."""
+    try:
+        user = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no `nobody` account to stand in for the user who ran sudo")
+    python, python_env = _python_for(user)
+    checkout = Path(tempfile.mkdtemp(prefix="sdp4bit-sudo-"))  # the user's checkout: theirs, outside root's tmp_path
+    try:
+        os.chown(checkout, user.pw_uid, user.pw_gid)
+        script = checkout / "whoami.py"
+        script.write_text(WHOAMI)
+        runs = checkout / "runs"
+        env = {**os.environ, **python_env, "SUDO_UID": str(user.pw_uid), "SUDO_GID": str(user.pw_gid)}
+        done = subprocess.run([python, str(ROOT / "benchmarks" / "two_nodes.py"), "--log_dir", str(runs / "two_nodes"),
+                               "--", str(script), str(runs / "job")], cwd=checkout, env=env, capture_output=True,
+                              text=True, timeout=600)
+        logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(runs.glob("two_nodes/node*.log")))
+        assert done.returncode == 0, done.stdout + done.stderr + logs
+        seen = [json.loads((runs / "job" / f"rank{rank}.json").read_text()) for rank in range(4)]
+        want = {"uid": user.pw_uid, "euid": user.pw_uid, "gid": user.pw_gid, "egid": user.pw_gid, "home": user.pw_dir}
+        assert seen == [want] * 4
+        made = [runs, *runs.rglob("*")]
+        assert {p.name for p in made} >= {"two_nodes", "hostfile", "node0.log", "node1.log", "job", "rank3.json"}
+        assert [str(p) for p in made if (p.stat().st_uid, p.stat().st_gid) != (user.pw_uid, user.pw_gid)] == []
+    finally:
+        shutil.rmtree(checkout)
+
+
+def test_sudo_ids_that_name_no_user_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUDO_UID", "abc")
+    monkeypatch.setenv("SUDO_GID", "0")
+    with pytest.raises(two_nodes.TwoNodesError, match=r"SUDO_UID='abc' and SUDO_GID='0' must both be numeric ids"):
+        two_nodes.invoker()
+    unused = next(uid for uid in range(54321, 60000) if uid not in {p.pw_uid for p in pwd.getpwall()})
+    monkeypatch.setenv("SUDO_UID", str(unused))
+    with pytest.raises(two_nodes.TwoNodesError, match=f"SUDO_UID={unused} has no account"):
+        two_nodes.invoker()
+    monkeypatch.delenv("SUDO_UID")
+    assert two_nodes.invoker().is_self() and two_nodes.invoker().command(["true"]) == ["true"]

@@ -138,7 +138,7 @@ def _damaged_state(directory: str) -> dict[str, Any]:
     engine = _saved(directory)
     path = engine._get_ckpt_name(directory, "t")
     if torch.distributed.get_rank() == 1:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
         saved["sdp4bit"]["own_shards"][0][:8] = 1000.0
         torch.save(saved, path)
     torch.distributed.barrier()

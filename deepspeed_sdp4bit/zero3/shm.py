@@ -4,9 +4,12 @@ When every rank of a job runs on one machine under the `deepspeed` launcher (LOC
 DeepSpeed 0.19.8's TorchBackend on CPU creates one 66 MiB POSIX shared-memory segment per rank for its inference
 all-reduce (ops/csrc/cpu/comm/shm.cpp) and never unlinks it: each job leaves world x 66 MiB of RAM-backed files in
 /dev/shm, after a normal exit too, until the machine runs out of memory. ZeRO-3 training never uses that all-reduce.
-Once every rank has mapped every segment (a barrier after the process's first engine is built), each rank unlinks
-its own segment's name: the mappings stay valid, and the kernel frees the memory when the job's processes exit,
-however they exit.
+Each rank maps every segment inside deepspeed.init_distributed, so once every rank has passed that point the names
+can go: the mappings stay valid, and the kernel frees the memory when the job's processes exit, however they exit.
+Without a collective (a barrier would hang a job whose ranks build their engines at different times, or where some
+never build one): after its first engine, each rank adds one to a counter in the job's torch.distributed store, a
+single request that never waits for another rank, and the rank whose addition completes the count unlinks every
+rank's name. Where a rank never builds an engine the count is never complete and the names stay, as without this.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from . import compat
 
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 SHM_DIR = Path("/dev/shm")
+COUNTER_KEY = "deepspeed_sdp4bit/shm_workspace_mapped"
 
 _released = False
 
@@ -42,15 +46,27 @@ def workspace_mapped() -> bool:
 
 
 def release_workspace() -> None:
-    """Unlink this rank's segment name once every rank has mapped all segments (collective, once per process).
+    """Count this rank as past the mapping (once per process); the rank that completes the count unlinks every
+    rank's segment name. Never waits for another rank.
 
     Only on the tested DeepSpeed: the name and the map-every-segment-at-start behaviour are read from its shm.cpp."""
     global _released
     if _released or not compat.version_tested() or not workspace_mapped():
         return
     _released = True
-    dist.barrier()
-    path = segment_path(dist.get_rank())
+    store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if store is None:
+        logger.warning("sdp4bit: this torch has no default process-group store to count the ranks in; DeepSpeed's "
+                       f"CPU shared-memory all-reduce segments ({segment_path(dist.get_rank())} and its peers) stay "
+                       "in /dev/shm after the job")
+        return
+    if store().add(COUNTER_KEY, 1) == dist.get_world_size():
+        for rank in range(dist.get_world_size()):
+            _unlink(segment_path(rank))
+
+
+def _unlink(path: Path) -> None:
+    """Remove one segment name; a missing one is reported (its name changed in this DeepSpeed?)."""
     try:
         path.unlink()
     except FileNotFoundError:

@@ -3,12 +3,19 @@
 Every rank saves its state inside its own DeepSpeed model-states file (`client_state["sdp4bit"]`): this rank's shards
 of the model weights w~ and the stochastic-rounding counters, with a digest over all of it. A state whose digest no
 longer matches was damaged after it was written, and is never applied.
+
+The digest detects accidental damage (a truncated or partly rewritten file, flipped bits), not tampering: it is an
+unkeyed hash stored beside what it covers, so whoever can write the file can write a matching digest. Nor does it
+make a file safe to load: DeepSpeed unpickles the whole model-states file with torch's full unpickler (not the
+weights-only one) before SDP4Bit sees its state, so load checkpoints only from sources you trust. This module
+never unpickles a file itself: `unreadable` reads it as a zip archive only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
 from typing import Any
 
 import torch
@@ -72,9 +79,12 @@ def model_states_file(engine: Any, load_dir: str, tag: Any) -> str:
 
 
 def unreadable(path: str) -> str | None:
-    """Why torch cannot load this file (missing, truncated, not a torch file), or None if it loads."""
+    """Why this file is not an intact torch checkpoint (missing, not a zip archive such as a truncated one, an entry
+    whose CRC does not match), or None. Read as an archive, nothing unpickled: it is asked after a load failed, so
+    the file is suspect."""
     try:
-        torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # any failure to read is the answer; the caller names the file
+        with zipfile.ZipFile(path) as archive:
+            corrupt = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:  # the caller names the file
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return None if corrupt is None else f"its entry {corrupt} does not match its CRC (the file was damaged)"
