@@ -179,3 +179,12 @@ def test_zero3_gathers_again_what_it_released_after_the_forward() -> None:
     assert timing.second_pass(100_000_000) == 0.0
     assert timing.second_pass(4_000_000_000) == pytest.approx(0.875)
     assert timing.second_pass(4_000_000_000, live_parameters=8_000_000_000) == 0.0
+
+
+@pytest.mark.parametrize("numel", [1, 31, 2047, 2048, 2049, 10_000])
+@pytest.mark.parametrize(("bits", "group"), [(4, 2048), (8, 128), (4, 128)])
+def test_code_sizes_are_the_codecs(numel: int, bits: int, group: int) -> None:
+    """The model's bytes of packed codes and fp32 scales are the codec's own (a partial last group has a scale)."""
+    from deepspeed_sdp4bit.codec import codes_nbytes, num_groups
+
+    assert traffic.codes_and_scales(numel, bits, group) == codes_nbytes(numel, bits) + 4 * num_groups(numel, group)
