@@ -2,7 +2,9 @@
 
 Rank r is (node r // D, local r % D) for D ranks per node. D comes from, in order, an explicit setting (which
 lets one machine act as several nodes), LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (deepspeed launcher), or the
-hostnames of all ranks. Whatever the source, ranks must be numbered node by node with equal nodes.
+hostnames of all ranks. A launcher's value larger than the world (a 1-rank job on a machine the launcher calls
+4-wide) is taken as DeepSpeed takes it: the job's ranks share one node, with a warning. Whatever the source, ranks
+must be numbered node by node with equal nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .log import logger
 
 ENV_SOURCES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
@@ -89,6 +93,21 @@ def _from_hostnames(hosts: list[str]) -> int:
     return sizes.pop()
 
 
+def _launcher_value(name: str, value: str, world: int) -> int:
+    """A launcher's ranks per node: an integer, capped to the world size with a warning (a machine the launcher
+    calls wider than the job runs the job's ranks as one node, as DeepSpeed does)."""
+    try:
+        per_node = int(value)
+    except ValueError:
+        raise TopologyError(f"{name} = {value!r} is not an integer") from None
+    if per_node > world:
+        if dist.get_rank() == 0:
+            logger.warning(f"sdp4bit: {name} = {per_node} is larger than the world size {world}; taking the job's "
+                           f"{world} ranks as one node, as DeepSpeed does")
+        return world
+    return per_node
+
+
 def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
     """(ranks per node, where it came from, hostnames); collective over the default group."""
     hosts = _gather(socket.gethostname())
@@ -102,10 +121,7 @@ def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
             continue
         if len(set(values)) != 1:
             raise TopologyError(f"{name} differs between ranks (None = unset): {values}")
-        try:
-            return int(values[0]), name, hosts
-        except ValueError:
-            raise TopologyError(f"{name} = {values[0]!r} is not an integer") from None
+        return _launcher_value(name, values[0], len(hosts)), name, hosts
     return _from_hostnames(hosts), "hostnames", hosts
 
 
