@@ -128,7 +128,13 @@ def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
     ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                              distributed_port=arguments["distributed_port"],
                              dist_init_required=arguments["dist_init_required"])
-    return build_topology(cfg.ranks_per_node)
+    return _build_topology(cfg)
+
+
+def _build_topology(cfg: SDP4BitConfig) -> Topology:
+    """The node layout and its groups (collective); on a device whose backend takes no CPU tensors, also the gloo
+    group for the runtime's host-side flags."""
+    return build_topology(cfg.ranks_per_node, host_flags=not get_accelerator().is_synchronized_device())
 
 
 def _refuse_served_model(model: Any) -> None:
@@ -182,7 +188,7 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None =
     began = time.perf_counter()
     backend = codec.prepare(engine.device)
     codec_s = time.perf_counter() - began
-    topology = build_topology(cfg.ranks_per_node) if topology is None else topology
+    topology = _build_topology(cfg) if topology is None else topology
     runtime = SDP4BitRuntime(engine, cfg, topology, created=next(_CREATED))
     patches.patch_reduce_scatter()
     patches.patch_partition()
