@@ -105,8 +105,8 @@ def _launcher_value(name: str, value: str, world: int) -> int:
         raise TopologyError(f"{name} = {value!r} is not an integer") from None
     if per_node > world:
         if dist.get_rank() == 0:
-            logger.warning(f"sdp4bit: {name} = {per_node} is larger than the world size {world}; taking the job's "
-                           f"{world} ranks as one node, as DeepSpeed does")
+            logger.warning(f"sdp4bit: {name} = {per_node} is larger than the world size {world}; the job's ranks "
+                           f"({world}) are taken as one node, as DeepSpeed does")
         return world
     return per_node
 

@@ -104,8 +104,8 @@ def test_topology_detection_and_errors():
         wider = res["local_size_wider"]
         assert (wider["rpn"], wider["source"], wider["intra"]) == (4, "LOCAL_SIZE", [0, 1, 2, 3]), wider
         assert res["local_size_wider warnings"] == (
-            ["sdp4bit: LOCAL_SIZE = 8 is larger than the world size 4; taking the job's 4 ranks as one node, as "
-             "DeepSpeed does"] if rank == 0 else []), res["local_size_wider warnings"]
+            ["sdp4bit: LOCAL_SIZE = 8 is larger than the world size 4; the job's ranks (4) are taken as one node, "
+             "as DeepSpeed does"] if rank == 0 else []), res["local_size_wider warnings"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_differs"]["error"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_unset_on_rank0"]["error"]
         assert "LOCAL_WORLD_SIZE = 'two' is not an integer" in res["lws_not_int"]["error"]
