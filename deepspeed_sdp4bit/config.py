@@ -92,8 +92,8 @@ class SDP4BitConfig(BaseModel):
                            "flag_note": "not in the original README; ours applies to weights too"})
     ranks_per_node: Literal["auto"] | PositiveInt = Field("auto", description=(
         "ranks per node for the two levels: an integer lets one machine act as several nodes; `\"auto\"` takes "
-        "`LOCAL_WORLD_SIZE` (torchrun), `LOCAL_SIZE` (deepspeed launcher) or the ranks' hostnames. Ranks must be "
-        "numbered node by node"))
+        "`LOCAL_WORLD_SIZE` (torchrun), `LOCAL_SIZE` (deepspeed launcher) or the ranks' hostnames; a launcher's "
+        "value larger than the world size is capped to it, with a warning. Ranks must be numbered node by node"))
     weight_replica: Literal["rank", "node", "off"] = Field("node", description=(
         "who holds the model weights between steps: `\"node\"` one copy per node, split over its ranks "
         "(forward/backward gather inside the node in full precision; only 4-bit differences cross nodes); `\"rank\"` "

@@ -2,7 +2,9 @@
 
 Rank r is (node r // D, local r % D) for D ranks per node. D comes from, in order, an explicit setting (which
 lets one machine act as several nodes), LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (deepspeed launcher), or the
-hostnames of all ranks. Whatever the source, ranks must be numbered node by node with equal nodes.
+hostnames of all ranks. A launcher's value larger than the world (a 1-rank job on a machine the launcher calls
+4-wide) is taken as DeepSpeed takes it: the job's ranks share one node, with a warning. Whatever the source, ranks
+must be numbered node by node with equal nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .log import logger
 
 ENV_SOURCES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
@@ -26,7 +30,9 @@ class Topology:
     """This rank's place in a world of `nodes` x `ranks_per_node` ranks, with its process groups.
 
     `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node; `hosts` is
-    the hostname of every rank, in rank order.
+    the hostname of every rank, in rank order. `flags` is the group over all ranks for small flags kept in host
+    memory: None, the world group, unless it was built as a gloo group for a world whose backend takes no CPU
+    tensors.
     """
 
     world: int
@@ -36,6 +42,7 @@ class Topology:
     intra: ProcessGroup | None
     inter: ProcessGroup | None
     hosts: tuple[str, ...] = ()
+    flags: ProcessGroup | None = None
 
     @property
     def nodes(self) -> int:
@@ -89,6 +96,21 @@ def _from_hostnames(hosts: list[str]) -> int:
     return sizes.pop()
 
 
+def _launcher_value(name: str, value: str, world: int) -> int:
+    """A launcher's ranks per node: an integer, capped to the world size with a warning (a machine the launcher
+    calls wider than the job runs the job's ranks as one node, as DeepSpeed does)."""
+    try:
+        per_node = int(value)
+    except ValueError:
+        raise TopologyError(f"{name} = {value!r} is not an integer") from None
+    if per_node > world:
+        if dist.get_rank() == 0:
+            logger.warning(f"sdp4bit: {name} = {per_node} is larger than the world size {world}; the job's ranks "
+                           f"({world}) are taken as one node, as DeepSpeed does")
+        return world
+    return per_node
+
+
 def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
     """(ranks per node, where it came from, hostnames); collective over the default group."""
     hosts = _gather(socket.gethostname())
@@ -102,10 +124,7 @@ def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
             continue
         if len(set(values)) != 1:
             raise TopologyError(f"{name} differs between ranks (None = unset): {values}")
-        try:
-            return int(values[0]), name, hosts
-        except ValueError:
-            raise TopologyError(f"{name} = {values[0]!r} is not an integer") from None
+        return _launcher_value(name, values[0], len(hosts)), name, hosts
     return _from_hostnames(hosts), "hostnames", hosts
 
 
@@ -121,32 +140,37 @@ def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> No
                                 f"{sorted(set(block))} on node {node}: ranks must be numbered node by node")
 
 
-# Process groups already created, per layout, for the default group they belong to: torch keeps every group (and
-# NCCL its communicators) until the process group is destroyed, so engines built one after another share them.
-_GROUPS: dict[tuple[tuple[int, ...], ...], list[ProcessGroup]] = {}
+# Process groups already created, per backend and layout, for the default group they belong to: torch keeps every
+# group (and NCCL its communicators) until the process group is destroyed, so engines built one after another share
+# them.
+_GROUPS: dict[tuple[str | None, tuple[tuple[int, ...], ...]], list[ProcessGroup]] = {}
 _groups_world: ProcessGroup | None = None
 
 
-def _my_group(groups: list[list[int]], rank: int) -> ProcessGroup | None:
-    """The group holding `rank` among `groups`, creating all of them on first use (creation is collective: every
-    rank builds the same layouts in the same order, so every rank creates or reuses alike)."""
+def _my_group(groups: list[list[int]], rank: int, backend: str | None = None) -> ProcessGroup | None:
+    """The group holding `rank` among `groups` (of the default backend, or `backend`), creating all of them on first
+    use (creation is collective: every rank builds the same layouts in the same order, so every rank creates or
+    reuses alike)."""
     global _groups_world
     if _groups_world is not dist.group.WORLD:  # a new default group: the old groups died with the old one
         _GROUPS.clear()
         _groups_world = dist.group.WORLD
-    key = tuple(map(tuple, groups))
+    key = (backend, tuple(map(tuple, groups)))
     if key not in _GROUPS:
-        _GROUPS[key] = [dist.new_group(ranks) for ranks in groups]
+        _GROUPS[key] = [dist.new_group(ranks, backend=backend) for ranks in groups]
     return next((group for ranks, group in zip(groups, _GROUPS[key]) if rank in ranks), None)
 
 
-def build_topology(ranks_per_node: int | str = "auto") -> Topology:
-    """Detect and check the node layout and create the intra- and inter-node groups (collective)."""
+def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False) -> Topology:
+    """Detect and check the node layout and create the intra- and inter-node groups (collective); with
+    `host_flags`, also a gloo group over all ranks for flags kept in host memory (for a device backend that takes
+    no CPU tensors)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node, source, hosts = _detect(ranks_per_node)
     _check(per_node, source, world, hosts)
     nodes = world // per_node
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
     inter = _my_group([list(range(l, world, per_node)) for l in range(per_node)], rank)
+    flags = _my_group([list(range(world))], rank, backend="gloo") if host_flags else None
     return Topology(world=world, rank=rank, ranks_per_node=per_node, source=source, intra=intra, inter=inter,
-                    hosts=tuple(hosts))
+                    hosts=tuple(hosts), flags=flags)

@@ -32,6 +32,7 @@ import torch
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 from deepspeed_sdp4bit.ops import CodecCPUBuilder, load_codec_op
+from tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)
@@ -303,11 +304,16 @@ def swizzle_cases() -> Iterator:
 
 @pytest.mark.parametrize("case,nodes,rpn,slices,block,group,dtype,bits,stochastic,hadamard", swizzle_cases())
 def test_swizzle_quantize(backend, case, nodes, rpn, slices, block, group, dtype, bits, stochastic, hadamard):
+    """Every other case, each partition is valid up to a point inside a 32-block, with garbage after it."""
     op, dev = backend
-    x = values(nodes * rpn * slices * block, dtype, case)
+    partition = slices * block
+    x = values(nodes * rpn * partition, dtype, case)
     x[case] = float("nan")
+    valid = None if case % 2 else partition * 2 // 3 | 1
+    if valid is not None:
+        x.view(nodes * rpn, partition)[:, valid:] = float("inf")
     kw = quant_kw(bits, group, stochastic, case)
-    layout = dict(nodes=nodes, ranks_per_node=rpn, slices=slices, hadamard=hadamard)
+    layout = dict(nodes=nodes, ranks_per_node=rpn, slices=slices, valid=valid, hadamard=hadamard)
     want = R.swizzle_quantize(x, **layout, **kw)
     assert_codes_equal(op.swizzle_quantize(x.to(dev), **layout, **kw), want)
 
@@ -362,11 +368,22 @@ def dr_cases() -> Iterator:
 
 @pytest.mark.parametrize("case,pieces,bits,group,dtype,hadamard,mul", dr_cases())
 def test_dequantize_reduce(backend, case, pieces, bits, group, dtype, hadamard, mul):
+    """Every fourth case undoes the Hadamard transform only below a valid end inside a 32-block."""
     op, dev = backend
-    codes, scales = piece_codes(pieces, group * (1 + case % 3), bits, group, case)
-    kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul)
+    piece = group * (1 + case % 3)
+    codes, scales = piece_codes(pieces, piece, bits, group, case)
+    valid = piece * 2 // 3 | 1 if case % 4 < 2 else None
+    kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul, valid=valid)
     want = R.dequantize_reduce(codes, scales, **kw)
     assert_bits_equal(op.dequantize_reduce(codes.to(dev), scales.to(dev), **kw), want, "dequantize_reduce")
+
+
+@pytest.mark.parametrize("name", [pytest.param("reference", id="reference"), *BACKENDS])
+def test_partial_hadamard_block_is_quantized_as_without_the_transform(name):
+    """At every remainder 1-31, constant and Gaussian tails (tail_checks.py): the reference defines it, every
+    backend must meet it."""
+    op = R if name == "reference" else CompiledBackend(load_codec_op(name), name)
+    assert tail_problems(op, torch.device("cpu" if name == "reference" else name)) == []
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ import toolkit
 from cuda_emulation.emulated_op import Internals, ToolkitMissing, build
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
+from tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 31, 32, 33, 2047, 2048, 2049)
@@ -118,11 +119,13 @@ def test_binding_checks_every_argument(emulated_op: ModuleType) -> None:
     rejects("diff_quantize: ref dtype Int is not one of", op.diff_quantize, x, torch.ones(64, dtype=torch.int32),
             codes, scales, 4, 32, False, 0, 0, 64)
     rejects("swizzle_quantize: nodes 0, ranks_per_node 1 and slices 1 must be >= 1", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 0, 1, 1, False, 0, 0, False)
+            scales, 4, 32, 0, 1, 1, False, 0, 0, 64, False)
     rejects("swizzle_quantize: 64 elements do not split into 3 partitions x 1 slices", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 1, 3, 1, False, 0, 0, False)
+            scales, 4, 32, 1, 3, 1, False, 0, 0, 64, False)
     rejects("swizzle_quantize: block of 16 elements is not a multiple of group_size 32", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 2, 2, 1, False, 0, 0, False)
+            scales, 4, 32, 2, 2, 1, False, 0, 0, 16, False)
+    rejects(r"swizzle_quantize: valid must be in \[0, 32\] \(the elements of a partition\), got 33",
+            op.swizzle_quantize, x, codes, scales, 4, 32, 1, 2, 1, False, 0, 0, 33, False)
     rejects("dequantize_reduce_quantize: 64 elements do not split into 3 pieces", op.dequantize_reduce_quantize,
             codes, scales, 3, 4, 32, codes, scales, 4, 32, False, 0, 0)
     rejects("dequantize_reduce_quantize: piece of 32 elements is not a multiple of out_group 64",
@@ -138,9 +141,11 @@ def test_binding_checks_every_argument(emulated_op: ModuleType) -> None:
     rejects("dequantize_add: scales has 2 entries; 64 elements in groups of 64 need 1", op.dequantize_add, out, codes,
             scales, 4, 64)
     rejects("dequantize_reduce: out has 64 elements, a piece has 32", op.dequantize_reduce, codes, scales, 2, 4, 32,
-            out, False, 1.0)
+            out, False, 1.0, 32)
     rejects("dequantize_reduce: 64 elements do not split into 0 pieces", op.dequantize_reduce, codes, scales, 0, 4, 32,
-            out, False, 1.0)
+            out, False, 1.0, 32)
+    rejects(r"dequantize_reduce: valid must be in \[0, 32\] \(the elements of a piece\), got -1",
+            op.dequantize_reduce, codes, scales, 2, 4, 32, out[:32], True, 1.0, -1)
     rejects("hadamard32: out must be float32, got BFloat16", op.hadamard32, x, out.bfloat16(), False)
     rejects("hadamard32 needs a multiple of 32 elements, got 33", op.hadamard32, torch.randn(33), torch.empty(33),
             False)
@@ -241,11 +246,13 @@ def test_swizzle_quantize_matches_reference(emu: CompiledBackend, dtype: torch.d
                                             layout: tuple[int, int, int]) -> None:
     nodes, ranks_per_node, slices = layout
     for group, per_block in ((32, 3), (128, 2), (512, 1)):
-        x = data(nodes * ranks_per_node * slices * group * per_block, dtype, group)
+        partition = slices * group * per_block
+        x = data(nodes * ranks_per_node * partition, dtype, group)
         for bits in (4, 8):
-            for stochastic, hadamard in ((False, False), (True, True)):
+            for stochastic, hadamard, valid in ((False, False, None), (True, True, None),
+                                                (True, True, partition * 2 // 3 | 1)):
                 kw = dict(bits=bits, group_size=group, nodes=nodes, ranks_per_node=ranks_per_node, slices=slices,
-                          stochastic=stochastic, seed=4, offset=11, hadamard=hadamard)
+                          stochastic=stochastic, seed=4, offset=11, valid=valid, hadamard=hadamard)
                 assert_quantized_same(emu.swizzle_quantize(x, **kw), ref.swizzle_quantize(x, **kw),
                                       f"swizzle_quantize {kw}")
 
@@ -302,9 +309,10 @@ def test_dequantize_reduce_matches_reference(emu: CompiledBackend, dtype: torch.
             piece = 4096 if group != 96 else 4128
             codes, scales = ref.quantize(data(pieces * piece, torch.float32, pieces), bits=bits, group_size=group)
             scales[1] = float("nan")
-            for hadamard in (False, True):
+            for hadamard, valid in ((False, None), (True, None), (True, piece * 2 // 3 | 1)):
                 for mul in (1.0, 0.125, 1 / 3) if pieces <= 2 else (1 / 3,):
-                    kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul)
+                    kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul,
+                              valid=valid)
                     assert_same(emu.dequantize_reduce(codes, scales, **kw), ref.dequantize_reduce(codes, scales, **kw),
                                 f"dequantize_reduce {kw}")
 
@@ -331,6 +339,11 @@ def test_inputs_above_2_20_elements(emu: CompiledBackend) -> None:
     drq = dict(pieces=2, in_bits=4, in_group=96, out_bits=8, out_group=32, stochastic=True, seed=6, offset=1)
     assert_quantized_same(emu.dequantize_reduce_quantize(codes, scales, **drq),
                           ref.dequantize_reduce_quantize(codes, scales, **drq), "dequantize_reduce_quantize")
+
+
+def test_partial_hadamard_block_is_quantized_as_without_the_transform(emu: CompiledBackend) -> None:
+    """The CUDA kernels' partial-block rule (a select after the lane shuffles) at every remainder 1-31."""
+    assert tail_problems(emu, torch.device("cpu")) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -281,7 +281,7 @@ def test_byte_accounting(world_run):
         case = _case_by_name(world, name)
         s = _settings(case, world, rpn)
         numels = [math.prod(abs(d) for d in shape) for shape in case.shapes]
-        chunks, part = part_length(numels, s)
+        chunks, part, _ = part_length(numels, s)
         esize = torch.tensor([], dtype=case.dtype).element_size()
         levels = {"grad_intra": (s.bits_intra, s.group_intra, world),
                   "grad_inter": (s.bits_inter, s.group_inter, s.nodes)}
@@ -324,10 +324,10 @@ def _affected(case: Case, world: int, rpn: int) -> tuple[int, range]:
     """(owner rank, part positions) that the NaN may reach: its quantization groups and Hadamard block."""
     s = _settings(case, world, rpn)
     numels = [math.prod(shape) for shape in case.shapes]
-    chunks, part = part_length(numels, s)
+    chunks, part, lead = part_length(numels, s)
     t, i = NAN_AT
     owner = i // chunks[t]
-    pos = sum(chunks[:t]) + i - owner * chunks[t]
+    pos = lead + sum(chunks[:t]) + i - owner * chunks[t]
     block = part // s.pipeline
     base, q = pos - pos % block, pos % block
     if s.ranks_per_node == 1:
@@ -350,12 +350,12 @@ def test_nan_is_confined_to_its_groups(world_run):
         owner, hit = _affected(NAN_CASE, world, rpn)
         inputs = [_inject_nan(make_inputs(NAN_CASE, world, r), r) for r in range(world)]
         emulated = emulate_tlq(inputs, _settings(NAN_CASE, world, rpn))
-        chunks, _ = part_length([math.prod(s) for s in NAN_CASE.shapes], _settings(NAN_CASE, world, rpn))
+        chunks, _, lead = part_length([math.prod(s) for s in NAN_CASE.shapes], _settings(NAN_CASE, world, rpn))
         for r in range(world):
             outs = ranks[r]["nan"][rpn]["calls"][0]
             for i, out in enumerate(outs):
                 assert torch.allclose(out, emulated.outputs[r][i], rtol=0, atol=0, equal_nan=True)
-                pos = torch.arange(out.numel()) + sum(chunks[:i])
+                pos = torch.arange(out.numel()) + lead + sum(chunks[:i])
                 inside = torch.tensor([r == owner and int(p) in hit for p in pos], dtype=torch.bool)
                 assert torch.isfinite(out[~inside]).all(), f"rank {r} tensor {i}: NaN escaped its groups"
                 assert not torch.isfinite(out[inside]).any(), f"rank {r} tensor {i}: NaN was hidden"
@@ -375,3 +375,44 @@ def test_bad_arguments_are_rejected(world_run):
     if world > 1:
         assert "world group" in messages[5]
         assert all("world group" in res["errors"][5] for res in ranks)
+
+
+
+TAIL_WORLD = 4
+# (ranks per node, pipeline) -> remainders: two-level at every remainder; sliced and single-level at a few.
+TAIL_LAYOUTS = {(2, 1): range(1, 32), (2, 2): (1, 18, 31), (1, 1): (1, 18, 31), (4, 1): (1, 18, 31)}
+TAIL_RUNS = (("constant", True), ("gaussian", True), ("gaussian", False))
+
+
+def _tail_worker() -> dict:
+    """For each layout and remainder r, one tensor whose rank chunks are 3 whole 32-blocks and r more elements,
+    through TLq: constant gradients 1.0 on every rank with Hadamard smoothing, and Gaussian ones that differ by rank
+    with and without it (same seed, so the same draws)."""
+    rank, out = dist.get_rank(), {}
+    for (rpn, pipeline), remainders in TAIL_LAYOUTS.items():
+        topo = build_topology(rpn)
+        for r in remainders:
+            chunk = 96 + r
+            gen = torch.Generator().manual_seed(1000 * rank + r)
+            grads = {"constant": torch.ones(TAIL_WORLD * chunk),
+                     "gaussian": torch.randn(TAIL_WORLD * chunk, generator=gen)}
+            for kind, hadamard in TAIL_RUNS:
+                settings = Settings(nodes=TAIL_WORLD // rpn, ranks_per_node=rpn, hadamard=hadamard, group_intra=512,
+                                    pipeline=pipeline)
+                reduced, = _reducer(topo, settings, CommStats()).reduce_scatter_coalesced([grads[kind]])
+                out[(rpn, pipeline, r, kind, hadamard)] = reduced
+    return out
+
+
+def test_partial_hadamard_block_through_tlq_is_as_good_as_without_the_transform():
+    """The last 32-block of each destination's chunks is partial: with smoothing it comes back bit for bit as
+    without it (so never worse; a constant gradient exactly), and the whole blocks before it are still smoothed."""
+    for rank, results in enumerate(run_distributed(TAIL_WORLD, _tail_worker)):
+        for (rpn, pipeline), remainders in TAIL_LAYOUTS.items():
+            for r in remainders:
+                key = (rpn, pipeline, r)
+                constant = results[(*key, "constant", True)]
+                assert torch.equal(constant, torch.ones(96 + r)), (rank, key, constant[96:].tolist())
+                smoothed, plain = results[(*key, "gaussian", True)], results[(*key, "gaussian", False)]
+                assert torch.equal(_bits(smoothed[96:]), _bits(plain[96:])), (rank, key)
+                assert not torch.equal(smoothed[:96], plain[:96]), f"rank {rank} {key}: whole blocks not smoothed"

@@ -186,6 +186,10 @@ def test_cpu_op_checks_its_inputs() -> None:
         with pytest.raises(RuntimeError, match=message):
             call(**change)
     with pytest.raises(RuntimeError, match="do not split into 3 pieces"):
-        op.dequantize_reduce(codes, scales, 3, 4, 128, torch.empty(256), False, 1.0)
+        op.dequantize_reduce(codes, scales, 3, 4, 128, torch.empty(256), False, 1.0, 256)
+    with pytest.raises(RuntimeError, match=r"valid must be in \[0, 128\] \(the elements of a piece\), got 129"):
+        op.dequantize_reduce(codes, scales, 2, 4, 128, torch.empty(128), True, 1.0, 129)
+    with pytest.raises(RuntimeError, match=r"valid must be in \[0, 128\] \(the elements of a partition\), got 129"):
+        op.swizzle_quantize(x, codes, scales, 4, 128, 1, 2, 1, False, 0, 0, 129, False)
     with pytest.raises(RuntimeError, match="out must be float32"):
         op.hadamard32(x, torch.empty(256, dtype=torch.bfloat16), False)

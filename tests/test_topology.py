@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from deepspeed_sdp4bit.topology import TopologyError, build_topology
 from dist_harness import run_distributed
+from zero3_harness import LogCapture
 
 WORLD = 4
 ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
@@ -56,6 +57,7 @@ def _scenarios() -> dict[str, dict]:
         ("explicit0", {}, same, 0), ("explicit_str", {}, same, "2"),
         ("lws", {"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, same, "auto"),
         ("local_size", {"LOCAL_SIZE": "4"}, same, "auto"),
+        ("local_size_wider", {"LOCAL_SIZE": "8"}, same, "auto"),
         ("lws_differs", {"LOCAL_WORLD_SIZE": str(1 + rank % 2)}, same, "auto"),
         ("lws_unset_on_rank0", {"LOCAL_WORLD_SIZE": None if rank == 0 else "2"}, same, "auto"),
         ("lws_not_int", {"LOCAL_WORLD_SIZE": "two"}, same, "auto"),
@@ -70,7 +72,9 @@ def _scenarios() -> dict[str, dict]:
         for name, env, hosts, setting in plans:
             _set_env(env)
             _set_hosts(hosts)
-            out[name] = _attempt(setting)
+            with LogCapture() as warnings:
+                out[name] = _attempt(setting)
+            out[f"{name} warnings"] = warnings
     finally:
         socket.gethostname = real_gethostname
         _set_env({})
@@ -96,6 +100,12 @@ def test_topology_detection_and_errors():
         res["lws"].pop("describe")
         assert res["lws"] == {**two, "source": "LOCAL_WORLD_SIZE"}
         assert res["local_size"]["source"] == "LOCAL_SIZE" and res["local_size"]["intra"] == [0, 1, 2, 3]
+        assert res["local_size warnings"] == []
+        wider = res["local_size_wider"]
+        assert (wider["rpn"], wider["source"], wider["intra"]) == (4, "LOCAL_SIZE", [0, 1, 2, 3]), wider
+        assert res["local_size_wider warnings"] == (
+            ["sdp4bit: LOCAL_SIZE = 8 is larger than the world size 4; the job's ranks (4) are taken as one node, "
+             "as DeepSpeed does"] if rank == 0 else []), res["local_size_wider warnings"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_differs"]["error"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_unset_on_rank0"]["error"]
         assert "LOCAL_WORLD_SIZE = 'two' is not an integer" in res["lws_not_int"]["error"]

@@ -1,11 +1,15 @@
-"""Every invalid "sdp4bit" block or conflicting DeepSpeed setting fails at initialize, naming its key.
+"""Every invalid "sdp4bit" block or conflicting DeepSpeed setting fails at initialize, naming its key, before
+DeepSpeed builds anything; a config DeepSpeed itself refuses fails with DeepSpeed's own message.
 
-Block errors are raised by deepspeed.initialize before DeepSpeed builds anything, so they run in this process.
-Conflicts with DeepSpeed settings need a real engine (they are checked right after DeepSpeed builds it, before any
-step) and run on real gloo ranks.
+Block errors and DeepSpeed's own config errors come before torch.distributed is needed, so they run in this
+process. Conflicts with DeepSpeed settings and the node layout run on real gloo ranks (the layout is agreed
+collectively), which also check that no DeepSpeedEngine was ever entered.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import pytest
 import torch
@@ -78,7 +82,21 @@ def test_block_that_is_not_an_object_is_rejected() -> None:
         deepspeed_sdp4bit.initialize(model=torch.nn.Linear(4, 4), config={**H.ds_config(), "sdp4bit": True})
 
 
-ENGINE_ERRORS = [
+@pytest.mark.parametrize("key, value", [("mics_shard_size", 2), ("mics_hierarchical_params_gather", True)])
+def test_a_key_deepspeed_removed_gives_deepspeeds_own_message(key: str, value: Any) -> None:
+    import deepspeed
+    from deepspeed.runtime.config import _REMOVED_ZERO_CONFIG_KEYS, DeepSpeedConfigError
+
+    import deepspeed_sdp4bit  # noqa: F401  (routes deepspeed.initialize through SDP4Bit)
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             config=H.ds_config(sdp4bit=QG, **{key: value}))
+    assert str(raised.value) == _REMOVED_ZERO_CONFIG_KEYS[key]
+
+
+REFUSALS = [
     ("stage 2", {"stage": 2}, QG, "zero_optimization.stage"),
     ("reduce_scatter off", {"reduce_scatter": False}, QG, "zero_optimization.reduce_scatter"),
     ("ZeRO++ qgZ", {"zero_quantized_gradients": True}, QG, "zero_optimization.zero_quantized_gradients"),
@@ -87,7 +105,9 @@ ENGINE_ERRORS = [
     ("param offload", {"offload_param": {"device": "cpu"}}, QW, "zero_optimization.offload_param"),
     ("ZenFlow", {"zenflow": {"topk_ratio": 0.1}, "offload_optimizer": {"device": "cpu"}}, QW,
      "zero_optimization.zenflow"),
-    ("ranks per node", {}, {"ranks_per_node": 3, **QG}, "ranks_per_node"),
+    ("SuperOffload", {"offload_optimizer": {"device": "cpu", "super_offload": True}}, QW,
+     "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds SuperOffloadOptimizer_Stage3"),
+    ("ranks per node", {}, {"ranks_per_node": 3, **QG}, "ranks per node = 3 (from ranks_per_node setting)"),
 ]
 
 
@@ -100,14 +120,46 @@ def _engine_error(zero: dict, block: dict) -> str:
     return ""
 
 
-def _all_engine_errors() -> list[str]:
-    return [_engine_error(zero, block) for _, zero, block, _ in ENGINE_ERRORS]
+def _all_refusals() -> tuple[list[str], list[str]]:
+    """Each refusal's message, and the DeepSpeedEngine classes whose __init__ was entered meanwhile."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import deepspeed_sdp4bit  # noqa: F401  (installs its DeepSpeedEngine.__init__ wrapper first: the spy wraps it)
+
+    entered, init = [], DeepSpeedEngine.__init__
+
+    @functools.wraps(init)  # keeps the signature that compat.py checks
+    def spy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+        entered.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    DeepSpeedEngine.__init__ = spy
+    try:
+        return [_engine_error(zero, block) for _, zero, block, _ in REFUSALS], entered
+    finally:
+        DeepSpeedEngine.__init__ = init
 
 
-def test_deepspeed_conflicts_fail_at_initialize_naming_the_key() -> None:
-    messages = run_distributed(2, _all_engine_errors)[0]
-    for (name, _, _, key), message in zip(ENGINE_ERRORS, messages):
+def test_refusals_name_the_key_before_deepspeed_builds_an_engine() -> None:
+    messages, entered = run_distributed(2, _all_refusals)[0]
+    for (name, _, _, key), message in zip(REFUSALS, messages):
         assert key in message, f"{name}: expected an error naming {key}, got {message!r}"
+    assert entered == [], f"DeepSpeedEngine.__init__ was entered before a refusal: {entered}"
+
+
+def test_an_unsupported_optimizer_wrapper_is_named() -> None:
+    """What a built engine shows last: a ZeRO-3 optimizer other than DeepSpeed's standard one, named by class."""
+    from types import SimpleNamespace
+
+    from deepspeed_sdp4bit.zero3.checks import _engine_problems
+
+    class OtherStage3Optimizer:
+        """Stands for an optimizer wrapper a DeepSpeed release might build instead of DeepSpeedZeroOptimizer_Stage3."""
+
+    problem = _engine_problems(SimpleNamespace(optimizer=OtherStage3Optimizer()))[0]
+    found = f"{__name__}.test_an_unsupported_optimizer_wrapper_is_named.<locals>.OtherStage3Optimizer"
+    assert f"this engine's ZeRO-3 optimizer is {found}" in problem, problem
+    assert "DeepSpeedZeroOptimizer_Stage3 only" in problem, problem
 
 
 def test_masters_sharing_the_weights_storage_are_refused() -> None:

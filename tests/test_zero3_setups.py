@@ -6,6 +6,7 @@ logger's warnings, errors, the runtime's state and byte counts). Advice is logge
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -79,6 +80,34 @@ def _unhooked_initialize() -> dict[str, Any]:
     return result
 
 
+def _without_optimizer() -> dict[str, Any]:
+    """The training config reused for evaluation: deepspeed.initialize without an optimizer, next to the same model
+    under a config without the block; a forward and a GatheredParameters on each."""
+    import deepspeed
+
+    try:
+        with H.LogCapture(logging.INFO) as logged:
+            engine, optimizer, *_ = deepspeed.initialize(model=H.tiny_gpt2(0), config=H.ds_config(sdp4bit=TWO_NODES))
+        plain, *_ = deepspeed.initialize(model=H.tiny_gpt2(0), config=H.ds_config())
+    except Exception as exc:  # the test asserts on the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    ids = H.batch(0, torch.distributed.get_rank(), 0)
+    with torch.no_grad():
+        logits = [e(input_ids=ids).logits for e in (engine, plain)]
+    gathered = []
+    for e in (engine, plain):
+        weight = e.module.transformer.h[0].mlp.c_fc.weight
+        with deepspeed.zero.GatheredParameters([weight]):
+            gathered.append(weight.data.clone())
+    built = H.tiny_gpt2(0).transformer.h[0].mlp.c_fc.weight.detach()
+    result = {"error": "", "optimizer": type(engine.optimizer).__name__, "returned": type(optimizer).__name__,
+              "runtime": hasattr(engine, "sdp4bit"), "logged": logged, "same_logits": torch.equal(*logits),
+              "gathered": all(torch.equal(g, built) for g in gathered)}
+    engine.destroy()
+    plain.destroy()
+    return result
+
+
 def _cases() -> dict[str, dict[str, Any]]:
     from deepspeed.accelerator import get_accelerator
 
@@ -101,6 +130,7 @@ def _cases() -> dict[str, dict[str, Any]]:
         "initialize taken before the import": _unhooked_initialize(),
         "settings of a part that is off": _built(H.ds_config(sdp4bit={**TWO_NODES, "quantized_gradients": False,
                                                                       "gradient_quantization_bits_intra": 4})),
+        "without an optimizer": _without_optimizer(),
     }
 
 
@@ -172,6 +202,37 @@ def test_block_given_to_an_initialize_without_sdp4bit_is_reported(cases: list) -
     on_rank0 = cases[0]["initialize taken before the import"]
     assert not on_rank0["runtime"]
     assert _warned(on_rank0, "SDP4Bit is NOT active", "from deepspeed import initialize"), on_rank0["warnings"]
+
+
+@pytest.mark.slow
+def test_engine_without_an_optimizer_passes_through_untouched_saying_why(cases: list) -> None:
+    """deepspeed.initialize(model=..., config=training config) without an optimizer (evaluation, inference): DeepSpeed
+    builds its optimizer-less engine as without the block, forward and GatheredParameters work, one line says why."""
+    for rank, result in enumerate(cases):
+        result = result["without an optimizer"]
+        assert not result["error"], (rank, result["error"])
+        assert result["optimizer"] == result["returned"] == "DeepSpeedZeRoOffload", (rank, result)
+        assert not result["runtime"] and result["same_logits"] and result["gathered"], (rank, result)
+        lines = [m for m in result["logged"] if m.startswith("sdp4bit")]
+        assert len(lines) == (1 if rank == 0 else 0), (rank, result["logged"])
+    line = cases[0]["without an optimizer"]["logged"][0]
+    assert "sdp4bit inactive for this engine" in line and "got no optimizer" in line, line
+    assert "DeepSpeedZeRoOffload" in line and "DeepSpeed's own" in line, line
+
+
+def _launcher_wider_than_the_job() -> dict[str, Any]:
+    """A 1-rank job whose launcher says the machine is 4 wide (LOCAL_SIZE=4), as DeepSpeed's launcher does."""
+    with H.LogCapture() as logged:
+        engine = H.make_engine(H.ds_config(sdp4bit=QWD))
+    H.train_steps(engine, 0, 1)
+    topology = engine.sdp4bit.topology
+    return {"warnings": logged, "layout": (topology.nodes, topology.ranks_per_node, topology.source)}
+
+
+def test_local_size_larger_than_the_world_is_taken_as_deepspeed_takes_it() -> None:
+    result = run_distributed(1, _launcher_wider_than_the_job, env={"LOCAL_SIZE": "4"})[0]
+    assert result["layout"] == (1, 1, "LOCAL_SIZE"), result
+    assert _warned(result, "LOCAL_SIZE = 4 is larger than the world size 1", "as DeepSpeed does"), result["warnings"]
 
 
 def test_partitions_off_the_compute_device_are_refused() -> None:

@@ -48,23 +48,30 @@ class Emulated:
     counters: list[tuple[int, int]]
 
 
-def part_length(numels: list[int], s: Settings) -> tuple[list[int], int]:
-    """Per tensor ceil(n/W), and a rank's padded part: the chunks' sum rounded up to whole lcm(...)*P units."""
+def part_length(numels: list[int], s: Settings) -> tuple[list[int], int, int]:
+    """Per tensor ceil(n/W); the zeros in front of the chunks in a rank's part, which move a partial last 32-block
+    of the chunks to the start of a group of G = lcm(group_intra, group_inter, 32) elements; and the part: the
+    zeros and the chunks rounded up to whole G*P units."""
     chunks = [math.ceil(n / s.world) for n in numels]
-    unit = math.lcm(s.group_intra, s.group_inter, 32) * s.pipeline
-    return chunks, max(1, math.ceil(sum(chunks) / unit)) * unit
+    used = sum(chunks)
+    group = math.lcm(s.group_intra, s.group_inter, 32)
+    tail = used % 32
+    lead = (group - (used - tail) % group) % group if tail else 0
+    unit = group * s.pipeline
+    return chunks, max(1, math.ceil((lead + used) / unit)) * unit, lead
 
 
-def rank_buffer(tensors: list[torch.Tensor], s: Settings, part: int) -> torch.Tensor:
-    """One rank's buffer as fp32: for each destination rank, the concatenated chunks of all tensors, padded."""
+def rank_buffer(tensors: list[torch.Tensor], s: Settings, part: int, lead: int) -> torch.Tensor:
+    """One rank's buffer as fp32: for each destination rank, `lead` zeros, the concatenated chunks of all tensors,
+    zeros up to `part`."""
     rows = []
     for dest in range(s.world):
-        pieces = []
+        pieces = [torch.zeros(lead)]
         for t in tensors:
             c = math.ceil(t.numel() / s.world)
             piece = t.flatten()[dest * c:(dest + 1) * c].to(torch.float32)
             pieces.append(torch.cat((piece, torch.zeros(c - piece.numel()))))
-        row = torch.cat(pieces) if pieces else torch.zeros(0)
+        row = torch.cat(pieces)
         rows.append(torch.cat((row, torch.zeros(part - row.numel()))))
     return torch.cat(rows)
 
@@ -88,7 +95,8 @@ class _Emulator:
         self.s = s
         self.numels = [t.numel() for t in inputs[0]]
         self.dtype = inputs[0][0].dtype
-        self.chunks, self.part = part_length(self.numels, s)
+        self.chunks, self.part, self.lead = part_length(self.numels, s)
+        self.valid = self.lead + sum(self.chunks)
         self.block = self.part // s.pipeline
         self.counters = counters
         self.two_level = s.nodes > 1 and s.ranks_per_node > 1
@@ -101,12 +109,16 @@ class _Emulator:
         self.level1 = [self._quantize_rank(k, inputs[k]) for k in range(s.world)]
 
     def _quantize_rank(self, k: int, tensors: list[torch.Tensor]):
-        """Rank k's level-1 codes and scales over its whole rank-major buffer."""
+        """Rank k's level-1 codes and scales over its whole rank-major buffer, one destination's part at a time (each
+        valid up to the end of its chunks; counters run on over the whole buffer)."""
         bits, group = self.first
-        buf = rank_buffer(tensors, self.s, self.part)
-        return reference.quantize(buf, bits=bits, group_size=group, stochastic=self.s.stochastic,
-                                  seed=derive_seed(self.s.seed, k, STAGE_QUANTIZE), offset=self.counters[k][0],
-                                  hadamard=self.s.hadamard)
+        rows = rank_buffer(tensors, self.s, self.part, self.lead).view(self.s.world, self.part)
+        encoded = [reference.quantize(row, bits=bits, group_size=group, stochastic=self.s.stochastic,
+                                      seed=derive_seed(self.s.seed, k, STAGE_QUANTIZE),
+                                      offset=(self.counters[k][0] + dest * self.part) % 2**64, valid=self.valid,
+                                      hadamard=self.s.hadamard)
+                   for dest, row in enumerate(rows)]
+        return torch.cat([c for c, _ in encoded]), torch.cat([sc for _, sc in encoded])
 
     def _first_block(self, src: int, dest: int, y: int):
         """Rank src's level-1 codes and scales for destination `dest`, slice y."""
@@ -144,9 +156,10 @@ class _Emulator:
     def slice_result(self, dest: int, y: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Destination `dest`'s slice y: the final reduction and its error bound."""
         codes, scales, bits, group, bound = self._final_pieces(dest, y)
+        valid = min(self.block, max(0, self.valid - y * self.block))
         out = reference.dequantize_reduce(torch.cat(codes), torch.cat(scales), pieces=len(codes), bits=bits,
                                           group_size=group, dtype=self.dtype, hadamard=self.s.hadamard,
-                                          mul=1.0 / self.s.world)
+                                          mul=1.0 / self.s.world, valid=valid)
         if self.s.hadamard:
             bound = bound.view(-1, 32).mean(dim=1).repeat_interleave(32)
         factor = 1.0 if self.s.stochastic else 0.5
@@ -154,7 +167,7 @@ class _Emulator:
 
     def split(self, part: torch.Tensor, dest: int) -> list[torch.Tensor]:
         """This destination's partition of every tensor, cut out of its part by walking the chunks."""
-        out, pos = [], 0
+        out, pos = [], self.lead
         for n, c in zip(self.numels, self.chunks, strict=True):
             real = max(0, min(c, n - dest * c))
             out.append(part[pos:pos + real])

@@ -126,7 +126,13 @@ def served_equals_ds_tensor(module: torch.nn.Module) -> bool:
 
 
 class LogCapture:
-    """Collects the messages the package logger emits at WARNING and above while the context is open."""
+    """Collects the messages the package logger emits at `level` (WARNING unless given) and above while the context
+    is open."""
+
+    def __init__(self, level: int | None = None) -> None:
+        import logging
+
+        self.level = logging.WARNING if level is None else level
 
     def __enter__(self) -> list[str]:
         import logging
@@ -134,7 +140,7 @@ class LogCapture:
         from deepspeed_sdp4bit.log import logger
 
         self.messages: list[str] = []
-        self.handler = logging.Handler(logging.WARNING)
+        self.handler = logging.Handler(self.level)
         self.handler.emit = lambda record: self.messages.append(record.getMessage())
         logger.addHandler(self.handler)
         return self.messages

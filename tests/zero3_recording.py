@@ -239,7 +239,7 @@ def check_gradients(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
             for rank, entry in enumerate(entries):
                 for i, (got, want) in enumerate(zip(entry["outputs"], emulated.outputs[rank], strict=True)):
                     problems += _difference(f"step {entry['step']} call {index} rank {rank} tensor {i}", got, want)
-        _, part = part_length(entries[0]["numels"], s)
+        _, part, _ = part_length(entries[0]["numels"], s)
         two_level = s.nodes > 1 and s.ranks_per_node > 1
         counters = [(q + e.world * part, r + (s.nodes * part if two_level else 0)) for q, r in counters]
     return problems, compared
@@ -337,7 +337,7 @@ def _grad_wire_bytes(log: dict[str, Any], e: Expected) -> dict[str, int]:
         levels = [("grad_intra", s.bits_intra, s.group_intra, s.world),
                   ("grad_inter", s.bits_inter, s.group_inter, s.nodes)]
     for entry in log["reduce"]:
-        _, part = part_length(entry["numels"], s)
+        _, part, _ = part_length(entry["numels"], s)
         for kind, bits, group, dests in levels:
             total[kind] += codes_nbytes(dests * part, bits) + 4 * num_groups(dests * part, group)
     return total

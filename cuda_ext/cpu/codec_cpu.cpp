@@ -254,8 +254,12 @@ inline void hadamard_blocks(float* x, int64_t n) {
   for (int64_t b = 0; b < n; b += kHadamard) sdp4bit::hadamard32(x + b);
 }
 
+// Elements of the 32-blocks of a group (starting at a multiple of 32) that lie wholly among its `live` real ones:
+// the ones the Hadamard transform applies to (a block that the valid end cuts stays as it is).
+inline int64_t whole_blocks(int64_t live) { return live / kHadamard * kHadamard; }
+
 // Elements [start, start + n) of x as fp32, those at index >= valid read as 0, then the optional Hadamard
-// transform. Returns x's own memory when nothing needs staging, else `buf`.
+// transform of the blocks lying wholly below valid. Returns x's own memory when nothing needs staging, else `buf`.
 template <typename T>
 const float* stage(const T* x, int64_t start, int64_t n, int64_t valid, bool hadamard, float* buf) {
   const int64_t live = std::clamp<int64_t>(valid - start, 0, n);
@@ -264,7 +268,7 @@ const float* stage(const T* x, int64_t start, int64_t n, int64_t valid, bool had
   }
   for (int64_t i = 0; i < live; ++i) buf[i] = to_f32(x[start + i]);
   for (int64_t i = live; i < n; ++i) buf[i] = 0.0f;
-  if (hadamard) hadamard_blocks(buf, n);
+  if (hadamard) hadamard_blocks(buf, whole_blocks(live));
   return buf;
 }
 
@@ -444,7 +448,7 @@ void hadamard32(const at::Tensor& x, const at::Tensor& out, bool inverse) {
 
 void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                       int64_t group, int64_t nodes, int64_t ranks_per_node, int64_t slices, bool stochastic,
-                      int64_t key, int64_t offset, bool hadamard) {
+                      int64_t key, int64_t offset, int64_t valid, bool hadamard) {
   check_float(x, "x");
   check_bits_group(bits, group, "bits", "group_size");
   const int64_t n = x.numel();
@@ -457,6 +461,9 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t block = n / blocks;
   TORCH_CHECK(block % group == 0 && block % kHadamard == 0, "sdp4bit codec (cpu): swizzle_quantize: block of ",
               block, " elements is not a multiple of group_size ", group, " and of ", kHadamard);
+  const int64_t partition = block * slices;
+  TORCH_CHECK(valid >= 0 && valid <= partition, "sdp4bit codec (cpu): swizzle_quantize: valid must be in [0, ",
+              partition, "] (the elements of a partition), got ", valid);
   const Quant p{static_cast<int>(bits), stochastic, check_key(key), static_cast<uint64_t>(offset)};
   const int64_t groups = n / group;
   const int64_t per_block = block / group;
@@ -471,9 +478,10 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
       const int64_t in_block = g / per_block;
       const int64_t dest = sdp4bit::swizzled_block(in_block / slices, in_block % slices, nodes, ranks_per_node) *
                                per_block + g % per_block;
-      const float* v = stage(src, g * group, group, n, hadamard, buf);
-      quantize_group(v, group, p, p.offset + g * group, out + dest * group * bits / 8, sc + dest,
-                     Ahead{{next_group(src, g * group, group, n)}});
+      const int64_t start = g * group;
+      const float* v = stage(src, start, group, start - start % partition + valid, hadamard, buf);
+      quantize_group(v, group, p, p.offset + start, out + dest * group * bits / 8, sc + dest,
+                     Ahead{{next_group(src, start, group, n)}});
     }
   });
 }
@@ -508,14 +516,18 @@ void dequantize_reduce_quantize(const at::Tensor& codes, const at::Tensor& scale
 }
 
 void dequantize_reduce(const at::Tensor& codes, const at::Tensor& scales, int64_t pieces, int64_t bits,
-                       int64_t group, const at::Tensor& out, bool hadamard, double mul) {
+                       int64_t group, const at::Tensor& out, bool hadamard, double mul, int64_t valid) {
   check_bits_group(bits, group, "bits", "group_size");
   check_cpu(codes, "codes");
   check_float(out, "out");
   const int64_t piece = piece_numel(codes, pieces, bits, group);
   check_codes(codes, scales, piece * pieces, bits, group, "codes", "scales");
   TORCH_CHECK(out.numel() == piece, "sdp4bit codec (cpu): out has ", out.numel(), " elements, a piece has ", piece);
-  const float factor = hadamard ? static_cast<float>(mul) * (1.0f / kHadamard) : static_cast<float>(mul);
+  TORCH_CHECK(valid >= 0 && valid <= piece, "sdp4bit codec (cpu): dequantize_reduce: valid must be in [0, ", piece,
+              "] (the elements of a piece), got ", valid);
+  // As the reference: fp32(mul), times 1/32 for the blocks whose Hadamard transform is undone.
+  const float plain = static_cast<float>(mul);
+  const float transformed = plain * (1.0f / kHadamard);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   const int64_t groups = piece / group;
@@ -529,9 +541,11 @@ void dequantize_reduce(const at::Tensor& codes, const at::Tensor& scales, int64_
         alignas(64) float buf[kMaxGroup];
         const int64_t start = g * group;
         sum_pieces<kBits>(cp, sc, group, pieces, piece, start, group, buf);
-        if (hadamard) hadamard_blocks(buf, group);
+        const int64_t whole = hadamard ? whole_blocks(std::clamp<int64_t>(valid - start, 0, group)) : 0;
+        hadamard_blocks(buf, whole);
         T* o = dst + start;
-        for (int64_t i = 0; i < group; ++i) o[i] = from_f32<T>(buf[i] * factor);
+        for (int64_t i = 0; i < whole; ++i) o[i] = from_f32<T>(buf[i] * transformed);
+        for (int64_t i = whole; i < group; ++i) o[i] = from_f32<T>(buf[i] * plain);
       }
     });
   });

@@ -112,7 +112,7 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   check_codes(codes, scales, numel, bits, group_size, x, "quantize: codes", "quantize: scales");
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  gpu::launch_quantize({x.data_ptr(), dtype}, valid, hadamard,
+  gpu::launch_quantize({x.data_ptr(), dtype}, 0, valid, hadamard,
                        target(codes, scales, numel, bits, group_size, stochastic, key, offset), stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -138,7 +138,7 @@ void diff_quantize(const at::Tensor& next, const at::Tensor& ref, const at::Tens
 
 void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                       int64_t group_size, int64_t nodes, int64_t ranks_per_node, int64_t slices, bool stochastic,
-                      int64_t key, int64_t offset, bool hadamard) {
+                      int64_t key, int64_t offset, int64_t valid, bool hadamard) {
   check_tensor(x, "swizzle_quantize: x", x);
   const gpu::DType dtype = float_dtype(x, "swizzle_quantize: x");
   check_bits(bits, "swizzle_quantize: bits");
@@ -154,6 +154,9 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t block = numel / blocks;
   TORCH_CHECK(block % group_size == 0 && block % kHadamard == 0, "swizzle_quantize: block of ", block,
               " elements is not a multiple of group_size ", group_size, " and of ", kHadamard);
+  const int64_t partition = block * slices;
+  TORCH_CHECK(valid >= 0 && valid <= partition, "swizzle_quantize: valid must be in [0, ", partition,
+              "] (the elements of a partition), got ", valid);
   check_codes(codes, scales, numel, bits, group_size, x, "swizzle_quantize: codes", "swizzle_quantize: scales");
   if (numel == 0) return;
   gpu::QuantTarget t = target(codes, scales, numel, bits, group_size, stochastic, key, offset);
@@ -162,7 +165,7 @@ void swizzle_quantize(const at::Tensor& x, const at::Tensor& codes, const at::Te
   t.ranks_per_node = ranks_per_node;
   t.slices = slices;
   const c10::cuda::CUDAGuard guard(x.device());
-  gpu::launch_quantize({x.data_ptr(), dtype}, numel, hadamard, t, stream());
+  gpu::launch_quantize({x.data_ptr(), dtype}, partition, valid, hadamard, t, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -222,7 +225,7 @@ void dequantize_add(const at::Tensor& ref, const at::Tensor& codes, const at::Te
 }
 
 void dequantize_reduce(const at::Tensor& codes, const at::Tensor& scales, int64_t pieces, int64_t bits,
-                       int64_t group_size, const at::Tensor& out, bool hadamard, double mul) {
+                       int64_t group_size, const at::Tensor& out, bool hadamard, double mul, int64_t valid) {
   check_bits(bits, "dequantize_reduce: bits");
   check_group(group_size, "dequantize_reduce: group_size");
   check_tensor(codes, "dequantize_reduce: codes", codes);
@@ -232,14 +235,16 @@ void dequantize_reduce(const at::Tensor& codes, const at::Tensor& scales, int64_
   check_tensor(out, "dequantize_reduce: out", codes);
   const gpu::DType dtype = float_dtype(out, "dequantize_reduce: out");
   TORCH_CHECK(out.numel() == numel, "dequantize_reduce: out has ", out.numel(), " elements, a piece has ", numel);
+  TORCH_CHECK(valid >= 0 && valid <= numel, "dequantize_reduce: valid must be in [0, ", numel,
+              "] (the elements of a piece), got ", valid);
   if (numel == 0) return;
-  // As the reference: fp32(mul), times 1/32 in fp32 when undoing the Hadamard transform.
-  float factor = static_cast<float>(mul);
-  if (hadamard) factor = factor * (1.0f / static_cast<float>(kHadamard));
+  // As the reference: fp32(mul), times 1/32 in fp32 for the blocks whose Hadamard transform is undone.
+  const float plain = static_cast<float>(mul);
+  const float transformed = plain * (1.0f / static_cast<float>(kHadamard));
   const c10::cuda::CUDAGuard guard(codes.device());
   gpu::launch_dequantize_reduce(
       {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), static_cast<int>(bits), static_cast<int>(group_size)},
-      pieces, numel, out.data_ptr(), dtype, hadamard, factor, stream());
+      pieces, numel, out.data_ptr(), dtype, hadamard ? valid : 0, transformed, plain, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -271,7 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swizzle_quantize", &swizzle_quantize, "Quantize into the two-level all-to-all layout", py::arg("x"),
         py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("group_size"), py::arg("nodes"),
         py::arg("ranks_per_node"), py::arg("slices"), py::arg("stochastic"), py::arg("key"), py::arg("offset"),
-        py::arg("hadamard"));
+        py::arg("valid"), py::arg("hadamard"));
   m.def("dequantize_reduce_quantize", &dequantize_reduce_quantize,
         "Sum quantized pieces in fp32 and quantize the sum again", py::arg("codes"), py::arg("scales"),
         py::arg("pieces"), py::arg("in_bits"), py::arg("in_group"), py::arg("out_codes"), py::arg("out_scales"),
@@ -282,7 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("group_size"));
   m.def("dequantize_reduce", &dequantize_reduce, "Sum quantized pieces, optional inverse Hadamard, scale, cast",
         py::arg("codes"), py::arg("scales"), py::arg("pieces"), py::arg("bits"), py::arg("group_size"),
-        py::arg("out"), py::arg("hadamard"), py::arg("mul"));
+        py::arg("out"), py::arg("hadamard"), py::arg("mul"), py::arg("valid"));
   m.def("hadamard32", &hadamard32, "Walsh-Hadamard transform of every 32-block, in fp32", py::arg("x"),
         py::arg("out"), py::arg("inverse"));
 }

@@ -266,6 +266,24 @@ __device__ __forceinline__ void hadamard_lanes(float (&v)[8]) {
   }
 }
 
+// Whether the 32-block holding element e lies wholly below `end`: the blocks the Hadamard transform applies to.
+__device__ __forceinline__ bool block_below(int64_t e, int64_t end) {
+  return (e & ~int64_t{kHadamard - 1}) + kHadamard <= end;
+}
+
+// hadamard_lanes on a chunk (at element e) whose 32-block lies wholly below `end`; a chunk of a block that `end`
+// cuts, or of one past it, keeps its values. Every lane of the warp must call it (the butterfly shuffles).
+__device__ __forceinline__ void hadamard_below(float (&v)[8], int64_t e, int64_t end) {
+  float raw[8];
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) raw[j] = v[j];
+  hadamard_lanes(v);
+  if (!block_below(e, end)) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) v[j] = raw[j];
+  }
+}
+
 // Group index of element e (a multiple of 8): a shift for power-of-two group sizes, else a precomputed 32-bit
 // division of the chunk index (a 64-bit division only past 2^35 elements).
 struct GroupIndex {
@@ -348,17 +366,21 @@ GroupOrder group_order(const QuantTarget& t) {
           static_cast<uint32_t>(t.nodes * t.ranks_per_node)};
 }
 
-// A plain float input (any codec dtype), masked at `limit`, optionally Hadamard-transformed.
+// A plain float input (any codec dtype) made of partitions of `partition` elements (0: one partition, the whole
+// buffer; a group never straddles two), each holding `valid` real elements at its start, the rest read as zero;
+// optionally Hadamard-transformed, the 32-blocks lying wholly below the valid end only.
 struct PlainSource {
   const uint8_t* x;
   DType dtype;
-  int64_t limit;
+  int64_t partition;
+  int64_t valid;
   bool vec;
   bool hadamard;
 
   template <int TT, int S>
   __device__ __forceinline__ void load(int64_t base, int lane, int chunks, bool live, float (&v)[S][8]) const {
     const int size = dtype == DType::kFloat32 ? 4 : 2;
+    const int64_t limit = partition > 0 ? base - base % partition + valid : valid;
     uint32_t r[S][8];
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -369,7 +391,7 @@ struct PlainSource {
     for (int s = 0; s < S; ++s) decode8(r[s], dtype, v[s]);
     if (hadamard) {
 #pragma unroll
-      for (int s = 0; s < S; ++s) hadamard_lanes(v[s]);
+      for (int s = 0; s < S; ++s) hadamard_below(v[s], base + int64_t(s * TT + lane) * kChunk, limit);
     }
   }
 };
@@ -604,8 +626,8 @@ __global__ void __launch_bounds__(kEwThreads)
 template <DType D>
 __global__ void __launch_bounds__(kEwThreads)
     dequantize_reduce_kernel(const CodesInput in, const GroupIndex gi, int64_t pieces, int64_t piece_numel,
-                             int64_t piece_groups, void* out, bool hadamard, float factor, bool vec_codes,
-                             bool vec_out) {
+                             int64_t piece_groups, void* out, int64_t inverse_below, float transformed, float plain,
+                             bool vec_codes, bool vec_out) {
   constexpr int kBatch = 2;  // pieces whose loads are in flight together
   const int64_t byte_limit = codes_nbytes(pieces * piece_numel, in.bits);
   float acc[kEwChunks][8];
@@ -641,14 +663,15 @@ __global__ void __launch_bounds__(kEwThreads)
       }
     }
   }
-  if (hadamard) {
+  if (inverse_below > 0) {  // the same for every thread, so every lane of a warp shuffles
 #pragma unroll
-    for (int u = 0; u < kEwChunks; ++u) hadamard_lanes(acc[u]);
+    for (int u = 0; u < kEwChunks; ++u) hadamard_below(acc[u], ew_element(u), inverse_below);
   }
 #pragma unroll
   for (int u = 0; u < kEwChunks; ++u) {
     const int64_t e = ew_element(u);
     if (e >= piece_numel) continue;
+    const float factor = block_below(e, inverse_below) ? transformed : plain;
     float v[8];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) v[j] = acc[u][j] * factor;
@@ -707,11 +730,11 @@ struct Decode {
 
 template <DType D>
 struct DequantizeReduce {
-  static void run(const CodesInput& in, int64_t pieces, int64_t piece_numel, void* out, bool hadamard, float factor,
-                  cudaStream_t stream) {
+  static void run(const CodesInput& in, int64_t pieces, int64_t piece_numel, void* out, int64_t inverse_below,
+                  float transformed, float plain, cudaStream_t stream) {
     dequantize_reduce_kernel<D><<<ew_blocks(piece_numel), kEwThreads, 0, stream>>>(
         in, group_index(in.group_size, pieces * piece_numel), pieces, piece_numel, piece_numel / in.group_size, out,
-        hadamard, factor, aligned16(in.codes), aligned16(out));
+        inverse_below, transformed, plain, aligned16(in.codes), aligned16(out));
   }
 };
 
@@ -727,8 +750,9 @@ int64_t groups_of(int64_t numel, int group_size) { return (numel + group_size - 
 
 }  // namespace
 
-void launch_quantize(FloatInput x, int64_t valid, bool hadamard, const QuantTarget& t, cudaStream_t stream) {
-  const PlainSource src{static_cast<const uint8_t*>(x.data), x.dtype, valid, aligned16(x.data), hadamard};
+void launch_quantize(FloatInput x, int64_t partition, int64_t valid, bool hadamard, const QuantTarget& t,
+                     cudaStream_t stream) {
+  const PlainSource src{static_cast<const uint8_t*>(x.data), x.dtype, partition, valid, aligned16(x.data), hadamard};
   launch_groups(src, t, groups_of(t.numel, t.group_size), stream);
 }
 
@@ -753,8 +777,9 @@ void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dt
 }
 
 void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel, void* out, DType out_dtype,
-                              bool hadamard, float factor, cudaStream_t stream) {
-  dispatch_dtype<DequantizeReduce>(out_dtype, in, pieces, piece_numel, out, hadamard, factor, stream);
+                              int64_t inverse_below, float transformed, float plain, cudaStream_t stream) {
+  dispatch_dtype<DequantizeReduce>(out_dtype, in, pieces, piece_numel, out, inverse_below, transformed, plain,
+                                   stream);
 }
 
 void launch_hadamard32(FloatInput x, int64_t numel, float* out, bool inverse, cudaStream_t stream) {

@@ -45,8 +45,11 @@ struct QuantTarget {
   int64_t slices;
 };
 
-// Quantize x[0, t.numel) (elements at index >= valid read as zero), optionally Hadamard-transformed first.
-void launch_quantize(FloatInput x, int64_t valid, bool hadamard, const QuantTarget& t, cudaStream_t stream);
+// Quantize x[0, t.numel), optionally Hadamard-transformed first. x is made of partitions of `partition` elements
+// (0: one partition, the whole buffer); elements of a partition at index >= valid are read as zero, and the
+// transform applies to the 32-blocks lying wholly below valid.
+void launch_quantize(FloatInput x, int64_t partition, int64_t valid, bool hadamard, const QuantTarget& t,
+                     cudaStream_t stream);
 
 // Quantize fp32(new) - fp32(ref) over t.numel elements; elements at index >= valid read neither input.
 void launch_diff_quantize(FloatInput next, FloatInput ref, int64_t valid, const QuantTarget& t, cudaStream_t stream);
@@ -60,9 +63,10 @@ void launch_dequantize(CodesInput in, int64_t numel, void* out, DType out_dtype,
 // ref[i] = dtype(fp32(q_i) * scale + fp32(ref[i])) for i < numel, in place.
 void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dtype, cudaStream_t stream);
 
-// out = dtype(H?(sum of pieces) * factor) over piece_numel elements (a multiple of 32).
+// out = dtype(H(sum of pieces) * transformed) on the 32-blocks lying wholly below `inverse_below`, and
+// dtype(sum of pieces * plain) on the others, over piece_numel elements (a multiple of 32).
 void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel, void* out, DType out_dtype,
-                              bool hadamard, float factor, cudaStream_t stream);
+                              int64_t inverse_below, float transformed, float plain, cudaStream_t stream);
 
 // out = fp32 Walsh-Hadamard transform of every 32-block of x (numel a multiple of 32), times 1/32 if inverse.
 void launch_hadamard32(FloatInput x, int64_t numel, float* out, bool inverse, cudaStream_t stream);

@@ -18,6 +18,7 @@ from .spec import (
     check_group_args,
     check_out_codes,
     check_out_values,
+    check_valid,
     codes_nbytes,
     num_groups,
     pieces_numel,
@@ -104,11 +105,13 @@ class CompiledBackend:
 
     def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
                          slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
-                         hadamard: bool = False, out: Codes | None = None) -> Codes:
-        check_swizzle_args(x, bits, group_size, nodes * ranks_per_node, slices)
+                         valid: int | None = None, hadamard: bool = False, out: Codes | None = None) -> Codes:
+        world = nodes * ranks_per_node
+        check_swizzle_args(x, bits, group_size, world, slices, valid)
         codes, scales = _outputs(x, x.numel(), bits, group_size, out)
         self.op.swizzle_quantize(x, codes, scales, bits, group_size, nodes, ranks_per_node, slices, stochastic,
-                                 seed_key(seed), _signed64(offset), hadamard)
+                                 seed_key(seed), _signed64(offset), x.numel() // world if valid is None else valid,
+                                 hadamard)
         return codes, scales
 
     def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
@@ -126,11 +129,13 @@ class CompiledBackend:
 
     def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
                           group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
-                          mul: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                          mul: float = 1.0, valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         numel = pieces_numel(codes, scales, pieces, bits, group_size)
         if hadamard and numel % 32:
             raise ValueError(f"hadamard needs a multiple of 32 elements, got {numel}")
+        check_valid(valid, numel, "a piece")
         out = _values(codes.device, numel, dtype, out)
-        self.op.dequantize_reduce(codes, scales, pieces, bits, group_size, out, hadamard, float(mul))
+        self.op.dequantize_reduce(codes, scales, pieces, bits, group_size, out, hadamard, float(mul),
+                                  numel if valid is None else valid)
         return out
 

@@ -17,6 +17,7 @@ from .spec import (
     check_group_args,
     check_out_codes,
     check_out_values,
+    check_valid,
     num_groups,
     pieces_numel,
     qmax_for,
@@ -96,11 +97,25 @@ def _into_values(result: torch.Tensor, out: torch.Tensor | None,
     return out.copy_(result)
 
 
-def _masked_fp32(x: torch.Tensor, valid: int | None, padded: int) -> torch.Tensor:
-    """x as fp32 in a zero buffer of `padded` elements; elements at index >= valid are never read."""
-    n = x.numel() if valid is None else valid
+def _whole_blocks(valid: int) -> int:
+    """Elements of the 32-blocks lying wholly below `valid`: the ones the Hadamard transform applies to."""
+    return valid // HADAMARD_BLOCK * HADAMARD_BLOCK
+
+
+def _prepared(x: torch.Tensor, valid: int | None, hadamard: bool, partitions: int, padded: int) -> torch.Tensor:
+    """x as fp32 in a zero buffer of `padded` elements, split into `partitions` equal partitions of which each holds
+    `valid` real elements at its start (the rest read as zero, never read); with `hadamard`, each partition's
+    32-blocks lying wholly below `valid` transformed. A block that `valid` cuts stays as it is: transformed, the
+    zeros standing in for its missing elements would spread its values over the whole block."""
+    part = x.numel() // partitions
+    valid = part if valid is None else valid
+    rows = x.reshape(partitions, part)
     out = torch.zeros(padded, dtype=torch.float32, device=x.device)
-    out[:n] = x.reshape(-1)[:n].to(torch.float32)
+    view = out[:x.numel()].view(partitions, part)
+    view[:, :valid] = rows[:, :valid].to(torch.float32)
+    if hadamard:
+        whole = _whole_blocks(valid)
+        view[:, :whole] = hadamard32(view[:, :whole].reshape(-1)).view(partitions, whole)
     return out
 
 
@@ -165,10 +180,7 @@ def quantize(x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = 
     """Groupwise symmetric abs-max quantization of a 1-D tensor -> (uint8 codes, fp32 scales)."""
     numel = x.numel()
     check_group_args(x, bits, group_size, valid, hadamard)
-    padded = num_groups(numel, group_size) * group_size
-    xf = _masked_fp32(x, valid, padded)
-    if hadamard:
-        xf = torch.cat((hadamard32(xf[:numel]), xf[numel:]))
+    xf = _prepared(x, valid, hadamard, 1, num_groups(numel, group_size) * group_size)
     result = _quantize_fp32(xf, numel, bits, group_size, stochastic, seed, offset)
     return _into_codes(result, out, x.device, numel, bits, group_size)
 
@@ -198,7 +210,7 @@ def diff_quantize(new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size
     check_group_args(ref, bits, group_size, valid, False)
     numel = new.numel()
     padded = num_groups(numel, group_size) * group_size
-    d = _masked_fp32(new, valid, padded) - _masked_fp32(ref, valid, padded)
+    d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)
     return _into_codes(_quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset), out, new.device, numel,
                        bits, group_size)
 
@@ -228,17 +240,19 @@ def swizzle_permutation(nodes: int, ranks_per_node: int, slices: int) -> torch.T
 
 
 def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int, slices: int,
-                     stochastic: bool = False, seed: int = 0, offset: int = 0, hadamard: bool = False,
-                     out: Codes | None = None) -> Codes:
+                     stochastic: bool = False, seed: int = 0, offset: int = 0, valid: int | None = None,
+                     hadamard: bool = False, out: Codes | None = None) -> Codes:
     """Quantize x (W partitions x `slices` slices, each a whole number of groups) into the swizzled layout.
 
-    Stochastic-rounding counters and Hadamard blocks follow the *input* element index, so the values are the
-    same as a plain `quantize` of x; only the order of whole groups (codes and scales alike) changes.
+    Each partition holds `valid` real elements at its start (all of it when None); the rest are read as zero and
+    never read. Stochastic-rounding counters and Hadamard blocks follow the *input* element index, so the values
+    are those of a plain `quantize` of each partition with that `valid`; only the order of whole groups (codes and
+    scales alike) changes.
     """
     world = nodes * ranks_per_node
-    block = check_swizzle_args(x, bits, group_size, world, slices)
-    codes, scales = quantize(x, bits=bits, group_size=group_size, stochastic=stochastic, seed=seed, offset=offset,
-                             hadamard=hadamard)
+    block = check_swizzle_args(x, bits, group_size, world, slices, valid)
+    xf = _prepared(x, valid, hadamard, world, x.numel())
+    codes, scales = _quantize_fp32(xf, x.numel(), bits, group_size, stochastic, seed, offset)
     perm = swizzle_permutation(nodes, ranks_per_node, slices).to(x.device)
     code_block = block * bits // 8
     codes = codes.view(world * slices, code_block)[perm].reshape(-1)
@@ -246,7 +260,8 @@ def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int,
     return _into_codes((codes, scales), out, x.device, x.numel(), bits, group_size)
 
 
-def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int) -> int:
+def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int,
+                       valid: int | None = None) -> int:
     """Validate a swizzle input and return the elements per (partition, slice) block."""
     check_group_args(x, bits, group_size, None, False)
     if world < 1 or slices < 1:
@@ -258,6 +273,7 @@ def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, 
     if block % group_size or block % HADAMARD_BLOCK:
         raise ValueError(f"swizzle_quantize: block of {block} elements is not a multiple of group_size {group_size}"
                          f" and of {HADAMARD_BLOCK}")
+    check_valid(valid, numel // world, "a partition")
     return block
 
 
@@ -285,12 +301,14 @@ def dequantize_reduce_quantize(codes: torch.Tensor, scales: torch.Tensor, *, pie
 
 def dequantize_reduce(codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int, group_size: int,
                       dtype: torch.dtype = torch.float32, hadamard: bool = False, mul: float = 1.0,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform, scale by `mul`, cast to
-    `dtype` (or out's dtype)."""
+                      valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform of the 32-blocks lying wholly
+    below `valid` (the ones the quantizer transformed), scale by `mul`, cast to `dtype` (or out's dtype)."""
     total = _sum_pieces(codes, scales, pieces, bits, group_size)
-    factor = torch.tensor(mul, dtype=torch.float32)
+    check_valid(valid, total.numel(), "a piece")
+    factor = torch.full_like(total, mul)
     if hadamard:
-        total = hadamard32(total)
-        factor = factor * (1.0 / HADAMARD_BLOCK)
-    return _into_values((total * factor.to(total.device)).to(dtype if out is None else out.dtype), out)
+        whole = _whole_blocks(total.numel() if valid is None else valid)
+        total = torch.cat((hadamard32(total[:whole]), total[whole:]))
+        factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)
+    return _into_values((total * factor).to(dtype if out is None else out.dtype), out)

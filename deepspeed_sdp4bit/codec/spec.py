@@ -58,6 +58,12 @@ def check_group_args(x: torch.Tensor, bits: int, group_size: int, valid: int | N
         raise ValueError(f"hadamard needs a multiple of {HADAMARD_BLOCK} elements, got {x.numel()}")
 
 
+def check_valid(valid: int | None, length: int, what: str) -> None:
+    """A valid length (None: all of it) must lie in [0, length] of `what` (a partition, a piece)."""
+    if valid is not None and (type(valid) is not int or not 0 <= valid <= length):
+        raise ValueError(f"valid must be an integer in [0, {length}] (the elements of {what}), got {valid!r}")
+
+
 def check_codes(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, group_size: int) -> None:
     """Codes and scales must be contiguous uint8/fp32 buffers of exactly the sizes `numel` elements need."""
     if codes.dtype != torch.uint8 or scales.dtype != torch.float32:
@@ -135,7 +141,7 @@ class CodecBackend(Protocol):
                  offset: int = 0, valid: int | None = None, hadamard: bool = False,
                  out: Codes | None = None) -> Codes:
         """Groupwise symmetric abs-max quantization of a contiguous tensor -> (uint8 codes, fp32 scales); elements
-        at index >= valid are read as zero, `hadamard` transforms each 32-block first."""
+        at index >= valid are read as zero, `hadamard` first transforms each 32-block lying wholly below valid."""
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
                    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,8 +161,9 @@ class CodecBackend(Protocol):
 
     def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
                          slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
-                         hadamard: bool = False, out: Codes | None = None) -> Codes:
-        """Quantize a rank's full gradient buffer into the layout the two-level all-to-all sends (TLq step 1)."""
+                         valid: int | None = None, hadamard: bool = False, out: Codes | None = None) -> Codes:
+        """Quantize a rank's full gradient buffer into the layout the two-level all-to-all sends (TLq step 1); each
+        of its nodes x ranks_per_node partitions holds `valid` real elements at its start (all when None)."""
 
     def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
                                    in_group: int, out_bits: int, out_group: int, stochastic: bool = False,
@@ -165,9 +172,9 @@ class CodecBackend(Protocol):
 
     def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
                           group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
-                          mul: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum `pieces` received pieces in fp32, undo the Hadamard transform if asked, scale by `mul`, cast to
-        `dtype` or out's (TLq step 5)."""
+                          mul: float = 1.0, valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum `pieces` received pieces in fp32, undo the Hadamard transform if asked (of the 32-blocks lying wholly
+        below `valid`, as the quantizer transformed them), scale by `mul`, cast to `dtype` or out's (TLq step 5)."""
 
 
 @runtime_checkable
@@ -186,7 +193,7 @@ class CodecOp(Protocol):
 
     def swizzle_quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
                          group_size: int, nodes: int, ranks_per_node: int, slices: int, stochastic: bool, key: int,
-                         offset: int, hadamard: bool, /) -> None:
+                         offset: int, valid: int, hadamard: bool, /) -> None:
         """codes, scales <- the swizzled quantization of x."""
 
     def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, in_bits: int,
@@ -203,7 +210,7 @@ class CodecOp(Protocol):
         """ref += dequantize(codes, scales)."""
 
     def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int,
-                          group_size: int, out: torch.Tensor, hadamard: bool, mul: float, /) -> None:
+                          group_size: int, out: torch.Tensor, hadamard: bool, mul: float, valid: int, /) -> None:
         """out <- mul x (inverse Hadamard of) the sum of the pieces."""
 
     def hadamard32(self, x: torch.Tensor, out: torch.Tensor, inverse: bool, /) -> None:

@@ -5,7 +5,10 @@ rank, the last ones shorter or empty), in the input dtype. The path (W = N nodes
 
 1. Lay the tensors out rank-major (destination rank r: the r-th chunk of every tensor, zero-padded to `part`
    elements, a multiple of lcm(group_intra, group_inter, 32) x pipeline) and quantize it once in the swizzled
-   order [slice][destination local rank][destination node] (8 bits, optional fused Hadamard smoothing).
+   order [slice][destination local rank][destination node] (8 bits, optional fused Hadamard smoothing). When the
+   chunks end inside a 32-block, they start a few zeros into the part so that this partial last block begins a
+   group of both levels: it is quantized alone, and under Hadamard smoothing untransformed (the codec leaves a
+   block cut by the valid end as it is), so its error is that of the same elements without the transform.
 2. Per pipeline slice: all-to-all inside the node; sum the D received pieces in fp32 and requantize (4 bits,
    group_inter); all-to-all among the ranks with the same local index; sum the N pieces in fp32, undo the
    Hadamard transform, multiply by 1/W and round once to the output dtype.
@@ -59,25 +62,42 @@ class Layout:
     used: int
     part: int
     slices: int
+    lead: int
 
     @property
     def slice_len(self) -> int:
         """Elements of one pipeline slice of a rank's part."""
         return self.part // self.slices
 
+    @property
+    def valid(self) -> int:
+        """End of the chunks in a rank's part (the leading zeros, then the chunks); zeros follow."""
+        return self.lead + self.used
+
+    def slice_valid(self, index: int) -> int:
+        """Elements of pipeline slice `index` of a part that lie before its valid end."""
+        return max(0, min(self.slice_len, self.valid - index * self.slice_len))
+
     def length(self, index: int, rank: int) -> int:
         """Real elements of tensor `index` in `rank`'s partition (DeepSpeed's partitioning)."""
         return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index]))
 
 
-def plan_layout(numels: Sequence[int], world: int, unit: int, slices: int) -> Layout:
-    """Chunk sizes ceil(n/W), their offsets in a rank's part, and the part padded up to a multiple of `unit`."""
+def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> Layout:
+    """Chunk sizes ceil(n/W), their offsets in a rank's part, and the part padded up to whole `group` x `slices`
+    units (`group`: a multiple of 32 and of both levels' group sizes).
+
+    When the chunks end inside a 32-block, they start `lead` zeros into the part, so that their partial last block
+    begins a group of its own.
+    """
     chunks = tuple(-(-n // world) for n in numels)
-    offsets = tuple(sum(chunks[:i]) for i in range(len(chunks)))
     used = sum(chunks)
-    part = max(1, -(-used // unit)) * unit
+    lead = -(used - used % HADAMARD_BLOCK) % group if used % HADAMARD_BLOCK else 0
+    offsets = tuple(lead + sum(chunks[:i]) for i in range(len(chunks)))
+    unit = group * slices
+    part = max(1, -(-(lead + used) // unit)) * unit
     return Layout(world=world, numels=tuple(numels), chunks=chunks, offsets=offsets, used=used, part=part,
-                  slices=slices)
+                  slices=slices, lead=lead)
 
 
 def rank_major(tensors: Sequence[torch.Tensor], layout: Layout, dtype: torch.dtype) -> torch.Tensor:
@@ -181,7 +201,7 @@ class TLqReducer:
         self.pipeline = pipeline
         self.stochastic = bool(stochastic)
         self.stats = stats
-        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * pipeline
+        self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
         self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
         self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
 
@@ -194,7 +214,7 @@ class TLqReducer:
         dtype = _check_tensors(tensors)
         if self.topo.world == 1:
             return [t.reshape(-1).clone() for t in tensors]
-        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.unit, self.pipeline)
+        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.group, self.pipeline)
         part = self._reduce(rank_major(tensors, layout, dtype), layout, dtype)
         return partitions(part, layout, self.topo.rank)
 
@@ -222,7 +242,8 @@ class TLqReducer:
         seed, offset = self.quant_stream.take(flat.numel())
         return codec.swizzle_quantize(flat, bits=level.bits, group_size=level.group, nodes=self.topo.nodes,
                                       ranks_per_node=self.topo.ranks_per_node, slices=layout.slices,
-                                      stochastic=self.stochastic, seed=seed, offset=offset, hadamard=self.hadamard)
+                                      stochastic=self.stochastic, seed=seed, offset=offset, valid=layout.valid,
+                                      hadamard=self.hadamard)
 
     def _requantize(self, codes: torch.Tensor, scales: torch.Tensor,
                     numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,11 +254,12 @@ class TLqReducer:
                                                 out_bits=self.inter.bits, out_group=self.inter.group,
                                                 stochastic=self.stochastic, seed=seed, offset=offset)
 
-    def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype) -> torch.Tensor:
-        """Step 5: sum the received pieces in fp32, undo the Hadamard transform, take the mean, cast."""
+    def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype, valid: int) -> torch.Tensor:
+        """Step 5: sum the received pieces in fp32, undo the Hadamard transform of the blocks below the slice's
+        `valid` end (those the quantizer transformed), take the mean, cast."""
         codes, scales = exchange.wait()
         return codec.dequantize_reduce(codes, scales, pieces=pieces, bits=level.bits, group_size=level.group,
-                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world)
+                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world, valid=valid)
 
     def _one_level(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype, level: Level,
                    group: dist.ProcessGroup, kind: str) -> list[torch.Tensor]:
@@ -252,7 +274,7 @@ class TLqReducer:
         pending, out = issue(0), []
         for y in range(layout.slices):
             following = issue(y + 1) if y + 1 < layout.slices else None
-            out.append(self._finish(pending, level, layout.world, dtype))
+            out.append(self._finish(pending, level, layout.world, dtype, layout.slice_valid(y)))
             pending = following
         return out
 
@@ -271,9 +293,9 @@ class TLqReducer:
             requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)
             previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")
             if previous is not None:
-                out.append(self._finish(previous, self.inter, self.topo.nodes, dtype))
+                out.append(self._finish(previous, self.inter, self.topo.nodes, dtype, layout.slice_valid(y - 1)))
             intra = following
-        out.append(self._finish(inter, self.inter, self.topo.nodes, dtype))
+        out.append(self._finish(inter, self.inter, self.topo.nodes, dtype, layout.slice_valid(layout.slices - 1)))
         return out
 
     def state_dict(self) -> dict:

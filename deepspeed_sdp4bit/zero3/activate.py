@@ -1,13 +1,16 @@
 """Activation: from a `deepspeed.initialize` call with an enabled "sdp4bit" block to an engine with `engine.sdp4bit`.
 
-`initialize` has deepspeed.initialize's signature. When the DeepSpeed config holds an enabled "sdp4bit" block it
-validates the block (before DeepSpeed builds anything), builds the engine with DeepSpeed, checks the engine's
-settings, builds the topology and collectives, patches the engine (see patches.py) and syncs the replicas in full
-precision; otherwise it is deepspeed.initialize unchanged. `import deepspeed_sdp4bit` routes plain
-`deepspeed.initialize` calls (HF Trainer, Accelerate) through it, and watches every DeepSpeedEngine built: a model
-whose parameters a live SDP4Bit engine still serves is refused, an engine built with an enabled block but
-without SDP4Bit (an initialize imported before this package) is reported, and after the first engine the names of
-DeepSpeed's CPU shared-memory segments, which DeepSpeed never removes, are released (shm.py).
+`initialize` has deepspeed.initialize's signature. When the DeepSpeed config holds an enabled "sdp4bit" block and
+DeepSpeed will build an engine with an optimizer, it validates the block and the DeepSpeed settings it needs and
+builds the topology, all before DeepSpeed builds anything; then it builds the engine with DeepSpeed, checks what
+only the built engine shows, builds the collectives, patches the engine (see patches.py) and syncs the replicas in
+full precision. An engine without an optimizer (evaluation or inference with the training config) is built by
+DeepSpeed unchanged, with one line saying so; without an enabled block it is deepspeed.initialize unchanged.
+`import deepspeed_sdp4bit` routes plain `deepspeed.initialize` calls (HF Trainer, Accelerate) through it, and
+watches every DeepSpeedEngine built: a model whose parameters a live SDP4Bit engine still serves is refused, an
+engine built with an enabled block but without SDP4Bit (an initialize imported before this package) is reported,
+and after the first engine the names of DeepSpeed's CPU shared-memory segments, which DeepSpeed never removes, are
+released (shm.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import os
 import time
 from typing import Any, Callable
 
+import deepspeed.comm as ds_comm
 import hjson
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from .. import codec
 from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
@@ -72,19 +77,64 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
     return cfg
 
 
+def _check_supported(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
+    """The DeepSpeed version and the symbols this package patches, then the DeepSpeed settings the block needs."""
+    check_deepspeed()
+    check_ds_config(ds_config, cfg)
+
+
 def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
-    """What deepspeed.initialize checks before DeepSpeed builds: the block, the DeepSpeed version and the symbols
-    this package patches, then the DeepSpeed settings the block needs.
+    """What deepspeed.initialize checks in the config before DeepSpeed builds: the block, the DeepSpeed version and
+    the symbols this package patches, then the DeepSpeed settings the block needs.
 
     Returns the block when SDP4Bit is to be activated, None when DeepSpeed runs unchanged; raises
-    SDP4BitConfigError (or DeepSpeed's own validation error for an invalid ZeRO section) naming the key, or
-    SDP4BitCompatError for a DeepSpeed this package cannot patch.
+    SDP4BitConfigError naming the key, DeepSpeed's own error for a config DeepSpeed refuses (a removed key, an
+    invalid ZeRO section), or SDP4BitCompatError for a DeepSpeed this package cannot patch.
     """
     cfg = _block(ds_config)
     if cfg is not None:
-        check_deepspeed()
-        check_ds_config(ds_config, cfg)
+        _check_supported(ds_config, cfg)
     return cfg
+
+
+def _arguments(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """deepspeed.initialize's arguments by name, defaults included."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _without_optimizer(arguments: dict[str, Any], ds_config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed will build the engine without an optimizer, as DeepSpeedEngine decides it: no optimizer
+    argument and no "optimizer" section with a type (it then builds a DeepSpeedZeRoOffload)."""
+    section = ds_config.get("optimizer")
+    typed = section is not None and (not isinstance(section, dict) or bool(section.get("type")))
+    return not arguments.get("optimizer") and not typed
+
+
+def _log_inactive() -> None:
+    """The one line (rank 0) saying that an engine without an optimizer was built by DeepSpeed alone, and why."""
+    if dist.get_rank() == 0:
+        logger.info("sdp4bit inactive for this engine: deepspeed.initialize got no optimizer and the config names "
+                    "no optimizer type, so DeepSpeed built it without one (a DeepSpeedZeRoOffload, as for evaluation "
+                    "or inference). SDP4Bit works in DeepSpeed's ZeRO-3 optimizer (its gradient reduce-scatter and "
+                    "the weight updates the replicas follow), which this engine does not have: all its "
+                    "communication, the parameter gathers included, is DeepSpeed's own")
+
+
+def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
+    """The node layout, checked before DeepSpeed builds anything: torch.distributed is initialised first exactly as
+    deepspeed.initialize is about to (its own call then finds it done), since the layout is agreed collectively."""
+    ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                             distributed_port=arguments["distributed_port"],
+                             dist_init_required=arguments["dist_init_required"])
+    return _build_topology(cfg)
+
+
+def _build_topology(cfg: SDP4BitConfig) -> Topology:
+    """The node layout and its groups (collective); on a device whose backend takes no CPU tensors, also the gloo
+    group for the runtime's host-side flags."""
+    return build_topology(cfg.ranks_per_node, host_flags=not get_accelerator().is_synchronized_device())
 
 
 def _refuse_served_model(model: Any) -> None:
@@ -129,18 +179,22 @@ def release(runtime: SDP4BitRuntime) -> None:
     runtime.close()
 
 
-def activate_engine(engine: Any, cfg: SDP4BitConfig) -> SDP4BitRuntime:
-    """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit)."""
+def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None) -> SDP4BitRuntime:
+    """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit).
+
+    `topology` is the layout checked before the engine was built (built here, collectively, when not given)."""
     check_engine(engine, cfg)
     _refuse_served_model(engine.module)
     began = time.perf_counter()
     backend = codec.prepare(engine.device)
     codec_s = time.perf_counter() - began
-    runtime = SDP4BitRuntime(engine, cfg, build_topology(cfg.ranks_per_node), created=next(_CREATED))
+    topology = _build_topology(cfg) if topology is None else topology
+    runtime = SDP4BitRuntime(engine, cfg, topology, created=next(_CREATED))
     patches.patch_reduce_scatter()
     patches.patch_partition()
     patches.patch_optimizer(engine.optimizer, runtime)
     patches.patch_params([p for p in engine.module.parameters() if hasattr(p, "ds_id")], runtime)
+    patches.patch_forward(engine, runtime)
     patches.patch_checkpoints(engine, runtime)
     if runtime.store is not None:
         patches.refuse_offload_states(engine, runtime)
@@ -187,13 +241,21 @@ def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
 
 
 def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
-    """deepspeed.initialize, plus SDP4Bit when the config has an enabled block."""
+    """deepspeed.initialize, plus SDP4Bit when the config has an enabled block and the engine an optimizer; every
+    refusal for the config or the layout comes before DeepSpeed builds anything."""
     ds_config = _ds_config(original, args, kwargs)
-    cfg = checked_block(ds_config) if ds_config is not None else None
+    cfg = _block(ds_config) if ds_config is not None else None
     if cfg is None:
         return original(*args, **kwargs)
+    arguments = _arguments(original, args, kwargs)
+    if _without_optimizer(arguments, ds_config):
+        result = patches.activating(original, args, kwargs)
+        _log_inactive()
+        return result
+    _check_supported(ds_config, cfg)
+    topology = _topology(arguments, cfg)
     result = patches.activating(original, args, kwargs)
-    activate_engine(result[0], cfg)
+    activate_engine(result[0], cfg, topology)
     return result
 
 

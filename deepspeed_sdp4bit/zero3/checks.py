@@ -54,6 +54,11 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
     if _offload_device(zero.offload_optimizer) == "nvme":
         problems.append("zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
                         "supported by sdp4bit; use 'cpu' or 'none'")
+    if getattr(zero.offload_optimizer, "super_offload", False):
+        problems.append("zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds "
+                        "SuperOffloadOptimizer_Stage3 instead of its standard ZeRO-3 optimizer "
+                        "DeepSpeedZeroOptimizer_Stage3, the one sdp4bit works with; remove super_offload or the "
+                        "sdp4bit block")
     return problems
 
 
@@ -69,11 +74,15 @@ def _section(ds_config: dict[str, Any], key: str) -> None:
 def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
     """Raise SDP4BitConfigError for DeepSpeed settings that conflict with the block, before DeepSpeed builds.
 
-    An invalid zero_optimization or compile section raises DeepSpeed's own validation error (naming the field), as
-    DeepSpeed would a moment later.
+    DeepSpeed's own checks of what is read here come first, so that its errors reach the user with its messages,
+    as DeepSpeed would raise them a moment later: the keys it has removed (e.g. zero_optimization.mics_shard_size),
+    then its models of the zero_optimization and compile sections (an invalid one raises DeepSpeed's validation
+    error naming the field).
     """
     from deepspeed.compile.config import CompileConfig  # here: DeepSpeed releases before DeepCompile lack the module
+    from deepspeed.runtime.config import _reject_removed_config_keys  # private: compat.py checks it exists
 
+    _reject_removed_config_keys(ds_config)
     _section(ds_config, "zero_optimization")
     _section(ds_config, "compile")
     problems = _zero_problems(get_zero_config(ds_config), cfg)
@@ -92,8 +101,9 @@ def _engine_problems(engine: object) -> list[str]:
     """Conflicts only the built engine shows: optimizer class, partition group."""
     problems = []
     if type(engine.optimizer) is not DeepSpeedZeroOptimizer_Stage3:
-        problems.append(f"optimizer wrapper {type(engine.optimizer).__name__}: sdp4bit supports DeepSpeed's "
-                        "standard ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3), not SuperOffload/ZenFlow")
+        found = type(engine.optimizer)
+        problems.append(f"this engine's ZeRO-3 optimizer is {found.__module__}.{found.__qualname__}: sdp4bit works "
+                        "with DeepSpeed's standard ZeRO-3 optimizer DeepSpeedZeroOptimizer_Stage3 only")
         return problems
     world = dist.get_world_size()
     groups = {dist.get_world_size(p.ds_process_group) for g in engine.optimizer.fp16_groups for p in g}
@@ -169,7 +179,8 @@ def _free_bytes() -> int:
     accelerator = get_accelerator()
     free = accelerator.available_memory()
     if accelerator.is_synchronized_device():
-        return free // int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        return free // max(1, min(local, dist.get_world_size()))
     return free + accelerator.memory_reserved() - accelerator.memory_allocated()
 
 

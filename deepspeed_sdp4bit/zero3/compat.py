@@ -32,6 +32,8 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine._get_ckpt_name", ("self", "checkpoints_path", "tag")),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self", )),
+    ("deepspeed.runtime.config", "_reject_removed_config_keys", ("param_dict", )),
+    ("deepspeed.comm", "init_distributed", ("dist_backend", "distributed_port", "dist_init_required")),
 )
 
 

@@ -9,6 +9,8 @@ Process-wide (installed once, inert for engines without an enabled "sdp4bit" blo
   `Module.apply` under `zero.Init`) -> after a partition that rewrote ds_tensor, the replicas of those parameters
   are resynced when their values changed.
 Per engine (instance attributes, so other engines in the process are untouched; undone by `engine.destroy()`):
+- a forward pre-hook on the engine's model, first among its hooks (finds writes to ds_tensor made since the last
+  forward and resyncs them);
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
   bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas; each such parameter
   also names its runtime in `_sdp4bit_runtime`), the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's
@@ -207,6 +209,14 @@ def patch_params(params: list[Any], runtime: SDP4BitRuntime) -> None:
                 delattr(param, _OWNER)
 
     runtime.undo_patches.append(undo)
+
+
+def patch_forward(engine: Any, runtime: SDP4BitRuntime) -> None:
+    """Before each forward of the engine's model (ahead of ZeRO-3's own hooks, which start its gathers), let the
+    runtime find and resync writes to ds_tensor made since the last forward."""
+    handle = engine.module.register_forward_pre_hook(lambda module, args: runtime.resync_foreign_writes(),
+                                                     prepend=True)
+    runtime.undo_patches.append(handle.remove)
 
 
 def patch_checkpoints(engine: Any, runtime: SDP4BitRuntime) -> None:

@@ -4,6 +4,16 @@
 TLq reducer, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to the model weights w~ on
 every shard. The patches in `patches.py` call into it; it never patches anything itself, but holds the callables that
 undo its engine's patches (`undo_patches`), which `close()`'s caller runs when the engine is destroyed.
+
+Writes to `ds_tensor` that do not come from SDP4Bit or from a DeepSpeed path it follows (a script's
+`param.ds_tensor.data = t`, `param.ds_tensor.copy_(t)`, `param.ds_tensor = t`) are found at the start of each
+forward of the engine's model: after its own writes it records each served parameter's `ds_tensor` object, the
+address of its memory and its version counter (which every in-place operation on it advances), and compares them
+there; the parameters any rank finds changed are resynced in full precision (one all-reduce of a flag per served
+parameter, per forward, not per gather, so ZeRO-3's prefetched gathers stay free of host round trips), with a
+warning naming them. A write that bypasses the version counter (through `.data` or another view of the same memory),
+or one made inside a forward, is found by `verify()`, which also compares every rank's `ds_tensor` with its shard of
+the replica.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from ..codec.spec import FLOAT_DTYPES
 from ..collectives import comm
 from ..collectives.accounting import KINDS, CommStats
 from ..collectives.grad_reduce import TLqReducer
@@ -29,6 +40,25 @@ from . import advice, auto, state
 from .checks import check_replica_memory
 
 WEIGHT_KINDS = frozenset(kind for kind in KINDS if kind.startswith("weight_"))
+_CLEAN, _WRITTEN, _UNUSABLE = 0, 1, 2  # per-parameter flags of the foreign-write check, all-reduced with MAX
+
+
+def _fingerprint(param: torch.nn.Parameter) -> tuple[torch.Tensor, int, int, int]:
+    """What a write to ds_tensor changes: the tensor object, the address of its memory, and its version counter
+    (advanced by every in-place operation on it, and by `.data = ...`)."""
+    tensor = param.ds_tensor
+    return tensor, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor._version
+
+
+def _how_written(before: tuple[torch.Tensor, int, int, int], now: tuple[torch.Tensor, int, int, int]) -> str:
+    """How ds_tensor was written between two fingerprints, for the warning ('' if it was not)."""
+    if now[0] is not before[0]:
+        return "param.ds_tensor was replaced by another tensor"
+    if now[1:3] != before[1:3]:
+        return "its memory was replaced (param.ds_tensor.data = ...)"
+    if now[3] != before[3]:
+        return "it was written in place (e.g. param.ds_tensor.copy_(...))"
+    return ""
 
 
 class ParamGatherHandle:
@@ -92,6 +122,11 @@ class SDP4BitRuntime:
         self.undo_patches: list[Callable[[], None]] = []
         self.comm_stats = SentBytes(topology.ranks_per_node)
         self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
+        self._names = {p.ds_id: name for name, p in engine.module.named_parameters()
+                       if getattr(p, "ds_id", None) in self.params}
+        self._fingerprints: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+        self._shard_device = torch.device(engine.device).type
+        self._warned_writes: set[int] = set()
         advice.inert_keys(config, topology)
         self.coverage = advice.coverage(engine.module, self.params)
         threshold = engine._config.zero_config.param_persistence_threshold
@@ -182,15 +217,70 @@ class SDP4BitRuntime:
         """ds_tensor <- w~ on this rank's shard, keeping DeepSpeed's view of the weights equal to the model's."""
         for key in keys:
             self.params[key].ds_tensor.data.copy_(self.store.own_shard(key))
+        self._record(keys)
+
+    def _record(self, keys: Sequence[int]) -> None:
+        """Remember these parameters' ds_tensor as SDP4Bit left it: what serves them agrees with it now."""
+        for key in keys:
+            self._fingerprints[key] = _fingerprint(self.params[key])
+
+    def _foreign_write(self, key: int) -> tuple[int, str]:
+        """(flag, how) for one parameter: clean, written since it was recorded, or replaced by a tensor that cannot
+        hold this rank's shard."""
+        param, how = self.params[key], _how_written(self._fingerprints[key], _fingerprint(self.params[key]))
+        if not how:
+            return _CLEAN, ""
+        tensor, shard = param.ds_tensor, shard_numel(param.ds_numel, self.topology.world)
+        if (tensor.numel() != shard or tensor.dtype not in FLOAT_DTYPES or not tensor.is_contiguous()
+                or tensor.device.type != self._shard_device):
+            return _UNUSABLE, (f"{how}, by {tensor.numel()} elements of {tensor.dtype} on {tensor.device} "
+                               f"(contiguous: {tensor.is_contiguous()}), where this rank's shard is {shard} "
+                               f"contiguous elements of a float dtype on {self._shard_device}")
+        return _WRITTEN, how
+
+    def resync_foreign_writes(self) -> None:
+        """Before a forward of the engine's model: resync the served parameters whose ds_tensor some rank finds
+        written by something other than SDP4Bit (collective: one small all-reduce, on host memory where the world's
+        backend needs it, so no device synchronisation)."""
+        if self.measuring() or (self.store is None and self.direct is None):
+            return
+        keys = sorted(self.params)
+        found = {key: self._foreign_write(key) for key in keys}
+        device = "cpu" if self.topology.flags is not None else get_accelerator().current_device_name()
+        flags = torch.tensor([found[key][0] for key in keys], dtype=torch.int32, device=device)
+        comm.all_reduce(flags, self.topology.flags, ReduceOp.MAX, "sdp4bit_weight_written")
+        agreed = dict(zip(keys, flags.tolist()))
+        self._warn_foreign_writes({key: how for key, (_, how) in found.items() if how})
+        unusable = [key for key in keys if agreed[key] == _UNUSABLE]
+        if unusable:
+            raise RuntimeError(f"sdp4bit: the ds_tensor of {[self._names[k] for k in unusable]} no longer holds a "
+                               "shard of its parameter on some rank (see the warning there); SDP4Bit cannot serve "
+                               "its gathers")
+        written = [key for key in keys if agreed[key] == _WRITTEN]
+        if written:
+            self.resync(written)
+
+    def _warn_foreign_writes(self, ways: dict[int, str]) -> None:
+        """Name, once per parameter, the parameters whose ds_tensor this rank found written from outside."""
+        new = {key: how for key, how in ways.items() if key not in self._warned_writes}
+        if not new:
+            return
+        self._warned_writes.update(new)
+        listed = "; ".join(f"{self._names[key]}: {how}" for key, how in sorted(new.items()))
+        logger.warning(f"sdp4bit: on rank {self.topology.rank}, ds_tensor was written outside SDP4Bit's and "
+                       f"DeepSpeed's own updates ({listed}); the weight replicas of these parameters are resynced "
+                       "from ds_tensor in full precision before their gather, so the model computes with the new "
+                       "weights")
 
     def resync(self, keys: Sequence[int] | None = None) -> None:
         """Full-precision rebuild of the replicas from every rank's ds_tensor (collective); under qW, drop this
         step's codes of these parameters so their next gather quantizes the rewritten shards (local)."""
+        keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
         if self.direct is not None:
-            self.direct.forget(None if keys is None else [k for k in keys if k in self.params])
+            self.direct.forget(keys)
+            self._record(keys)
         if self.store is None or self.measuring():  # under auto the replicas are built at the decision
             return
-        keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
         if keys:
             with self._counting(keys):
                 self.store.resync({k: self.params[k].ds_tensor for k in keys})
@@ -216,13 +306,13 @@ class SDP4BitRuntime:
         keys = sorted(k for k in keys if k in self.params)
         if self.direct is not None:
             self.direct.forget(keys)
-        if self.store is None or not keys or self.measuring():
-            return
-        written = any(not self._ds_tensor_is_w(k) for k in keys)
-        flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
-        comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
-        if flag.item():
-            self.resync(keys)
+        if self.store is not None and keys and not self.measuring():
+            written = any(not self._ds_tensor_is_w(k) for k in keys)
+            flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
+            comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
+            if flag.item():
+                self.resync(keys)
+        self._record(keys)
 
     def _ds_tensor_is_w(self, key: int) -> bool:
         """Whether ds_tensor equals w~ on the valid part of this rank's shard of `key`."""
@@ -294,6 +384,7 @@ class SDP4BitRuntime:
             self.refresh()
         if self.direct is not None:
             self.direct.new_step()
+            self._record(list(self.params))
         self._mark_weights_written()
         self.optimizer_steps += 1
         interval = self.config.verify_interval
@@ -312,7 +403,8 @@ class SDP4BitRuntime:
         auto.log_decision(self.auto)
 
     def verify(self) -> bool:
-        """Checksum every replica region across holders; on a mismatch log it and resync in full precision."""
+        """Compare every rank's ds_tensor with its shard of the replica, then checksum every replica region across
+        holders; on a mismatch log it and resync in full precision (collective)."""
         if self.store is None:
             raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
                                "exist only with quantized_weights and weight_quantization 'difference' on more than "
@@ -320,6 +412,7 @@ class SDP4BitRuntime:
         if self.measuring():
             raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, after "
                                f"step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
+        agree = self._ds_tensors_agree()
         report = self.store.checksum()
         if not report.ok:
             self.checksum_mismatches += 1
@@ -327,7 +420,25 @@ class SDP4BitRuntime:
                            f"{len(report.mismatches)} of {report.regions} (param ds_id, shard) regions "
                            f"{report.mismatches[:8]}; resyncing in full precision")
             self.resync()
-        return report.ok
+        return agree and report.ok
+
+    def _ds_tensors_agree(self) -> bool:
+        """Whether every rank's ds_tensor equals its shard of the replica (one all-reduce); if not, the differing
+        parameters are named and resynced from ds_tensor in full precision (a write no gather-time check sees, e.g.
+        through param.ds_tensor.data or another view of its memory)."""
+        keys = sorted(self.params)
+        local = torch.tensor([int(not self._ds_tensor_is_w(k)) for k in keys], dtype=torch.int32,
+                             device=get_accelerator().current_device_name())
+        comm.all_reduce(local, None, ReduceOp.MAX, "sdp4bit_weight_checksum")
+        differing = [key for key, flag in zip(keys, local.tolist()) if flag]
+        if not differing:
+            return True
+        self.checksum_mismatches += 1
+        logger.warning(f"sdp4bit: at optimizer step {self.optimizer_steps} ds_tensor differs from the weight replica "
+                       f"on some rank for {[self._names[k] for k in differing][:8]} ({len(differing)} parameters): "
+                       "written behind SDP4Bit; resyncing them from ds_tensor in full precision")
+        self.resync(differing)
+        return False
 
     def close(self) -> None:
         """Drop the replicas and collectives: the engine was destroyed (its patches are undone by the caller)."""
