@@ -35,8 +35,8 @@ def _near(*values: int) -> st.SearchStrategy[int]:
 
 
 _VALID: dict[str, st.SearchStrategy[Any]] = {
-    **{key: st.booleans() for key in ("enabled", "quantized_weights", "quantized_gradients", "hadamard_transform",
-                                      "stochastic_rounding")},
+    **{key: st.booleans() for key in ("enabled", "auto", "quantized_weights", "quantized_gradients",
+                                      "hadamard_transform", "stochastic_rounding")},
     **{key: st.sampled_from([4, 8]) for key in ("weight_quantization_bits", "gradient_quantization_bits_intra",
                                                 "gradient_quantization_bits_inter")},
     **{key: st.integers(1, 256).map(lambda v: 32 * v) for key in ("wq_group_size", "gq_group_size_intra",
@@ -55,6 +55,7 @@ _EDGES: dict[str, st.SearchStrategy[Any]] = {
     "weight_replica": st.sampled_from(["Node", "", "ranks"]), "weight_quantization": st.sampled_from(["diff"]),
     "seed": _near(0, 2**64 - 1), "quantization_start_step": _near(0), "verify_interval": _near(0),
     "refresh_bucket_size": _near(0, 1), "enabled": st.sampled_from([0, 1, "true", None]),
+    "auto": st.sampled_from([0, 1, "true", None]),
 }
 # Mostly valid values (so that combinations and the ZeRO checks are reached), boundaries, and any JSON at all.
 _VALUES = {key: st.one_of(_VALID[key], _VALID[key], _VALID[key], _EDGES.get(key, _VALID[key]), JSON) for key in KEYS}
