@@ -37,6 +37,7 @@ import cost_model
 from two_nodes import LINK, TCP_OVERHEAD, Invoker, Link, TwoNodes, TwoNodesError, check_topology, invoker, run_job, \
     signals_raise
 
+from deepspeed_sdp4bit.config import AUTO_START_STEP
 from deepspeed_sdp4bit.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +50,14 @@ AUTO = "sdp4bit.ranks_per_node=auto"
 
 @dataclass(frozen=True)
 class Variant:
-    """A configuration of the sweep: a config file plus --ds_set overrides."""
+    """A configuration of the sweep: a config file plus --ds_set overrides, and the first step its median is taken
+    from (auto's steps before its decision are plain ZeRO-3, so its median starts after them)."""
 
     name: str
     label: str
     config: str
     overrides: tuple[str, ...] = ()
+    steady_from: int = 3
 
 
 VARIANTS = {v.name: v for v in (
@@ -65,7 +68,7 @@ VARIANTS = {v.name: v for v in (
     Variant("qwd", "qWD only", SDP4BIT, (AUTO, "sdp4bit.quantized_gradients=false",
                                            "sdp4bit.hadamard_transform=false")),
     Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
-    Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true")),
+    Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
 )}
 RATES = ("25", "50", "200", "1000", "unshaped")
 
@@ -91,7 +94,8 @@ def train_args(variant: Variant, dtype: str, steps: int, out: Path) -> list[str]
     """train_gpt.py's arguments for one run."""
     args = ["--model", "tiny", "--deepspeed_config", variant.config, "--precision", dtype, "--data",
             str(DATA), "--train_iters", str(steps), "--lr_decay_iters", str(steps),
-            "--eval_interval", str(10 * steps), "--steady_from", "3", "--link_counters", LINK, "--out", str(out)]
+            "--eval_interval", str(10 * steps), "--steady_from", str(variant.steady_from), "--link_counters", LINK,
+            "--out", str(out)]
     for override in variant.overrides:
         args += ["--ds_set", override]
     return args

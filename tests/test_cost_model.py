@@ -26,10 +26,18 @@ def _sweep_runs() -> list[dict]:
     return [r for r in map(json.loads, SWEEP.read_text().splitlines()) if "error" not in r]
 
 
+def _variant(run: dict) -> dict:
+    """The parts a sweep run switched on: its variant's, or for `auto` those its decision kept."""
+    if run["variant"] != "auto":
+        return SWEEP_VARIANTS[run["variant"]]
+    on = run["auto"]["on"]
+    return {"quantized_weights": "weights" in on, "quantized_gradients": "gradients" in on}
+
+
 def _sweep_step(run: dict) -> traffic.StepBytes:
     """The model's bytes of one sweep run, with the ZeRO-3 sizes read from the CPU config it trained with."""
     ds = json.loads((ROOT / "configs/cpu/tiny_sdp4bit.json").read_text())
-    scheme = replace(plan._block_scheme(ds), **SWEEP_VARIANTS[run["variant"]])
+    scheme = replace(plan._block_scheme(ds), **_variant(run))
     dtype_bytes = {"fp32": 4, "bf16": 2}[run["dtype"]]
     return traffic.zero3_step(TINY.tensors(), scheme, Layout(2, run["world"] // 2), dtype_bytes, backend="gloo")
 
