@@ -55,6 +55,7 @@ class Target:
 
 
 REF = "deepspeed_sdp4bit/codec/reference.py"
+SPEC = "deepspeed_sdp4bit/codec/spec.py"
 GRAD = "deepspeed_sdp4bit/collectives/grad_reduce.py"
 STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
 RUNTIME = "deepspeed_sdp4bit/zero3/runtime.py"
@@ -66,6 +67,8 @@ COST_TESTS = ("tests/test_cost_model.py", "tests/test_planner.py", "-k", "not co
 TARGETS = {
     "reference": Target("reference", REF, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
                                            "tests/test_codec_backends.py", "-k", "not cuda")),
+    "spec": Target("spec", SPEC, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
+                                  "tests/test_codec_backends.py", "-k", "not cuda")),
     "grad_reduce": Target("grad_reduce", GRAD, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
     "runtime": Target("runtime", RUNTIME, ("tests/test_zero3_training.py", "-k",
@@ -77,10 +80,10 @@ TARGETS = {
 
 MUTANTS = [
     # codec/reference.py
-    Mutant("R01", REF, "    hi = ((x * (c >> 16)) & 0xFFFF) << 16", "    hi = ((x * (c >> 16)) & 0xFFFF) << 15",
+    Mutant("R01", SPEC, "    hi = ((x * (c >> 16)) & 0xFFFF) << 16", "    hi = ((x * (c >> 16)) & 0xFFFF) << 15",
            "32-bit multiply: high half shifted by 15"),
-    Mutant("R02", REF, "    x = x ^ (x >> 15)", "    x = x ^ (x >> 16)", "hash: second xor-shift by 16"),
-    Mutant("R03", REF, "    x = _mul32(x, 0x846CA68B)", "    x = _mul32(x, 0x846CA68A)", "hash: constant off by one"),
+    Mutant("R02", SPEC, "    x = x ^ (x >> 15)", "    x = x ^ (x >> 16)", "hash: second xor-shift by 16"),
+    Mutant("R03", SPEC, "    x = _mul32(x, 0x846CA68B)", "    x = _mul32(x, 0x846CA68A)", "hash: constant off by one"),
     Mutant("R04", REF, "    return (h >> 8).to(torch.float32) * (2.0**-24)",
            "    return (h >> 9).to(torch.float32) * (2.0**-24)", "uniforms from 23 bits: u < 0.5 always"),
     Mutant("R05", REF, "    hi = (lo >> 32) + hi0", "    hi = hi0 + 0 * lo", "counter: carry into the high word lost"),
@@ -129,7 +132,7 @@ MUTANTS = [
     Mutant("R25", REF, "        factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)",
            "        factor[:whole] = factor[:whole] * 1.0",
            "dequantize_reduce forgets the 1/32 of the inverse transform"),
-    Mutant("R26", REF, "    if block % group_size or block % HADAMARD_BLOCK:", "    if block % group_size:",
+    Mutant("R26", SPEC, "    if block % group_size or block % HADAMARD_BLOCK:", "    if block % group_size:",
            "swizzle check: blocks not a multiple of 32 accepted",
            "group sizes are multiples of 32 (check_group_size runs first), so whole groups are whole 32-blocks"),
     Mutant("R27", REF, "    out[0].copy_(result[0])\n    out[1].copy_(result[1])", "    out[0].copy_(result[0])",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .reference import check_swizzle_args
 from .spec import (
     FLOAT_DTYPES,
     CodecOp,
@@ -18,6 +17,7 @@ from .spec import (
     check_group_args,
     check_out_codes,
     check_out_values,
+    check_swizzle_args,
     check_valid,
     codes_nbytes,
     num_groups,

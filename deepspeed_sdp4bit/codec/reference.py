@@ -17,7 +17,9 @@ from .spec import (
     check_group_args,
     check_out_codes,
     check_out_values,
+    check_swizzle_args,
     check_valid,
+    mix32,
     num_groups,
     pieces_numel,
     qmax_for,
@@ -27,22 +29,6 @@ from .spec import (
 
 _M32 = 0xFFFFFFFF
 _FLT_MIN = torch.finfo(torch.float32).tiny
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for uint32 values held in int64, without overflowing int64."""
-    lo = (x * (c & 0xFFFF)) & _M32
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """Wellons' lowbias32 integer hash on uint32 values stored in an int64 tensor."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -258,23 +244,6 @@ def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int,
     codes = codes.view(world * slices, code_block)[perm].reshape(-1)
     scales = scales.view(world * slices, block // group_size)[perm].reshape(-1)
     return _into_codes((codes, scales), out, x.device, x.numel(), bits, group_size)
-
-
-def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int,
-                       valid: int | None = None) -> int:
-    """Validate a swizzle input and return the elements per (partition, slice) block."""
-    check_group_args(x, bits, group_size, None, False)
-    if world < 1 or slices < 1:
-        raise ValueError(f"swizzle_quantize: world {world} and slices {slices} must be >= 1")
-    numel = x.numel()
-    if numel % (world * slices):
-        raise ValueError(f"swizzle_quantize: {numel} elements do not split into {world} partitions x {slices} slices")
-    block = numel // (world * slices)
-    if block % group_size or block % HADAMARD_BLOCK:
-        raise ValueError(f"swizzle_quantize: block of {block} elements is not a multiple of group_size {group_size}"
-                         f" and of {HADAMARD_BLOCK}")
-    check_valid(valid, numel // world, "a partition")
-    return block
 
 
 def _sum_pieces(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> torch.Tensor:

@@ -64,6 +64,23 @@ def check_valid(valid: int | None, length: int, what: str) -> None:
         raise ValueError(f"valid must be an integer in [0, {length}] (the elements of {what}), got {valid!r}")
 
 
+def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int,
+                       valid: int | None = None) -> int:
+    """Validate a swizzle input and return the elements per (partition, slice) block."""
+    check_group_args(x, bits, group_size, None, False)
+    if world < 1 or slices < 1:
+        raise ValueError(f"swizzle_quantize: world {world} and slices {slices} must be >= 1")
+    numel = x.numel()
+    if numel % (world * slices):
+        raise ValueError(f"swizzle_quantize: {numel} elements do not split into {world} partitions x {slices} slices")
+    block = numel // (world * slices)
+    if block % group_size or block % HADAMARD_BLOCK:
+        raise ValueError(f"swizzle_quantize: block of {block} elements is not a multiple of group_size {group_size}"
+                         f" and of {HADAMARD_BLOCK}")
+    check_valid(valid, numel // world, "a partition")
+    return block
+
+
 def check_codes(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, group_size: int) -> None:
     """Codes and scales must be contiguous uint8/fp32 buffers of exactly the sizes `numel` elements need."""
     if codes.dtype != torch.uint8 or scales.dtype != torch.float32:
@@ -107,12 +124,28 @@ def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: i
 
 
 def mix32_int(x: int) -> int:
-    """Wellons' lowbias32 hash on a Python int (the scalar twin of reference.mix32)."""
+    """Wellons' lowbias32 hash on a Python int (the scalar twin of mix32)."""
     x &= _M32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
     x ^= x >> 15
     x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for uint32 values held in int64, without overflowing int64."""
+    lo = (x * (c & 0xFFFF)) & _M32
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 integer hash on uint32 values stored in an int64 tensor."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 

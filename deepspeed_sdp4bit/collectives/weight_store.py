@@ -26,8 +26,7 @@ import torch
 from deepspeed.comm import ReduceOp
 
 from .. import codec
-from ..codec.reference import mix32
-from ..codec.spec import FLOAT_DTYPES, check_group_size, qmax_for
+from ..codec.spec import FLOAT_DTYPES, check_group_size, mix32, qmax_for
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
