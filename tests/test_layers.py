@@ -1,0 +1,67 @@
+"""The layer rules of docs/architecture.md, checked by reading every module's imports (no import is executed)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "deepspeed_sdp4bit"
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Absolute names of the modules a file imports (relative imports resolved); with `top_level_only`, only the
+    imports that run when the module is imported (not those inside functions)."""
+    tree = ast.parse(path.read_text())
+    package = _module(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module(path)
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _violations(folder: str, forbidden: tuple[str, ...], top_level_only: bool = False) -> list[str]:
+    return [f"{path.relative_to(ROOT)} imports {name}" for path in _files(folder)
+            for name in sorted(imports(path, top_level_only)) if name.startswith(forbidden)]
+
+
+def test_no_codec_backend_imports_another() -> None:
+    """The reference and the compiled backend each take the contract from spec only."""
+    codec = "deepspeed_sdp4bit.codec."
+    assert not {n for n in imports(PACKAGE / "codec/reference.py") if n.startswith(codec + "compiled")}
+    assert not {n for n in imports(PACKAGE / "codec/compiled.py") if n.startswith(codec + "reference")}
+
+
+@pytest.mark.parametrize(("folder", "forbidden"), [
+    ("deepspeed_sdp4bit/codec", ("deepspeed_sdp4bit.collectives", "deepspeed_sdp4bit.zero3",
+                                 "deepspeed_sdp4bit.topology", "torch.distributed", "deepspeed.comm")),
+    ("deepspeed_sdp4bit/collectives", ("deepspeed_sdp4bit.zero3", "deepspeed.runtime")),
+])
+def test_no_layer_imports_one_below_it(folder: str, forbidden: tuple[str, ...]) -> None:
+    """codec is tensor math (no processes); collectives know torch.distributed, not DeepSpeed's engine."""
+    assert _violations(folder, forbidden) == []
+
+
+def test_the_cost_model_imports_neither_torch_nor_deepspeed() -> None:
+    """sdp4bit_cost starts in a fraction of a second and prints clean JSON: nothing it imports at load time pulls in
+    torch, DeepSpeed or this package (the planner reads a config's block through the package only when asked)."""
+    assert _violations("sdp4bit_cost", ("torch", "deepspeed", "deepspeed_sdp4bit"), top_level_only=True) == []
