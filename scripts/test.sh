@@ -26,4 +26,4 @@ venv_bin="${SDP4BIT_VENV:-$root/.venv}/bin"
 export PATH="$venv_bin:$PATH"
 echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
   "SDP4BIT_REQUIRE_TOOLKIT=${SDP4BIT_REQUIRE_TOOLKIT:-0} SDP4BIT_HYPOTHESIS_PROFILE=$SDP4BIT_HYPOTHESIS_PROFILE"
-"$venv_bin/python" -m pytest -q -rfEs tests "$@"
+"$venv_bin/python" -m pytest -q -rfEs --durations=20 tests "$@"
