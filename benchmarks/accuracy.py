@@ -67,13 +67,10 @@ from typing import Any, Sequence
 
 import torch
 
+from deepspeed_sdp4bit.provenance import write_result
+from sdp4bit_testing.dist_harness import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests and benchmarks share
-
-from dist_harness import run_distributed  # noqa: E402
-
-from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
@@ -288,7 +285,7 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    import train_gpt
+    from sdp4bit_examples import train_gpt
 
     world, rank = dist.get_world_size(), dist.get_rank()
     targs = train_gpt.build_parser().parse_args(trainer_argv(args, run, out))

@@ -51,9 +51,8 @@ def _timed(fn: Callable, totals: dict[str, list[float]], name: str) -> Callable:
 
 def worker(train_args: Sequence[str]) -> None:
     """One rank: time the codec functions around train_gpt.main and print this rank's totals as one JSON line."""
-    sys.path.insert(0, str(ROOT / "examples"))
     from deepspeed_sdp4bit import codec
-    import train_gpt
+    from sdp4bit_examples import train_gpt
 
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for name in FUNCTIONS:

@@ -37,13 +37,10 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness the tests use: real processes, gloo, deepspeed.comm
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
-from dist_harness import run_distributed  # noqa: E402
-
 from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
+from sdp4bit_testing.dist_harness import run_distributed  # noqa: E402
 
 JSON_WORLD, JSON_RANKS_PER_NODE = 4, 2
 ERROR_NODES, ERROR_RANKS_PER_NODE, ERROR_NUMEL = 4, 8, 1 << 20

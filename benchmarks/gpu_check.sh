@@ -99,6 +99,8 @@ install() {
   else
     "$PY" -m pip install "${missing[@]}"
   fi
+  # this checkout itself (no dependencies): the tests import the support packages by their installed names
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 }
 export -f install
 export PY
@@ -111,7 +113,7 @@ step build 360 build.log bash -c build_ops
 step test_codec 300 pytest_codec.log "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
   --durations=10 "${CODEC_TESTS[@]}"
 # kernels.py's rows for every codec op, with ZeRO++'s rows plugged into its provider list.
-step bench_kernels 200 kernels.jsonl "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import kernels, \
+step bench_kernels 200 kernels.jsonl "$PY" -c "from sdp4bit_benchmarks import kernels, \
 kernels_zeropp; kernels.ROW_PROVIDERS.append(kernels_zeropp.provider); \
 kernels.main(['--device', 'cuda', '--json', '--out', '$OUT/kernels'])"
 step bench_zeropp 200 zeropp.jsonl "$PY" benchmarks/kernels_zeropp.py --json

@@ -30,22 +30,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+from deepspeed_sdp4bit.codec import reference
+from deepspeed_sdp4bit.provenance import write_result
+from sdp4bit_benchmarks.accuracy import peak_sums
+from sdp4bit_examples.gpt_models import CARDS, build_model, gpt2_config
+from sdp4bit_examples.token_dataset import SampleOrder
+from sdp4bit_examples.train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,
+                                        sequence_loss, stack)
 
-from accuracy import peak_sums  # noqa: E402  (the real-bucket probe's measure of the same thing)
-from deepspeed_sdp4bit.codec import reference  # noqa: E402
-from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
-from gpt_models import CARDS, build_model, gpt2_config  # noqa: E402
-from token_dataset import SampleOrder  # noqa: E402
-from train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,  # noqa: E402
-                       sequence_loss, stack)
+ROOT = Path(__file__).resolve().parents[1]
 
 GROUP, BITS, RANKS = 128, 4, 4
 SHAPE = ("n_layer", "n_embd", "n_head")

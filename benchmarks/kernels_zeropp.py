@@ -21,17 +21,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
 from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
-from kernels import nbytes  # noqa: E402  (benchmarks/ is on the path: this script's folder)
+from sdp4bit_benchmarks.kernels import nbytes
 
 Row = dict[str, Any]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}

@@ -1,6 +1,6 @@
 """Long run: many optimizer steps of SDP4Bit training, checking what a month-long run relies on.
 
-  python benchmarks/long_run.py                 2,000 steps of the tests' tiny GPT-2 (tests/zero3_harness.py) on
+  python benchmarks/long_run.py                 2,000 steps of the tests' tiny GPT-2 (sdp4bit_testing/zero3_harness.py) on
                                                 4 CPU ranks as 2 nodes x 2, the paper's setting (qWD 4-bit g2048,
                                                 TLq 8/4-bit g128, Hadamard), bf16, verify_interval 10
   python benchmarks/long_run.py --steps 200 --verify_interval 1 --dtype float32
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,11 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the spawn harness and tiny model the tests use
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
-import zero3_harness as H  # noqa: E402
-from dist_harness import run_distributed  # noqa: E402
-
 from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
+from sdp4bit_testing import zero3_harness as H  # noqa: E402
+from sdp4bit_testing.dist_harness import run_distributed  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
 PAPER = {"quantized_weights": True, "weight_quantization_bits": 4, "wq_group_size": 2048,

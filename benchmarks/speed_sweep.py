@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import cost_model
-from two_nodes import LINK, TCP_OVERHEAD, Invoker, Link, TwoNodes, TwoNodesError, check_topology, invoker, run_job, \
-    signals_raise
-
 from deepspeed_sdp4bit.config import AUTO_START_STEP
 from deepspeed_sdp4bit.provenance import provenance
+from sdp4bit_benchmarks import cost_model
+from sdp4bit_benchmarks.two_nodes import (LINK, TCP_OVERHEAD, Invoker, Link, TwoNodes, TwoNodesError, check_topology,
+                                          invoker, run_job, signals_raise)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = str(ROOT / "configs/cpu/tiny_baseline.json")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,8 @@ from transformers import HfArgumentParser, default_data_collator
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.provenance import write_result
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,  # noqa: E402
-                        settle_gloo_before_exit, token_file_datasets)
+from sdp4bit_examples.hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,
+                                         settle_gloo_before_exit, token_file_datasets)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser,
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
 from deepspeed_sdp4bit.provenance import write_result
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_models import CARDS, gpt2_config  # noqa: E402  (this folder is put on the path above)
-from token_dataset import Split, TokenFile  # noqa: E402
+from sdp4bit_examples.gpt_models import CARDS, gpt2_config
+from sdp4bit_examples.token_dataset import Split, TokenFile
 
 SUMMARY_FILE = "sdp4bit_summary.json"
 

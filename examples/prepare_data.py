@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from token_dataset import paths, token_dtype, write_index
+from sdp4bit_examples.token_dataset import paths, token_dtype, write_index
 
 EOD_TOKEN = "<|endoftext|>"
 MIN_DOCSTRING_CHARS = 200

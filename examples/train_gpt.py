@@ -44,9 +44,9 @@ from tqdm import tqdm
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
 from deepspeed_sdp4bit.provenance import write_result
-from comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
-from gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
-from token_dataset import SampleOrder, Split, TokenFile
+from sdp4bit_examples.comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
+from sdp4bit_examples.gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
+from sdp4bit_examples.token_dataset import SampleOrder, Split, TokenFile
 
 TRAINER_KEYS = {"train_batch_size": "--global_batch", "train_micro_batch_size_per_gpu": "--micro_batch",
                 "gradient_accumulation_steps": "--global_batch / (--micro_batch x ranks)",

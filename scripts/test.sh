@@ -16,7 +16,7 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export TOKENIZERS_PARALLELISM=false
 # Hypothesis: the derandomized "ci" profile (the same examples every run) unless told otherwise (tests/conftest.py)
 export SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}"
-# Under CI a missing CUDA toolkit or g++ fails the tests that need it instead of skipping them (tests/toolkit.py)
+# Under CI a missing CUDA toolkit or g++ fails the tests that need it instead of skipping them (sdp4bit_testing/toolkit.py)
 if [ -n "${CI:-}" ]; then
   export SDP4BIT_REQUIRE_TOOLKIT="${SDP4BIT_REQUIRE_TOOLKIT:-1}"
 fi

@@ -1,5 +1,5 @@
 """Shared test set-up: one torch-extensions cache per checkout, the interpreter's own tools first on PATH, the
-Hypothesis profiles, and the test folder on sys.path (for the harness modules).
+Hypothesis profiles (the harness modules are the installed sdp4bit_testing package).
 
 PATH: DeepSpeed's JIT ops (the CPU accelerator's shm op) are built with whatever `ninja` is first on PATH, and a
 different ninja (another log format) makes the shared cache rebuild them; putting the interpreter's bin directory
@@ -21,7 +21,6 @@ from hypothesis import settings
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100,
                           print_blob=True)

@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import zero3_harness as H  # noqa: E402
+from sdp4bit_testing import zero3_harness as H
 
 BLOCK = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128,
          "hadamard_transform": True, "ranks_per_node": 2}

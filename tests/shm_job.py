@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-import zero3_harness as H  # beside this script, which is on the path of a script run by the launcher
+from sdp4bit_testing import zero3_harness as H
 
 
 class OwnGroup:

@@ -3,14 +3,11 @@ the same-seed difference between two variants."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import accuracy  # noqa: E402  (benchmarks/ is put on the path above)
+from sdp4bit_benchmarks import accuracy
 
 # Final validation losses per variant and seed: the gradient schemes share each seed's offset from the baseline
 # (+0.05, -0.05, 0), and TLq-HS sits a little above TLq in two seeds and equals it in the third.

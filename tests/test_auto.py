@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-import zero3_harness as H
 from deepspeed_sdp4bit.config import AUTO_START_STEP, SDP4BitConfigError, parse_config
 from deepspeed_sdp4bit.zero3 import auto
-from dist_harness import run_distributed
 from sdp4bit_cost.shapes import gpt
 from sdp4bit_cost.traffic import Layout, Scheme
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing.dist_harness import run_distributed
 
 AUTO = {"auto": True, "ranks_per_node": 2, "quantized_weights": True, "quantized_gradients": True,
         "gq_group_size_intra": 128, "hadamard_transform": True, "verify_interval": 1}

@@ -32,7 +32,7 @@ import torch
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 from deepspeed_sdp4bit.ops import CodecCPUBuilder, load_codec_op
-from tail_checks import tail_problems
+from sdp4bit_testing.tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)

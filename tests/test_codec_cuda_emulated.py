@@ -17,11 +17,11 @@ from types import ModuleType
 import pytest
 import torch
 
-import toolkit
-from cuda_emulation.emulated_op import Internals, ToolkitMissing, build
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
-from tail_checks import tail_problems
+from sdp4bit_testing import toolkit
+from sdp4bit_testing.cuda_emulation.emulated_op import Internals, ToolkitMissing, build
+from sdp4bit_testing.tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 31, 32, 33, 2047, 2048, 2049)

@@ -8,17 +8,15 @@ result as deepspeed.initialize would (for one rank, as DeepSpeedConfig does with
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from deepspeed_sdp4bit.config import SDP4BitConfigError, config_from_ds_config
+from sdp4bit_examples import train_gpt
 
-import train_gpt  # noqa: E402  (examples/ is put on the path above)
-from deepspeed_sdp4bit.config import SDP4BitConfigError, config_from_ds_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = sorted((ROOT / "configs").rglob("*.json"))
 PAPER_VARIANTS = ("baseline", "qwd", "tlq", "tlq_hs", "sdp4bit", "zeropp")

@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import free_port, run_distributed
+from sdp4bit_examples.gpt_models import CARDS, build_model, gpt2_config
+from sdp4bit_testing.dist_harness import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from gpt_models import CARDS, build_model, gpt2_config  # noqa: E402  (examples/ is put on the path above)
 
 
 def _write_jsonl(path: Path) -> None:
@@ -121,8 +119,8 @@ def test_prepare_data_tokenizer_sources_agree(tmp_path: Path, monkeypatch: pytes
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    import prepare_data
-    from token_dataset import paths
+    from sdp4bit_examples import prepare_data
+    from sdp4bit_examples.token_dataset import paths
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     from pydoc_data.topics import topics

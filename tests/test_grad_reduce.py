@@ -19,8 +19,8 @@ from deepspeed_sdp4bit import codec
 from deepspeed_sdp4bit.collectives.accounting import CommStats
 from deepspeed_sdp4bit.collectives.grad_reduce import TLqReducer
 from deepspeed_sdp4bit.topology import build_topology
-from dist_harness import run_distributed
-from tlq_emulation import Settings, emulate_tlq, part_length
+from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.tlq_emulation import Settings, emulate_tlq, part_length
 
 WORLDS = (1, 2, 3, 4, 6, 8)
 BACKENDS = ("reference", "auto")

@@ -4,15 +4,11 @@ Hadamard transform raises the 4-bit error of flat values and lowers that of valu
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gradient_tails  # noqa: E402  (benchmarks/ is put on the path above)
+from sdp4bit_benchmarks import gradient_tails
 
 
 def _signs(n: int, seed: int) -> torch.Tensor:

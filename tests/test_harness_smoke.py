@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import run_distributed
+from sdp4bit_testing.dist_harness import run_distributed
 
 
 def _sum_of_ranks() -> float:
@@ -66,9 +66,10 @@ def _progress_bar() -> int:
 def test_workers_leave_no_semaphore_behind():
     """Workers end with os._exit; nothing they made is left for the resource tracker to report at the parent's exit."""
     tests = Path(__file__).resolve().parent
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_harness_smoke as t; "
-            "from dist_harness import run_distributed; print(run_distributed(2, t._progress_bar, timeout=300))")
-    proc = subprocess.run([sys.executable, "-c", code, str(tests)], capture_output=True, text=True, timeout=600)
+    code = ("import test_harness_smoke as t; from sdp4bit_testing.dist_harness import run_distributed; "
+            "print(run_distributed(2, t._progress_bar, timeout=300))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.splitlines()[-1] == "[0, 1]"
     assert "leaked" not in proc.stderr, proc.stderr[-4000:]

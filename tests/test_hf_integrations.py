@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import free_port, shm_segments
+from sdp4bit_testing.dist_harness import free_port, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -30,8 +30,7 @@ COMMON = ["--model", "tiny", "--seq_len", "64", "--max_steps", "8"]
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared token file of the offline corpus with a 512-token BPE vocabulary."""
-    sys.path.insert(0, str(EXAMPLES))
-    import prepare_data
+    from sdp4bit_examples import prepare_data
 
     prefix = tmp_path_factory.mktemp("data") / "tokens"
     prepare_data.main(["--output_prefix", str(prefix), "--bpe_vocab_size", "512", "--limit_documents", "120",
@@ -86,9 +85,8 @@ def saved_model_loss(model_dir: Path, tokens: Path, tmp_path: Path) -> float:
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
 
-    sys.path.insert(0, str(EXAMPLES))
-    from hf_trainer import TokenWindows
-    from token_dataset import TokenFile
+    from sdp4bit_examples.hf_trainer import TokenWindows
+    from sdp4bit_examples.token_dataset import TokenFile
 
     weights = load_file(model_dir / "model.safetensors")
     assert weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
@@ -140,8 +138,7 @@ def test_dataset_option_cuts_a_tokenized_local_file_into_blocks(tmp_path: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    sys.path.insert(0, str(EXAMPLES))
-    import hf_trainer
+    from sdp4bit_examples import hf_trainer
 
     texts = [f"document {i} " + "word " * (i % 7 + 3) for i in range(40)]
     data = tmp_path / "docs.jsonl"

@@ -65,3 +65,19 @@ def test_the_cost_model_imports_neither_torch_nor_deepspeed() -> None:
     """sdp4bit_cost starts in a fraction of a second and prints clean JSON: nothing it imports at load time pulls in
     torch, DeepSpeed or this package (the planner reads a config's block through the package only when asked)."""
     assert _violations("sdp4bit_cost", ("torch", "deepspeed", "deepspeed_sdp4bit"), top_level_only=True) == []
+
+
+@pytest.mark.parametrize("folder", ["deepspeed_sdp4bit", "sdp4bit_cost"])
+def test_the_library_imports_none_of_the_support_packages(folder: str) -> None:
+    """The installed library stands alone: the tests', benchmarks' and examples' packages build on it, not it on them."""
+    support = ("sdp4bit_testing", "sdp4bit_benchmarks", "sdp4bit_examples")
+    assert _violations(folder, support) == []
+
+
+def test_nothing_edits_the_import_path() -> None:
+    """Tests, benchmarks and examples import each other through installed package names, never by pushing folders
+    onto sys.path (which makes what a module means depend on who imported it first)."""
+    sources = [p for pattern in ("*.py", "*.sh") for p in ROOT.rglob(pattern)
+               if not p.relative_to(ROOT).parts[0].startswith(".") and "runs" not in p.relative_to(ROOT).parts]
+    assert sources, "no source files found"
+    assert [str(p.relative_to(ROOT)) for p in sources if "sys.path" in p.read_text(errors="replace")] == []

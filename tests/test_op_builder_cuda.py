@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import toolkit
-
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.ops.builder import CodecCUDABuilder, cuda_toolkit_root
+from sdp4bit_testing import toolkit
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCTIONS = ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize", "diff_quantize",

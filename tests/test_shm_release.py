@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import free_port, shm_segments
+from sdp4bit_testing.dist_harness import free_port, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import socket
 import torch.distributed as dist
 
 from deepspeed_sdp4bit.topology import TopologyError, build_topology
-from dist_harness import run_distributed
-from zero3_harness import LogCapture
+from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.zero3_harness import LogCapture
 
 WORLD = 4
 ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")

@@ -22,11 +22,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from sdp4bit_benchmarks import cost_model, two_nodes
 
-import cost_model  # noqa: E402  (benchmarks/ is put on the path above)
-import two_nodes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 REASONS = two_nodes.problems()
 pytestmark = pytest.mark.skipif(bool(REASONS), reason="two namespaced nodes cannot run here: " + "; ".join(REASONS))

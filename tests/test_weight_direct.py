@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-import zero3_harness as H
-from dist_harness import run_distributed
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.collectives.accounting import CommStats
 from deepspeed_sdp4bit.collectives.rounding import STAGE_WEIGHT_DIRECT, RoundingStream
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.topology import Topology
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing.dist_harness import run_distributed
 
 SIZES = {3: 5000, 7: 130, 11: 4099}
 BITS, GROUP, SEED = 4, 128, 77

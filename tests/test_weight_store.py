@@ -17,15 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import run_distributed
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.accounting import CommStats
 from deepspeed_sdp4bit.collectives.rounding import (STAGE_QUANTIZE, STAGE_REQUANTIZE, STAGE_WEIGHT_DIRECT,
-                                                     STAGE_WEIGHT_REFRESH, RoundingStream)
+                                                    STAGE_WEIGHT_REFRESH, RoundingStream)
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import WeightStore, column_hashes, shard_numel, valid_numel
 from deepspeed_sdp4bit.topology import Topology, build_topology
+from sdp4bit_testing.dist_harness import run_distributed
 
 WORLDS = (1, 2, 3, 4, 6, 8)
 SMALL = (1, 2, 5, 13, 97, 4099)  # 1, sizes below W, primes; several 64-groups per shard in 4099

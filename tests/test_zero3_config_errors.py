@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-import zero3_harness as H
-from dist_harness import run_distributed
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing.dist_harness import run_distributed
 
 QW = {"quantized_weights": True}
 QG = {"quantized_gradients": True}

@@ -4,7 +4,7 @@ a damaged sdp4bit state in a checkpoint is never applied, and an unreadable one 
 DeepSpeed's CPU shared-memory segments behind.
 
 The killed-rank tests launch a real `deepspeed --num_accelerators 4` job (tests/fault_job.py, 4 CPU ranks as 2 nodes);
-the others run real engines on gloo ranks (tests/dist_harness.py).
+the others run real engines on gloo ranks (sdp4bit_testing/dist_harness.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-import zero3_harness as H
-from dist_harness import free_port, run_distributed, shm_segments
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing.dist_harness import free_port, run_distributed, shm_segments
 
 pytestmark = pytest.mark.slow
 

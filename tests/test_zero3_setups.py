@@ -13,8 +13,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import zero3_harness as H
-from dist_harness import run_distributed
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing.dist_harness import run_distributed
 
 QWD = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128}
 TWO_NODES = {**QWD, "ranks_per_node": 1}

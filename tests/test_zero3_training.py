@@ -1,6 +1,6 @@
 """Real ZeRO-3 training of a tiny GPT-2 with SDP4Bit on CPU ranks (4 ranks acting as 2 nodes unless said otherwise).
 
-Every run is a real DeepSpeed engine on real gloo ranks (tests/dist_harness.py); checks that need rank-local state
+Every run is a real DeepSpeed engine on real gloo ranks (sdp4bit_testing/dist_harness.py); checks that need rank-local state
 run inside the ranks and return plain values that the test compares across ranks.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-import zero3_harness as H
-import zero3_recording as R
-from dist_harness import run_distributed
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing import zero3_recording as R
+from sdp4bit_testing.dist_harness import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-// Host build of binding.cpp (tests/cuda_emulation): kernels run as plain calls under emu.h, so a launch has no
+// Host build of binding.cpp (sdp4bit_testing/cuda_emulation): kernels run as plain calls under emu.h, so a launch has no
 // asynchronous error to check.
 #pragma once
 

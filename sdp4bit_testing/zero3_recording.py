@@ -29,7 +29,7 @@ from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.rounding import derive_seed
 from deepspeed_sdp4bit.config import SDP4BitConfig, parse_config
-from tlq_emulation import Settings, emulate_tlq, part_length
+from sdp4bit_testing.tlq_emulation import Settings, emulate_tlq, part_length
 
 # The stage ids of collectives/rounding.py's table, written out: TLq quantize, TLq requantize, qWD refresh.
 STAGES = {"quantize": 0x6752_0001, "requantize": 0x6752_0002, "refresh": 0x5157}

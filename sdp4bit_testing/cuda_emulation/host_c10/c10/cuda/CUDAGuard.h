@@ -1,4 +1,4 @@
-// Host build of binding.cpp (tests/cuda_emulation): the tensors live on the CPU, there is no device to switch to.
+// Host build of binding.cpp (sdp4bit_testing/cuda_emulation): the tensors live on the CPU, there is no device to switch to.
 #pragma once
 
 #include <c10/core/Device.h>

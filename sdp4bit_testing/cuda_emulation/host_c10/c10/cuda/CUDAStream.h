@@ -1,4 +1,4 @@
-// Host build of binding.cpp (tests/cuda_emulation): emu.h runs every launch at once, on no stream.
+// Host build of binding.cpp (sdp4bit_testing/cuda_emulation): emu.h runs every launch at once, on no stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
