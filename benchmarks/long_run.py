@@ -33,10 +33,6 @@ from sdp4bit_testing import zero3_harness as H  # noqa: E402
 from sdp4bit_testing.dist_harness import run_distributed  # noqa: E402
 
 WORLD, RANKS_PER_NODE = 4, 2
-PAPER = {"quantized_weights": True, "weight_quantization_bits": 4, "wq_group_size": 2048,
-         "quantized_gradients": True, "gradient_quantization_bits_intra": 8, "gq_group_size_intra": 128,
-         "gradient_quantization_bits_inter": 4, "gq_group_size_inter": 128, "hadamard_transform": True,
-         "ranks_per_node": RANKS_PER_NODE}
 RSS_EVERY = 100
 
 
@@ -55,7 +51,7 @@ def _step_bytes(runtime: Any) -> tuple[tuple[str, int, int], ...]:
 def _run(steps: int, verify_interval: int, dtype_name: str) -> dict[str, Any]:
     """One rank's long run."""
     engine = H.make_engine(H.ds_config(getattr(torch, dtype_name),
-                                       sdp4bit={**PAPER, "verify_interval": verify_interval}))
+                                       sdp4bit={**H.PAPER, "verify_interval": verify_interval}))
     runtime, rank = engine.sdp4bit, torch.distributed.get_rank()
     patterns: dict[tuple, list[int]] = {}
     rss: dict[int, float] = {}

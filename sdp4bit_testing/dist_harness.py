@@ -145,3 +145,30 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
     if failures:
         raise RuntimeError("distributed worker failed\n" + "\n".join(failures))
     return [results[r] for r in range(world)]
+
+
+class EarlierRunFailed(RuntimeError):
+    """A shared multi-process run that already failed once in this session, raised again without rerunning it."""
+
+
+def run_once(fn: Callable) -> Callable:
+    """Cache a function's result per arguments, and its failure too: many tests read one shared multi-process run,
+    and a run that failed or hung is then reported by each of them at once instead of being retried by each
+    (functools.cache forgets exceptions, so a hang would repeat its full timeout per test)."""
+    results: dict[tuple, Any] = {}
+    failures: dict[tuple, BaseException] = {}
+
+    def wrapper(*args: Any) -> Any:
+        if args in failures:
+            raise EarlierRunFailed(f"{fn.__name__}{args} failed earlier in this session: {failures[args]}") \
+                from failures[args]
+        if args not in results:
+            try:
+                results[args] = fn(*args)
+            except Exception as exc:
+                failures[args] = exc
+                raise
+        return results[args]
+
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return wrapper

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.dist_harness import EarlierRunFailed, run_distributed, run_once
 
 
 def _sum_of_ranks() -> float:
@@ -73,3 +73,21 @@ def test_workers_leave_no_semaphore_behind():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.splitlines()[-1] == "[0, 1]"
     assert "leaked" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_a_shared_run_that_failed_fails_its_readers_at_once() -> None:
+    """run_once keeps a failure: the second reader gets it without the run being tried again."""
+    calls: list[int] = []
+
+    @run_once
+    def shared(world: int) -> int:
+        calls.append(world)
+        if world == 3:
+            raise TimeoutError("workers hung")
+        return world * 10
+
+    assert shared(2) == 20 and shared(2) == 20
+    for _ in range(2):
+        with pytest.raises((TimeoutError, EarlierRunFailed), match="hung"):
+            shared(3)
+    assert calls == [2, 3]

@@ -10,7 +10,6 @@ what the next gather quantizes.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from deepspeed_sdp4bit.collectives.rounding import STAGE_WEIGHT_DIRECT, Rounding
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.topology import Topology
 from sdp4bit_testing import zero3_harness as H
-from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.dist_harness import run_distributed, run_once
 
 SIZES = {3: 5000, 7: 130, 11: 4099}
 BITS, GROUP, SEED = 4, 128, 77
@@ -199,7 +198,7 @@ def _zeroed_within_a_step(param: torch.nn.Parameter) -> tuple[int, int]:
     return int(before.count_nonzero()), int(H.fetch(param).count_nonzero())
 
 
-@functools.lru_cache(maxsize=1)
+@run_once
 def _engine_results() -> list[dict[str, Any]]:
     return run_distributed(2, _weights_seen, timeout=600)
 

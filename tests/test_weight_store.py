@@ -10,7 +10,6 @@ the refresh quantizes each bucket of that run as a whole, so quantization groups
 from __future__ import annotations
 
 import copy
-import functools
 import math
 
 import pytest
@@ -25,7 +24,7 @@ from deepspeed_sdp4bit.collectives.rounding import (STAGE_QUANTIZE, STAGE_REQUAN
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import WeightStore, column_hashes, shard_numel, valid_numel
 from deepspeed_sdp4bit.topology import Topology, build_topology
-from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.dist_harness import run_distributed, run_once
 
 WORLDS = (1, 2, 3, 4, 6, 8)
 SMALL = (1, 2, 5, 13, 97, 4099)  # 1, sizes below W, primes; several 64-groups per shard in 4099
@@ -469,7 +468,7 @@ def _world_cases(world: int) -> dict:
 # the tests
 
 
-@functools.cache
+@run_once
 def _results(world: int) -> list[dict]:
     return run_distributed(world, _world_cases, world)
 

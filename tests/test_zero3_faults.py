@@ -29,8 +29,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_BOUND_S = 120.0  # the README's bound for this machine: from the failure to the launcher's exit
 START_S = 600.0  # launching 4 ranks and building the engine, on a loaded 2-core machine
-PAPER = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128,
-         "hadamard_transform": True, "ranks_per_node": 2}
 
 
 def _alive(pid: int) -> bool:
@@ -79,7 +77,7 @@ def _burst(value: float) -> dict[str, Any]:
     """Plain ZeRO-3 and SDP4Bit (the paper's setting), fp32, 5 steps each; at step 2 rank 1's loss is multiplied by
     `value` before its backward, so the reduced gradients of every rank hold it."""
     rank, result = torch.distributed.get_rank(), {}
-    for name, block in (("baseline", None), ("sdp4bit", PAPER)):
+    for name, block in (("baseline", None), ("sdp4bit", H.PAPER)):
         engine = H.make_engine(H.ds_config(torch.float32, sdp4bit=block))
         losses = []
         for step in range(5):
@@ -121,7 +119,7 @@ def test_nan_and_inf_gradients_show_as_in_plain_zero3() -> None:
                 assert torch.equal(mine, first), f"{kind}: rank {rank}'s replica differs from rank 0's"
 
 
-BLOCK = {**PAPER, "ranks_per_node": 1}
+BLOCK = {**H.PAPER, "ranks_per_node": 1}
 
 
 def _saved(directory: str) -> Any:

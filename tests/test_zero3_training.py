@@ -19,10 +19,6 @@ from sdp4bit_testing.dist_harness import run_distributed
 
 pytestmark = pytest.mark.slow
 
-PAPER = {"quantized_weights": True, "weight_quantization_bits": 4, "wq_group_size": 2048,
-         "quantized_gradients": True, "gradient_quantization_bits_intra": 8, "gq_group_size_intra": 128,
-         "gradient_quantization_bits_inter": 4, "gq_group_size_inter": 128, "hadamard_transform": True,
-         "ranks_per_node": 2}
 COMMS_LOGGER = {"enabled": True, "prof_all": True, "verbose": False}
 
 
@@ -103,7 +99,7 @@ def _paper_run(dtype_name: str) -> dict[str, Any]:
     dtype = getattr(torch, dtype_name)
     baseline = H.train_steps(H.make_engine(H.ds_config(dtype)), 0, 40)
     comms_logger.comms_dict = {}
-    config = {**H.ds_config(dtype, sdp4bit=PAPER), "comms_logger": COMMS_LOGGER}
+    config = {**H.ds_config(dtype, sdp4bit=H.PAPER), "comms_logger": COMMS_LOGGER}
     engine = H.make_engine(config)
     log = R.record(engine, -1)
     losses = H.train_steps(engine, 0, 39)
@@ -152,7 +148,7 @@ def _resume_part(directory: str, uninterrupted: bool) -> dict[str, Any]:
     The resumed process first builds another ZeRO-3 model, so its parameters get other ds_ids than at save time;
     afterwards it checks DeepSpeed's two weights-only loads.
     """
-    config = H.ds_config(torch.bfloat16, sdp4bit=PAPER)
+    config = H.ds_config(torch.bfloat16, sdp4bit=H.PAPER)
     if uninterrupted:
         engine = H.make_engine(config)
         losses = H.train_steps(engine, 0, 20)
@@ -170,7 +166,7 @@ def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
     """A weights-only load: DeepSpeed rebuilds the masters from the 16-bit weights; replicas must follow them."""
     from deepspeed.utils import safe_get_local_fp32_param
 
-    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=PAPER))
+    engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=H.PAPER))
     engine.load_checkpoint(directory, tag="step20", **options)
     runtime, rank = engine.sdp4bit, torch.distributed.get_rank()
     ds_equal, _ = _ds_tensors_equal_replicas(runtime)
@@ -219,9 +215,9 @@ def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluat
 
 
 WORLD4_MODES = {
-    "replica rank, wq group 512, seed 12345": ({**PAPER, "weight_replica": "rank", "wq_group_size": 512,
+    "replica rank, wq group 512, seed 12345": ({**H.PAPER, "weight_replica": "rank", "wq_group_size": 512,
                                                 "seed": 12345}, {}),
-    "replica node, grad accum 2, eval": ({**PAPER, "weight_replica": "node"}, {"grad_accum": 2, "evaluate": True}),
+    "replica node, grad accum 2, eval": ({**H.PAPER, "weight_replica": "node"}, {"grad_accum": 2, "evaluate": True}),
     "qwd only, 100k-element refresh buckets": ({"quantized_weights": True, "ranks_per_node": 2,
                                                 "refresh_bucket_size": 100_000}, {}),
     "tlq only": ({"quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 2,
@@ -234,13 +230,13 @@ WORLD4_MODES = {
                                                   "gq_group_size_intra": 128, "ranks_per_node": 4,
                                                   "stochastic_rounding": False}, {}),
     "direct qW": ({"quantized_weights": True, "weight_quantization": "direct", "ranks_per_node": 2}, {}),
-    "pipeline 4, inter group 256": ({**PAPER, "gradient_alltoall_pipeline": 4, "gq_group_size_inter": 256}, {}),
-    "start step 3, verify every 2": ({**PAPER, "quantization_start_step": 3, "verify_interval": 2}, {}),
-    "optimizer offload to cpu": (PAPER, {"zero_force_ds_cpu_optimizer": False,
+    "pipeline 4, inter group 256": ({**H.PAPER, "gradient_alltoall_pipeline": 4, "gq_group_size_inter": 256}, {}),
+    "start step 3, verify every 2": ({**H.PAPER, "quantization_start_step": 3, "verify_interval": 2}, {}),
+    "optimizer offload to cpu": (H.PAPER, {"zero_force_ds_cpu_optimizer": False,
                                          "zero_optimization": {**H.ds_config()["zero_optimization"],
                                                                "offload_optimizer": {"device": "cpu"}}}),
     "no sdp4bit": (None, {}),
-    "quantization starts after the last step": ({**PAPER, "quantization_start_step": 6}, {}),
+    "quantization starts after the last step": ({**H.PAPER, "quantization_start_step": 6}, {}),
 }
 
 
@@ -290,10 +286,10 @@ def test_every_replica_mode_and_ablation_trains_on_four_ranks() -> None:
 
 
 SMALL_WORLDS = {
-    2: {"paper, 2 nodes x 1": ({**PAPER, "ranks_per_node": 1}, {}),
-        "paper, 1 node x 2, replica rank": ({**PAPER, "ranks_per_node": 2, "weight_replica": "rank"}, {})},
-    3: {"paper, 3 nodes x 1": ({**PAPER, "ranks_per_node": 1}, {}),
-        "paper, 1 node x 3, replica rank": ({**PAPER, "ranks_per_node": 3, "weight_replica": "rank"}, {})},
+    2: {"paper, 2 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
+        "paper, 1 node x 2, replica rank": ({**H.PAPER, "ranks_per_node": 2, "weight_replica": "rank"}, {})},
+    3: {"paper, 3 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
+        "paper, 1 node x 3, replica rank": ({**H.PAPER, "ranks_per_node": 3, "weight_replica": "rank"}, {})},
 }
 
 
@@ -309,7 +305,7 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
 
     plain_before = H.train_steps(H.make_engine(H.ds_config()), 0, 5)
     monitor = {"csv_monitor": {"enabled": True, "output_path": directory, "job_name": "sdp4bit"}}
-    engine = H.make_engine({**H.ds_config(sdp4bit=PAPER), **monitor})
+    engine = H.make_engine({**H.ds_config(sdp4bit=H.PAPER), **monitor})
     H.train_steps(engine, 0, 3)
     plain = H.make_engine(H.ds_config())
     plain_after = H.train_steps(plain, 0, 5)
@@ -352,7 +348,7 @@ def _corrupt_then_step(replica: str) -> dict[str, Any]:
 
     from deepspeed_sdp4bit.log import logger
 
-    engine = H.make_engine(H.ds_config(sdp4bit={**PAPER, "weight_replica": replica, "verify_interval": 1}))
+    engine = H.make_engine(H.ds_config(sdp4bit={**H.PAPER, "weight_replica": replica, "verify_interval": 1}))
     H.train_steps(engine, 0, 2)
     store = engine.sdp4bit.store
     if torch.distributed.get_rank() == 1:
@@ -385,7 +381,7 @@ def _codec_backends(mixed: bool) -> dict[str, Any]:
 
     if mixed and torch.distributed.get_rank() % 2 == 0:
         codec.set_backend("reference")
-    engine = H.make_engine(H.ds_config(sdp4bit={**PAPER, "verify_interval": 1}))
+    engine = H.make_engine(H.ds_config(sdp4bit={**H.PAPER, "verify_interval": 1}))
     losses = H.train_steps(engine, 0, 8)
     ds_equal, full = _ds_tensors_equal_replicas(engine.sdp4bit)
     return {"backend": codec.backend_name(torch.empty(0)), "losses": losses, "gathered": [_bits(t) for t in full],
