@@ -108,7 +108,7 @@ def backends(usable: dict[str, bool]) -> Section:
     visible = {"cpu": True, "cuda": torch.cuda.is_available()}
     for device, present in visible.items():
         try:
-            kind = dispatch.wanted(device)
+            kind = dispatch.backend_name_for(device)
         except ValueError as err:
             lines.append((f"{device} tensors", f"error: {err}"))
             continue

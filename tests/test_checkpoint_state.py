@@ -25,7 +25,7 @@ def test_an_intact_file_is_checked_without_unpickling_it(tmp_path: Path) -> None
     marker = tmp_path / "unpickled"
     path = tmp_path / "model_states.pt"
     torch.save({"module": torch.ones(4), "payload": RunsCodeWhenUnpickled(marker)}, path)
-    assert state.unreadable(str(path)) is None
+    assert state.why_unreadable(str(path)) is None
     assert not marker.exists()
 
 
@@ -34,11 +34,11 @@ def test_truncated_missing_and_damaged_files_are_named(tmp_path: Path) -> None:
     torch.save({"module": torch.arange(4096, dtype=torch.float32)}, path)
     whole = path.read_bytes()
     path.write_bytes(whole[:len(whole) // 2])
-    assert state.unreadable(str(path)).startswith("BadZipFile")
-    assert state.unreadable(str(tmp_path / "absent.pt")).startswith("FileNotFoundError")
+    assert state.why_unreadable(str(path)).startswith("BadZipFile")
+    assert state.why_unreadable(str(tmp_path / "absent.pt")).startswith("FileNotFoundError")
     with zipfile.ZipFile(tmp_path / "copy.pt", "w") as archive:
         archive.writestr("model_states/data/0", bytes(range(256)) * 64)
     damaged = bytearray((tmp_path / "copy.pt").read_bytes())
     damaged[100] ^= 0xFF  # inside the stored entry's data, after its 30-byte header and name
     path.write_bytes(bytes(damaged))
-    assert state.unreadable(str(path)) == "its entry model_states/data/0 does not match its CRC (the file was damaged)"
+    assert state.why_unreadable(str(path)) == "its entry model_states/data/0 does not match its CRC (the file was damaged)"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sdp4bit_testing import zero3_harness as H
-from sdp4bit_testing import zero3_recording as R
+from sdp4bit_testing import zero3_recording as recording
 from sdp4bit_testing.dist_harness import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -101,7 +101,7 @@ def _paper_run(dtype_name: str) -> dict[str, Any]:
     comms_logger.comms_dict = {}
     config = {**H.ds_config(dtype, sdp4bit=H.PAPER), "comms_logger": COMMS_LOGGER}
     engine = H.make_engine(config)
-    log = R.record(engine, -1)
+    log = recording.record(engine, -1)
     losses = H.train_steps(engine, 0, 39)
     before = {k: engine.sdp4bit.store.own_shard(k).clone() for k in engine.sdp4bit.params}
     losses += H.train_steps(engine, 39, 40)
@@ -132,7 +132,7 @@ def _check_bytes(result: dict[str, Any], dtype_name: str) -> None:
     """Quantized paths ran with the expected wire/logical ratios; the wire bytes are those the quantizer layout
     implies for the calls made (zero3_recording.wire_bytes), and DeepSpeed's comms logger saw them all."""
     stats, logged = result["stats"], result["logged"]
-    layout = R.wire_bytes(result["log"], result["config"], 4)
+    layout = recording.wire_bytes(result["log"], result["config"], 4)
     assert {kind: stats[kind]["wire_bytes"] for kind in layout} == layout, layout
     wide = dtype_name == "float32"
     assert stats["weight_refresh"]["calls"] > 0 and stats["weight_refresh"]["ratio"] <= (0.13 if wide else 0.26)
@@ -198,7 +198,7 @@ def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluat
     engine = H.make_engine(config)
     runtime = getattr(engine, "sdp4bit", None)
     start = (block or {}).get("quantization_start_step", 0)
-    log = R.record(engine, min(start + 1, steps - 1)) if runtime is not None else None
+    log = recording.record(engine, min(start + 1, steps - 1)) if runtime is not None else None
     losses, rank = [], torch.distributed.get_rank()
     for step in range(steps):
         losses += H.train_steps(engine, step, step + 1)
@@ -249,13 +249,13 @@ def _recording_problems(runs: list[dict[str, Any]]) -> list[str]:
     """Where the recorded collectives of one mode differ from the emulations of its config, bit for bit, and where
     a rank's byte counters differ from the bytes its layout implies (empty when nothing differs)."""
     config, world, steps = runs[0]["config"], len(runs), runs[0]["steps"]
-    problems, compared = R.check([run["log"] for run in runs], config, steps)
-    e = R.expected(config, world, steps)
+    problems, compared = recording.check([run["log"] for run in runs], config, steps)
+    e = recording.expected(config, world, steps)
     want = {"tlq_calls": e.cfg.quantized_gradients and e.start < e.steps, "refreshes": e.refreshes}
     problems += [f"compared {compared[key]} {key}" for key, some in want.items() if (compared[key] > 0) != some]
     for rank, run in enumerate(runs):
         wire = {kind: run["stats"][kind]["wire_bytes"] for kind in ("grad_intra", "grad_inter", "weight_refresh")}
-        layout = R.wire_bytes(run["log"], config, world)
+        layout = recording.wire_bytes(run["log"], config, world)
         problems += [f"rank {rank} wire bytes {wire}, the layout implies {layout}"] if wire != layout else []
     return problems
 

@@ -31,7 +31,7 @@ def set_backend(name: str) -> None:
     _forced = _check_name(name)
 
 
-def wanted(device_type: str) -> str:
+def backend_name_for(device_type: str) -> str:
     """The backend a tensor on a device of this type should use under the current forcing, before any build:
     'reference', 'cpu' or 'cuda' (ValueError where a forced backend does not fit the device)."""
     forced = _check_name(os.environ.get(ENV_VAR) or _forced)
@@ -63,7 +63,7 @@ def _load(kind: str) -> Any | None:
 
 def backend_for(tensor: torch.Tensor) -> ModuleType | Any:
     """The backend object whose functions run on `tensor`'s device."""
-    kind = wanted(tensor.device.type)
+    kind = backend_name_for(tensor.device.type)
     if kind == "reference":
         return reference
     backend = _load(kind)

@@ -215,13 +215,13 @@ def swizzle_permutation(nodes: int, ranks_per_node: int, slices: int) -> torch.T
     """Output block b of the swizzled layout holds input block perm[b]; blocks are (partition, slice) pairs.
 
     The input is W = nodes*ranks_per_node partitions of `slices` slices each, block index z*slices + y.
-    The output order is [slice y][destination local rank l][destination node n]: one all-to-all inside a node
-    then sends local peer l its contiguous part, for every pipeline slice separately.
+    The output order is [slice y][destination local rank][destination node n]: one all-to-all inside a node
+    then sends each local peer its contiguous part, for every pipeline slice separately.
     """
     y = torch.arange(slices).view(slices, 1, 1)
-    l = torch.arange(ranks_per_node).view(1, ranks_per_node, 1)
+    local = torch.arange(ranks_per_node).view(1, ranks_per_node, 1)
     n = torch.arange(nodes).view(1, 1, nodes)
-    z = n * ranks_per_node + l
+    z = n * ranks_per_node + local
     return (z * slices + y).reshape(-1)
 
 

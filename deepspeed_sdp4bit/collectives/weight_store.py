@@ -1,6 +1,6 @@
 """qWD: the model weights w~ as persistent replicas, refreshed by all-gathering 4-bit weight differences.
 
-Parameters are sharded as ZeRO-3 shards them (sharding.py: W shards of ps = ceil(n/W) elements, the last ones
+Parameters are sharded as ZeRO-3 shards them (sharding.py: W shards of ceil(n/W) elements, the last ones
 partly padding). Replica modes (rank r = (node, local) with D ranks per node and N nodes):
 
 - "rank": every rank holds all W shards of every parameter (the paper's layout; gathers are local copies);
@@ -85,7 +85,7 @@ class _Param:
 
     key: int
     numel: int
-    ps: int
+    shard_numel: int
     index: int
     offset: int
 
@@ -104,11 +104,11 @@ class _Bucket:
     @property
     def stop(self) -> int:
         """One past the last column of the bucket."""
-        return self.params[-1].offset + self.params[-1].ps
+        return self.params[-1].offset + self.params[-1].shard_numel
 
     @property
     def numel(self) -> int:
-        """Elements of the bucket in one slot (the sum of its parameters' ps)."""
+        """Elements of the bucket in one slot (the sum of its parameters' shard_numel)."""
         return self.stop - self.start
 
 
@@ -190,9 +190,9 @@ class WeightStore:
             raise ValueError(f"add: key {key} is already registered")
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
-        ps = shard_numel(numel, self._topo.world)
-        self._params[key] = _Param(key, numel, ps, len(self._params), self._total)
-        self._total += ps
+        per_shard = shard_numel(numel, self._topo.world)
+        self._params[key] = _Param(key, numel, per_shard, len(self._params), self._total)
+        self._total += per_shard
 
     def finalize(self) -> None:
         """Allocate the zeroed [slots, total] replica storage once every parameter is registered."""
@@ -212,8 +212,8 @@ class WeightStore:
             raise KeyError(f"parameter key {key} is not registered in the weight store") from None
 
     def shard_numel(self, key: int) -> int:
-        """Elements per shard (ps) of parameter `key`."""
-        return self._param(key).ps
+        """Elements per shard (ceil(n / W)) of parameter `key`."""
+        return self._param(key).shard_numel
 
     def valid_numel(self, key: int, rank: int) -> int:
         """Valid elements of parameter `key`'s shard on `rank`."""
@@ -222,9 +222,9 @@ class WeightStore:
         return valid_numel(self._param(key).numel, self._topo.world, rank)
 
     def _columns(self, p: _Param) -> torch.Tensor:
-        """This rank's replica region of `p` as a [slots, ps] view; slot s holds the shard of rank `_source(s)`."""
+        """This rank's replica region of `p` as a [slots, shard_numel] view; slot s holds the shard of rank `_source(s)`."""
         assert self._storage is not None
-        return self._storage[:, p.offset:p.offset + p.ps]
+        return self._storage[:, p.offset:p.offset + p.shard_numel]
 
     def _run(self, slot: int, bucket: _Bucket) -> torch.Tensor:
         """The contiguous view of `bucket`'s columns in `slot`."""
@@ -240,7 +240,7 @@ class WeightStore:
         return slot if self._replica == "rank" else self._topo.global_rank(slot, self._topo.local)
 
     def own_shard(self, key: int) -> torch.Tensor:
-        """View of w~ on this rank's own shard of `key` (ps contiguous elements; the padding is zero)."""
+        """View of w~ on this rank's own shard of `key` (shard_numel contiguous elements; the padding is zero)."""
         p = self._param(key)
         return self._columns(p)[self._own_slot]
 
@@ -276,8 +276,8 @@ class WeightStore:
         params = sorted((self._param(k) for k in tensors), key=lambda p: p.index)
         for p in params:
             t = tensors[p.key]
-            if t.numel() != p.ps or not t.is_contiguous() or t.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"{what}: tensor for key {p.key} must be a contiguous float tensor of ps = {p.ps} "
+            if t.numel() != p.shard_numel or not t.is_contiguous() or t.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{what}: tensor for key {p.key} must be a contiguous float tensor of shard_numel = {p.shard_numel} "
                                  f"elements, got {t.numel()} elements of {t.dtype} (contiguous={t.is_contiguous()})")
             if t.device.type != self._device.type:
                 raise ValueError(f"{what}: tensor for key {p.key} is on {t.device}, the store on {self._device}")
@@ -286,12 +286,12 @@ class WeightStore:
     def _buckets(self, params: list[_Param]) -> Iterator[_Bucket]:
         """Runs of parameters adjacent in the storage, each receiving at most bucket_numel elements.
 
-        A parameter's received region is slots x ps elements; a larger parameter is a bucket of its own.
+        A parameter's received region is slots x shard_numel elements; a larger parameter is a bucket of its own.
         """
         run: list[_Param] = []
         for p in params:
             if run and (p.index != run[-1].index + 1
-                        or self._slots * (p.offset + p.ps - run[0].offset) > self._bucket_numel):
+                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel):
                 yield _Bucket(tuple(run))
                 run = []
             run.append(p)
@@ -353,8 +353,8 @@ class WeightStore:
         for p in bucket.params:
             valid = valid_numel(p.numel, world, rank)
             pieces.append(new[p.key][:valid])
-            if valid < p.ps:
-                pieces.append(new[p.key].new_zeros(p.ps - valid))
+            if valid < p.shard_numel:
+                pieces.append(new[p.key].new_zeros(p.shard_numel - valid))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _encode_deltas(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -404,13 +404,13 @@ class WeightStore:
         return GatherHandle([work], lambda: self._reorder(out.view(per_node, -1), params))
 
     def _reorder(self, rows: torch.Tensor, params: list[_Param]) -> list[torch.Tensor]:
-        """[local peer, node slots x ps] blocks -> each parameter's shards in world-rank order, first n elements."""
+        """[local peer, node slots x shard_numel] blocks -> each parameter's shards in world-rank order, first n elements."""
         nodes, per_node = self._topo.nodes, self._topo.ranks_per_node
         result, off = [], 0
         for p in params:
-            block = rows[:, off:off + nodes * p.ps].view(per_node, nodes, p.ps)
+            block = rows[:, off:off + nodes * p.shard_numel].view(per_node, nodes, p.shard_numel)
             result.append(block.transpose(0, 1).reshape(-1)[:p.numel])
-            off += nodes * p.ps
+            off += nodes * p.shard_numel
         return result
 
     # -- verification and state -----------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception)
         path = state.model_states_file(engine, load_dir, tag)
     except OSError:
         return
-    problem = state.unreadable(path)
+    problem = state.why_unreadable(path)
     if problem is not None:
         raise RuntimeError(f"sdp4bit: cannot load the checkpoint: {path} (this rank's DeepSpeed model states, which "
                            f"hold its sdp4bit state) cannot be read: {problem}") from error

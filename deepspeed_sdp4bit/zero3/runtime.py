@@ -41,6 +41,7 @@ from .checks import check_replica_memory
 
 WEIGHT_KINDS = frozenset(kind for kind in KINDS if kind.startswith("weight_"))
 _CLEAN, _WRITTEN, _UNUSABLE = 0, 1, 2  # per-parameter flags of the foreign-write check, all-reduced with MAX
+_STATE_INTACT, _STATE_MISSING, _STATE_DAMAGED = 0, 1, 2  # per rank, what a checkpoint load found
 
 
 def _fingerprint(param: torch.nn.Parameter) -> tuple[torch.Tensor, int, int, int]:
@@ -532,15 +533,15 @@ class SDP4BitRuntime:
         the replicas then start from the weights DeepSpeed loaded.
         """
         rank = self.topology.rank
-        problem = "no sdp4bit state" if saved is None else state.damage(saved)
-        codes = torch.zeros(self.topology.world, dtype=torch.int32, device=get_accelerator().current_device_name())
-        codes[rank] = 0 if problem is None else (1 if saved is None else 2)
-        comm.all_reduce(codes, None, ReduceOp.MAX, "sdp4bit_checkpoint_state")
-        codes = codes.tolist()
-        if not any(codes):
+        problem = "no sdp4bit state" if saved is None else state.why_unusable(saved)
+        found = torch.zeros(self.topology.world, dtype=torch.int32, device=get_accelerator().current_device_name())
+        found[rank] = _STATE_INTACT if problem is None else (_STATE_MISSING if saved is None else _STATE_DAMAGED)
+        comm.all_reduce(found, None, ReduceOp.MAX, "sdp4bit_checkpoint_state")
+        status = found.tolist()
+        if not any(status):
             return True
-        damaged = [r for r, code in enumerate(codes) if code == 2]
-        if codes[rank] == 2:
+        damaged = [r for r, what in enumerate(status) if what == _STATE_DAMAGED]
+        if status[rank] == _STATE_DAMAGED:
             logger.warning(f"sdp4bit: {source}: the sdp4bit state saved by rank {rank} is unusable: {problem}")
         if rank == 0 and damaged:
             logger.warning(f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
@@ -548,7 +549,7 @@ class SDP4BitRuntime:
                            "training continues correctly, but not bit for bit like an uninterrupted run")
         elif rank == 0:
             logger.warning(f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
-                           f"{[r for r, code in enumerate(codes) if code]} (written without sdp4bit?); starting the "
+                           f"{[r for r, what in enumerate(status) if what]} (written without sdp4bit?); starting the "
                            "replicas from the loaded weights")
         return False
 

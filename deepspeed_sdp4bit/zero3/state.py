@@ -58,7 +58,7 @@ def sealed(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, DIGEST_KEY: digest(state)}
 
 
-def damage(state: Any) -> str | None:
+def why_unusable(state: Any) -> str | None:
     """Why a saved state cannot be applied (not a dict, another format version, a digest mismatch), or None."""
     if not isinstance(state, dict):
         return f"it is a {type(state).__name__}, not the dict sdp4bit saves"
@@ -78,7 +78,7 @@ def model_states_file(engine: Any, load_dir: str, tag: Any) -> str:
     return engine._get_ckpt_name(load_dir, tag)
 
 
-def unreadable(path: str) -> str | None:
+def why_unreadable(path: str) -> str | None:
     """Why this file is not an intact torch checkpoint (missing, not a zip archive such as a truncated one, an entry
     whose CRC does not match), or None. Read as an archive, nothing unpickled: it is asked after a load failed, so
     the file is suspect."""
