@@ -617,6 +617,8 @@ def test_bad_dtype_and_lifecycle_errors() -> None:
     store = _store()
     with pytest.raises(ValueError, match="numel must be an integer >= 1, got 0"):
         store.add(3, 0)
+    with pytest.raises(ValueError, match="logical_element_size must be an integer >= 1, got 0"):
+        store.add(3, 10, logical_element_size=0)
     store.add(3, 10)
     with pytest.raises(ValueError, match="key 3 is already registered"):
         store.add(3, 5)
@@ -628,7 +630,7 @@ def test_bad_dtype_and_lifecycle_errors() -> None:
         store.add(4, 5)
     with pytest.raises(KeyError, match="key 9 is not registered"):
         store.own_shard(9)
-    with pytest.raises(ValueError, match="key 3 must be a contiguous float tensor of ps = 10 elements, got 11"):
+    with pytest.raises(ValueError, match="key 3 must be a contiguous float tensor of shard_numel = 10 elements, got 11"):
         store.refresh({3: torch.zeros(11)})
     with pytest.raises(ValueError, match="rank must be in"):
         store.valid_numel(3, 1)

@@ -48,17 +48,24 @@ class DirectQuantGather:
         self._stats = stats
         self._stream = RoundingStream(seed, topo.rank, STAGE_WEIGHT_DIRECT)
         self._numels: dict[int, int] = {}
+        self._logical_sizes: dict[int, int | None] = {}
         self._offsets: dict[int, int] = {}
         self._total = 0
         self._encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, key: int, numel: int) -> None:
-        """Register a parameter of `numel` elements (same keys, same order, on every rank)."""
+    def add(self, key: int, numel: int, logical_element_size: int | None = None) -> None:
+        """Register a parameter of `numel` elements (same keys, same order, on every rank); its logical bytes are
+        counted at `logical_element_size` bytes per element (default: its shard's dtype), the size the unquantized
+        gather it replaces would send."""
         if key in self._numels:
             raise ValueError(f"add: key {key} is already registered")
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
+        if logical_element_size is not None and (not isinstance(logical_element_size, int) or logical_element_size < 1):
+            raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got "
+                             f"{logical_element_size!r}")
         self._numels[key] = numel
+        self._logical_sizes[key] = logical_element_size
         self._offsets[key] = self._total
         self._total += shard_numel(numel, self._topo.world)
 
@@ -86,7 +93,8 @@ class DirectQuantGather:
         world = self._topo.world
         if world == 1:
             return GatherHandle([], lambda: self._decode(codes.view(1, -1), scales.view(1, -1), keys, dtypes))
-        self._stats.add_logical(GATHER_KIND, sum(shards[key].numel() * shards[key].element_size() for key in keys))
+        sizes = {key: self._logical_sizes[key] or shards[key].element_size() for key in keys}
+        self._stats.add_logical(GATHER_KIND, sum(shards[key].numel() * sizes[key] for key in keys))
         all_codes = codes.new_empty(world, codes.numel())
         all_scales = scales.new_empty(world, scales.numel())
         works = [comm.all_gather_into_tensor(all_codes.view(-1), codes, None, self._stats, GATHER_KIND, "codes",

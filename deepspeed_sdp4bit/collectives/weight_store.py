@@ -81,13 +81,15 @@ class ChecksumReport:
 
 @dataclass(frozen=True)
 class _Param:
-    """One registered parameter: its size, shard size, registration order and column offset in every slot."""
+    """One registered parameter: its size, shard size, registration order, column offset in every slot, and the
+    bytes per element its logical (unquantized) traffic is counted in."""
 
     key: int
     numel: int
     shard_numel: int
     index: int
     offset: int
+    logical_size: int
 
 
 @dataclass(frozen=True)
@@ -182,16 +184,21 @@ class WeightStore:
 
     # -- registration ---------------------------------------------------------------------------------------
 
-    def add(self, key: int, numel: int) -> None:
-        """Register a parameter (same keys, same order, on every rank) before `finalize`."""
+    def add(self, key: int, numel: int, logical_element_size: int | None = None) -> None:
+        """Register a parameter (same keys, same order, on every rank) before `finalize`. Its logical bytes are
+        counted at `logical_element_size` bytes per element (default: the store's dtype), the size the unquantized
+        gather it replaces would send (DeepSpeed sends some fp32 parameters in 16 bits under torch_autocast)."""
         if self._storage is not None:
             raise RuntimeError(f"add(key={key}): the store is already finalized")
         if key in self._params:
             raise ValueError(f"add: key {key} is already registered")
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
+        size = self._elem if logical_element_size is None else logical_element_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got {size!r}")
         per_shard = shard_numel(numel, self._topo.world)
-        self._params[key] = _Param(key, numel, per_shard, len(self._params), self._total)
+        self._params[key] = _Param(key, numel, per_shard, len(self._params), self._total, size)
         self._total += per_shard
 
     def finalize(self) -> None:
@@ -312,7 +319,7 @@ class WeightStore:
 
     def _logical(self, bucket: _Bucket) -> int:
         """Bytes one rank would send in the unquantized all-gather of its own shards of `bucket`."""
-        return bucket.numel * self._elem
+        return sum(p.shard_numel * p.logical_size for p in bucket.params)
 
     def _start_inter(self, bucket: _Bucket, parts: list[torch.Tensor], kind: str, names: tuple[str, ...]
                      ) -> _InFlight:
@@ -398,7 +405,7 @@ class WeightStore:
         regions = [self._columns(p).reshape(-1) for p in params]
         send = regions[0] if len(regions) == 1 else torch.cat(regions)
         out = send.new_empty(per_node * send.numel())
-        self._stats.add_logical(GATHER_KIND, send.numel() * send.element_size())
+        self._stats.add_logical(GATHER_KIND, sum(self._slots * p.shard_numel * p.logical_size for p in params))
         work = comm.all_gather_into_tensor(out, send, self._topo.intra, self._stats, GATHER_KIND, "data",
                                            async_op=True)
         return GatherHandle([work], lambda: self._reorder(out.view(per_node, -1), params))

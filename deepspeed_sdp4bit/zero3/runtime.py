@@ -18,8 +18,7 @@ the replica.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -39,7 +38,6 @@ from ..topology import Topology
 from . import advice, auto, state
 from .checks import check_replica_memory
 
-WEIGHT_KINDS = frozenset(kind for kind in KINDS if kind.startswith("weight_"))
 _CLEAN, _WRITTEN, _UNUSABLE = 0, 1, 2  # per-parameter flags of the foreign-write check, all-reduced with MAX
 _STATE_INTACT, _STATE_MISSING, _STATE_DAMAGED = 0, 1, 2  # per rank, what a checkpoint load found
 
@@ -93,21 +91,6 @@ class MultipleHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-class SentBytes(CommStats):
-    """CommStats whose weight kinds count logical bytes in the dtype DeepSpeed would send.
-
-    That is the parameter dtype, except under torch_autocast, where DeepSpeed gathers some fp32 parameters in a
-    16-bit dtype; the runtime sets `weight_scale` (sent bytes / parameter bytes of the parameters involved) around
-    each weight collective.
-    """
-
-    weight_scale = 1.0
-
-    def add_logical(self, kind: str, nbytes: int) -> None:
-        """Record one logical operation, scaled to the sent dtype for the weight kinds."""
-        super().add_logical(kind, round(nbytes * self.weight_scale) if kind in WEIGHT_KINDS else nbytes)
-
-
 class SDP4BitRuntime:
     """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`).
 
@@ -121,7 +104,7 @@ class SDP4BitRuntime:
         self.created = created
         self.closed = False
         self.undo_patches: list[Callable[[], None]] = []
-        self.comm_stats = SentBytes(topology.ranks_per_node)
+        self.comm_stats = CommStats(topology.ranks_per_node)
         self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
         self._names = {p.ds_id: name for name, p in engine.module.named_parameters()
                        if getattr(p, "ds_id", None) in self.params}
@@ -152,7 +135,7 @@ class SDP4BitRuntime:
                             stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size, dtype=first.dtype,
                             device=first.ds_tensor.device)
         for key, param in self.params.items():
-            store.add(key, param.ds_numel)
+            store.add(key, param.ds_numel, self._sent_sizes.get(key))
         check_replica_memory(store.memory_bytes(), cfg, self.topology, first.ds_tensor.device)
         store.finalize()
         return store
@@ -163,7 +146,7 @@ class SDP4BitRuntime:
         direct = DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
                                    stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
         for key, param in self.params.items():
-            direct.add(key, param.ds_numel)
+            direct.add(key, param.ds_numel, self._sent_sizes.get(key))
         return direct
 
     def _make_reducer(self) -> TLqReducer:
@@ -195,23 +178,6 @@ class SDP4BitRuntime:
         """Whether this parameter's gathers are served by SDP4Bit."""
         return (getattr(param, "ds_id", None) in self.params and not self.measuring()
                 and (self.store is not None or self.direct_active()))
-
-    @contextmanager
-    def _counting(self, keys: Sequence[int]) -> Iterator[None]:
-        """Count the weight collectives on `keys` in the dtype DeepSpeed would send them in (see SentBytes)."""
-        if not self._sent_sizes:
-            yield
-            return
-        own = sent = 0
-        for key in keys:
-            numel, size = shard_numel(self.params[key].ds_numel, self.topology.world), self.params[key].element_size()
-            own += numel * size
-            sent += numel * self._sent_sizes.get(key, size)
-        self.comm_stats.weight_scale = sent / own if own else 1.0
-        try:
-            yield
-        finally:
-            self.comm_stats.weight_scale = 1.0
 
     # ----- weights
     def _write_ds_tensors(self, keys: Sequence[int]) -> None:
@@ -283,8 +249,7 @@ class SDP4BitRuntime:
         if self.store is None or self.measuring():  # under auto the replicas are built at the decision
             return
         if keys:
-            with self._counting(keys):
-                self.store.resync({k: self.params[k].ds_tensor for k in keys})
+            self.store.resync({k: self.params[k].ds_tensor for k in keys})
             self._write_ds_tensors(keys)
             self._mark_weights_written()
 
@@ -334,8 +299,7 @@ class SDP4BitRuntime:
         """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
         if self.store is None or self.measuring():
             return
-        with self._counting(list(self.params)):
-            self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
+        self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
         self._write_ds_tensors(list(self.params))
 
     def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
@@ -345,11 +309,10 @@ class SDP4BitRuntime:
             param.ds_status = ZeroParamStatus.INFLIGHT
         if self._weights_written is not None:
             get_accelerator().current_stream().wait_event(self._weights_written)
-        with self._counting([p.ds_id for p in params]):
-            if self.store is not None:
-                inner = self.store.gather([p.ds_id for p in params])
-            else:
-                inner = self.direct.gather({p.ds_id: p.ds_tensor for p in params})
+        if self.store is not None:
+            inner = self.store.gather([p.ds_id for p in params])
+        else:
+            inner = self.direct.gather({p.ds_id: p.ds_tensor for p in params})
         return ParamGatherHandle(params, inner)
 
     def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
