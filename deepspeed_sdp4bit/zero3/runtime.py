@@ -114,7 +114,8 @@ class SDP4BitRuntime:
         advice.inert_keys(config, topology)
         self.coverage = advice.coverage(engine.module, self.params)
         threshold = engine._config.zero_config.param_persistence_threshold
-        self.config = config = advice.weight_config(config, topology, self.coverage, threshold)
+        self.block = config  # the user's block, as checkpoints record it
+        self.config = config = advice.weight_config(config, topology, self.coverage, threshold)  # as it applies here
         self._sent_sizes = advice.sent_element_sizes(engine, self.params, config, topology)
         self.store = self._make_store() if config.weight_differences else None
         self.direct = self._make_direct() if config.weights_direct else None
@@ -462,7 +463,8 @@ class SDP4BitRuntime:
         with a digest."""
         saved: dict[str, Any] = {"version": state.STATE_VERSION, "world": self.topology.world,
                                  "ranks_per_node": self.topology.ranks_per_node,
-                                 "config": self.config.model_dump(), "optimizer_steps": self.optimizer_steps}
+                                 "block": self.block.model_dump(), "effective": self.config.model_dump(),
+                                 "optimizer_steps": self.optimizer_steps}
         if self.auto is not None:
             saved["auto"] = self._auto_state()
         if self.measuring():  # the replicas are stale until the decision, and the reducer has not run
