@@ -4,7 +4,8 @@
 - `patches.py`: every change made to DeepSpeed, and how each engine's changes are undone by `engine.destroy()`;
 - `runtime.py`: `SDP4BitRuntime`, what an engine gains (`engine.sdp4bit`);
 - `checks.py`, `compat.py`: settings and DeepSpeed versions that cannot work, refused at initialize;
-- `advice.py`: setups that would run but save nothing or mislead, adjusted or reported once at initialize;
+- `plan.py`: what the block does for one engine (served parameters, the block as applied and why, the notes
+  logged at initialize), decided from facts about its parameters with no collective;
 - `state.py`: SDP4Bit's part of a checkpoint and its integrity check;
 - `shm.py`: the /dev/shm files of DeepSpeed's CPU all-reduce, released once every rank has mapped them.
 """

@@ -35,8 +35,9 @@ from ..collectives.weight_store import WeightStore
 from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
-from . import advice, auto, state
+from . import auto, state
 from .checks import check_replica_memory
+from .plan import make_plan, param_facts
 
 _CLEAN, _WRITTEN, _UNUSABLE = 0, 1, 2  # per-parameter flags of the foreign-write check, all-reduced with MAX
 _STATE_INTACT, _STATE_MISSING, _STATE_DAMAGED = 0, 1, 2  # per rank, what a checkpoint load found
@@ -105,18 +106,19 @@ class SDP4BitRuntime:
         self.closed = False
         self.undo_patches: list[Callable[[], None]] = []
         self.comm_stats = CommStats(topology.ranks_per_node)
-        self.params: dict[int, torch.nn.Parameter] = {p.ds_id: p for p in _weight_params(engine)}
-        self._names = {p.ds_id: name for name, p in engine.module.named_parameters()
-                       if getattr(p, "ds_id", None) in self.params}
+        threshold = engine._config.zero_config.param_persistence_threshold
+        self.plan = make_plan(config, topology, param_facts(engine), threshold)
+        if topology.rank == 0:
+            for note in self.plan.notes:
+                logger.warning(note)
+        self.block, self.config, self.coverage = self.plan.block, self.plan.effective, self.plan.coverage
+        by_id = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
+        self.params: dict[int, torch.nn.Parameter] = {f.key: by_id[f.key] for f in self.plan.served}
+        self._names = {f.key: f.name for f in self.plan.served}
         self._fingerprints: dict[int, tuple[torch.Tensor, int, int, int]] = {}
         self._shard_device = torch.device(engine.device).type
         self._warned_writes: set[int] = set()
-        advice.inert_keys(config, topology)
-        self.coverage = advice.coverage(engine.module, self.params)
-        threshold = engine._config.zero_config.param_persistence_threshold
-        self.block = config  # the user's block, as checkpoints record it
-        self.config = config = advice.weight_config(config, topology, self.coverage, threshold)  # as it applies here
-        self._sent_sizes = advice.sent_element_sizes(engine, self.params, config, topology)
+        config = self.config
         self.store = self._make_store() if config.weight_differences else None
         self.direct = self._make_direct() if config.weights_direct else None
         self.reducer = self._make_reducer() if config.quantized_gradients else None
@@ -136,7 +138,7 @@ class SDP4BitRuntime:
                             stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size, dtype=first.dtype,
                             device=first.ds_tensor.device)
         for key, param in self.params.items():
-            store.add(key, param.ds_numel, self._sent_sizes.get(key))
+            store.add(key, param.ds_numel, self.plan.logical_element_size(key))
         check_replica_memory(store.memory_bytes(), cfg, self.topology, first.ds_tensor.device)
         store.finalize()
         return store
@@ -147,7 +149,7 @@ class SDP4BitRuntime:
         direct = DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
                                    stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
         for key, param in self.params.items():
-            direct.add(key, param.ds_numel, self._sent_sizes.get(key))
+            direct.add(key, param.ds_numel, self.plan.logical_element_size(key))
         return direct
 
     def _make_reducer(self) -> TLqReducer:
@@ -577,12 +579,3 @@ class SDP4BitRuntime:
                                    f"{'on' if saved_on else 'off'} when it was saved, "
                                    f"{'on' if here is not None else 'off'} now; load with the same sdp4bit block")
 
-
-def _weight_params(engine: Any) -> list[torch.nn.Parameter]:
-    """Trainable, non-persistent ZeRO-3 parameters in ds_id order: the ones whose gathers SDP4Bit serves.
-
-    Persistent parameters (numel <= stage3_param_persistence_threshold) stay gathered and are refreshed by DeepSpeed
-    itself in full precision; frozen parameters never change and keep DeepSpeed's gathers.
-    """
-    params = [p for group in engine.optimizer.fp16_groups for p in group if not p.ds_persist]
-    return sorted(params, key=lambda p: p.ds_id)
