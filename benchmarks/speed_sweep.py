@@ -232,6 +232,27 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BRIEF = {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"}  # the README's columns
+
+
+def brief_table(rows: Sequence[dict]) -> str:
+    """Per rate, each dtype's median step of ZeRO-3, hpZ, SDP4Bit (node replica) and auto, and SDP4Bit's and auto's
+    speed-up over ZeRO-3 (the README's table)."""
+    dtypes = sorted({r["dtype"] for r in rows})
+    cells = {(r["dtype"], r["rate"], r["variant"]): r for r in rows}
+    head = ["link Mbit/s"] + [f"{d} {label}" for d in dtypes for label in BRIEF.values()] + \
+        [f"{d} speed-up SDP4Bit, auto" for d in dtypes]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for rate in [r for r in RATES if any(k[1] == r for k in cells)]:
+        steps = [cells.get((d, rate, v)) for d in dtypes for v in BRIEF]
+        ups = []
+        for d in dtypes:
+            node, auto = cells.get((d, rate, "sdp4bit_node")), cells.get((d, rate, "auto"))
+            ups.append(", ".join(f"{r['speedup']:.2f}x" if r and r["speedup"] else "-" for r in (node, auto)))
+        lines.append("| " + " | ".join([rate] + [f"{r['step_s']:.3f}" if r else "-" for r in steps] + ups) + " |")
+    return "\n".join(lines) + "\n"
+
+
 AUTO_BOUND = 0.05  # auto's median step within 5% of the best fixed variant's
 
 
@@ -313,6 +334,7 @@ def report(out: Path, steps: int) -> None:
         checked, ok = auto_table(rows, mine)
         text += f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n" \
                 f"{checked}"
+    text += f"\nIn brief (median step s):\n\n{brief_table(rows)}"
     (out / "table.md").write_text(text)
     plot(rows, out / "step_time.png")
     print(text)
