@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -305,15 +306,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PlanError, ShapeError, HardwareError) as exc:
         print(f"sdp4bit-plan: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps([r.as_dict() for r in rows], indent=1))
-    else:
-        print(table(plan, rows))
-        print()
-        print(recommend(plan, rows))
-        if args.plot:
-            print(f"plot: {args.plot}")
+    try:
+        _print(args, plan, rows)
+    except BrokenPipeError:  # `sdp4bit-plan --json | head`: the reader has gone, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:
+    """The rows as JSON, or the table and the recommendation."""
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1), flush=True)
+        return
+    print(table(plan, rows))
+    print()
+    print(recommend(plan, rows))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,17 @@ def test_the_installed_console_script_documents_every_flag() -> None:
     assert [r["variant"] for r in rows] == list(plan.DEEPSPEED_VARIANTS)
 
 
+def test_a_reader_that_stops_early_is_not_an_error() -> None:
+    """`sdp4bit-plan --json | head -c 10` ends quietly with status 0 (no BrokenPipeError traceback): here the reader
+    closes the pipe before the script, still starting, has written anything."""
+    script = Path(sys.executable).with_name("sdp4bit-plan")
+    proc = subprocess.Popen([str(script), "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 0
+    assert b"Traceback" not in proc.stderr.read()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "-5"], "--inter-node-gbps -5.0: must be > 0"),
     (["--model", "1.3b", "--nodes", "2", "--gpu", "tpu", "--inter-node-gbps", "100"],
