@@ -141,7 +141,7 @@ MUTANTS = [
            "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[-numel:]",
            "dequantize: scales aligned to the end"),
     # collectives/grad_reduce.py
-    Mutant("G01", GRAD, "    chunks = tuple(-(-n // world) for n in numels)", "    chunks = tuple(n // world + 1 for n in numels)",
+    Mutant("G01", GRAD, "    chunks = tuple(shard_numel(n, world) for n in numels)", "    chunks = tuple(n // world + 1 for n in numels)",
            "chunk size n // W + 1 (wrong when W divides n)"),
     Mutant("G02", GRAD, "    part = max(1, -(-(lead + used) // unit)) * unit",
            "    part = max(1, (lead + used) // unit) * unit",

@@ -11,6 +11,7 @@ import torch
 
 from .spec import (
     FLOAT_DTYPES,
+    HADAMARD_BLOCK,
     CodecOp,
     Codes,
     check_codes,
@@ -131,8 +132,8 @@ class CompiledBackend:
                           group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
                           mul: float = 1.0, valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         numel = pieces_numel(codes, scales, pieces, bits, group_size)
-        if hadamard and numel % 32:
-            raise ValueError(f"hadamard needs a multiple of 32 elements, got {numel}")
+        if hadamard and numel % HADAMARD_BLOCK:
+            raise ValueError(f"hadamard needs a multiple of {HADAMARD_BLOCK} elements, got {numel}")
         check_valid(valid, numel, "a piece")
         out = _values(codes.device, numel, dtype, out)
         self.op.dequantize_reduce(codes, scales, pieces, bits, group_size, out, hadamard, float(mul),

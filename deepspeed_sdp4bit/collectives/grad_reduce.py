@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK, check_group_size, qmax_for
+from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK, check_group_size, codes_nbytes, num_groups, qmax_for
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
+from .sharding import shard_numel, valid_numel
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Layout:
 
     def length(self, index: int, rank: int) -> int:
         """Real elements of tensor `index` in `rank`'s partition (DeepSpeed's partitioning)."""
-        return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index]))
+        return valid_numel(self.numels[index], self.world, rank)
 
 
 def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> Layout:
@@ -90,7 +91,7 @@ def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> L
     When the chunks end inside a 32-block, they start `lead` zeros into the part, so that their partial last block
     begins a group of its own.
     """
-    chunks = tuple(-(-n // world) for n in numels)
+    chunks = tuple(shard_numel(n, world) for n in numels)
     used = sum(chunks)
     lead = -(used - used % HADAMARD_BLOCK) % group if used % HADAMARD_BLOCK else 0
     offsets = tuple(lead + sum(chunks[:i]) for i in range(len(chunks)))
@@ -120,15 +121,10 @@ def partitions(part: torch.Tensor, layout: Layout, rank: int) -> list[torch.Tens
     return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]
 
 
-def _code_bytes(numel: int, bits: int) -> int:
-    """Bytes of packed codes for `numel` elements."""
-    return numel * bits // 8
-
-
 def _slice(codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int,
            index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of the `index`-th run of `numel` elements in a buffer quantized at `level`."""
-    nbytes, nscales = _code_bytes(numel, level.bits), numel // level.group
+    nbytes, nscales = codes_nbytes(numel, level.bits), num_groups(numel, level.group)
     return codes[index * nbytes:(index + 1) * nbytes], scales[index * nscales:(index + 1) * nscales]
 
 
