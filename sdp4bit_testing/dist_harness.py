@@ -12,6 +12,7 @@ Batch many cases into one call: starting W interpreters costs seconds on a 2-cor
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import queue as queue_module
@@ -148,7 +149,7 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
 
 
 class EarlierRunFailed(RuntimeError):
-    """A shared multi-process run that already failed once in this session, raised again without rerunning it."""
+    """A shared multi-process run that already failed once in this test run, raised again without rerunning it."""
 
 
 def run_once(fn: Callable) -> Callable:
@@ -158,9 +159,10 @@ def run_once(fn: Callable) -> Callable:
     results: dict[tuple, Any] = {}
     failures: dict[tuple, BaseException] = {}
 
+    @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:
         if args in failures:
-            raise EarlierRunFailed(f"{fn.__name__}{args} failed earlier in this session: {failures[args]}") \
+            raise EarlierRunFailed(f"{fn.__name__}{args} failed earlier in this test run: {failures[args]}") \
                 from failures[args]
         if args not in results:
             try:
@@ -170,5 +172,4 @@ def run_once(fn: Callable) -> Callable:
                 raise
         return results[args]
 
-    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
     return wrapper

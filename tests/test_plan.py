@@ -40,7 +40,7 @@ def test_served_parameters_are_the_trained_partitioned_ones_in_ds_id_order() -> 
         (22656, 20480, 128, 2048)
     assert plan.effective == plan.block and plan.changes == ()
     assert plan.notes == ()  # 90.4% served: above the warning's share
-    assert plan.logical_element_size(3) is None
+    assert plan.served[0].logical_element_size is None
 
 
 def test_a_node_replica_on_one_node_turns_weights_off_with_its_reason() -> None:
@@ -72,7 +72,7 @@ def test_a_low_share_is_reported_and_the_weights_stay_on() -> None:
 def test_autocast_counts_logical_bytes_in_the_dtype_deepspeed_sends() -> None:
     autocast = [_param(1, 4096, sent="torch.bfloat16"), _param(2, 4096)]
     plan = make_plan(parse_config(PAPER), _topology(), autocast, persistence_threshold=1280)
-    assert plan.logical_element_size(1) == 2 and plan.logical_element_size(2) is None
+    assert [p.logical_element_size for p in plan.served] == [2, None]
     assert any("torch_autocast is on" in note and "50.0%" in note and "torch.bfloat16" in note
                for note in plan.notes)
 

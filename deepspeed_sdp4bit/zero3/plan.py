@@ -10,7 +10,7 @@ parameters whose gathers SDP4Bit serves; and the notes logged once (rank 0) at i
 - parameters SDP4Bit does not serve (persistent below `stage3_param_persistence_threshold`, frozen): the share of
   the model's elements it serves is reported, with a warning below `MIN_SERVED_SHARE`;
 - torch_autocast: DeepSpeed gathers some fp32 parameters in a 16-bit dtype, so logical bytes are counted in the dtype
-  DeepSpeed would send (`ServedParam.logical_element_size`), while the replicas stay in the parameters' dtype.
+  DeepSpeed would send (`ParamFacts.logical_element_size`), while the replicas stay in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class ParamFacts:
         full precision, and frozen ones never change and keep DeepSpeed's gathers."""
         return self.in_optimizer and not self.persistent
 
+    @property
+    def logical_element_size(self) -> int | None:
+        """Bytes per element its weight traffic is counted in, where that is not its dtype's (torch_autocast)."""
+        return self.sent_element_size if self.sent_element_size != self.element_size else None
+
 
 @dataclass(frozen=True)
 class Coverage:
@@ -84,11 +89,6 @@ class Plan:
     served: tuple[ParamFacts, ...]
     coverage: Coverage
     notes: tuple[str, ...]
-
-    def logical_element_size(self, key: int) -> int | None:
-        """Bytes per element the weight traffic of parameter `key` is counted in, where that is not its dtype's."""
-        facts = next(p for p in self.served if p.key == key)
-        return facts.sent_element_size if facts.sent_element_size != facts.element_size else None
 
 
 def param_facts(engine: Any) -> list[ParamFacts]:

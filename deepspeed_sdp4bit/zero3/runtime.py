@@ -137,8 +137,8 @@ class SDP4BitRuntime:
                             group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
                             stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size, dtype=first.dtype,
                             device=first.ds_tensor.device)
-        for key, param in self.params.items():
-            store.add(key, param.ds_numel, self.plan.logical_element_size(key))
+        for facts in self.plan.served:
+            store.add(facts.key, facts.numel, facts.logical_element_size)
         check_replica_memory(store.memory_bytes(), cfg, self.topology, first.ds_tensor.device)
         store.finalize()
         return store
@@ -148,8 +148,8 @@ class SDP4BitRuntime:
         cfg = self.config
         direct = DirectQuantGather(self.topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
                                    stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=self.comm_stats)
-        for key, param in self.params.items():
-            direct.add(key, param.ds_numel, self.plan.logical_element_size(key))
+        for facts in self.plan.served:
+            direct.add(facts.key, facts.numel, facts.logical_element_size)
         return direct
 
     def _make_reducer(self) -> TLqReducer:
