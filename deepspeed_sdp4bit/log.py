@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from deepspeed.utils.logging import LoggerFactory, get_log_level_from_string
+from deepspeed.utils.logging import LoggerFactory
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -20,7 +20,7 @@ def _level() -> int:
     name = os.environ.get("SDP4BIT_LOG_LEVEL", "info")
     if name.lower() not in LEVELS:
         raise ValueError(f"SDP4BIT_LOG_LEVEL = {name!r}: must be one of {', '.join(LEVELS)}")
-    return get_log_level_from_string(name.lower())
+    return logging.getLevelName(name.upper())
 
 
 logger: logging.Logger = LoggerFactory.create_logger(name="deepspeed_sdp4bit", level=_level())

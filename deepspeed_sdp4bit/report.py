@@ -19,16 +19,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import deepspeed
 import hjson
 import torch
 
 from . import __version__
+from .adapter import describe_support
 from .codec import dispatch
 from .config import config_from_ds_config
 from .ops.builder import CodecCPUBuilder, CodecCUDABuilder, cuda_toolkit_root
 from .topology import ENV_SOURCES
-from .zero3.compat import TESTED_RANGE, SDP4BitCompatError, check_deepspeed
 
 Section = list[tuple[str, str]]
 
@@ -43,17 +42,13 @@ def _installed(distribution: str) -> str:
 
 def versions() -> Section:
     """Python, this package, torch (and its CUDA), DeepSpeed (supported or why not) and the optional integrations."""
-    try:
-        check_deepspeed()
-        support = f"supported (tested range >={TESTED_RANGE[0]},<{TESTED_RANGE[1]})"
-    except SDP4BitCompatError as err:
-        support = "NOT supported: " + "; ".join(line.strip() for line in str(err).splitlines()[1:])
+    support = describe_support()
     cuda = (f"CUDA build {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible"
             if torch.version.cuda else "CPU-only build")
     return [("python", f"{platform.python_version()} ({sys.executable})"),
             ("deepspeed-sdp4bit", f"{__version__} ({Path(__file__).resolve().parent})"),
             ("torch", f"{torch.__version__} ({cuda})"),
-            ("deepspeed", f"{deepspeed.__version__}: {support}"),
+            ("deepspeed", support),
             ("transformers", _installed("transformers")),
             ("accelerate", _installed("accelerate"))]
 

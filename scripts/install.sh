@@ -7,6 +7,8 @@
 #   SDP4BIT_TORCH   torch requirement installed when the venv has no torch (default torch==2.14.1: on CPU-only
 #                   machines of this project's kind it is a CUDA 13.0 build that runs on the CPU and lets the CUDA
 #                   op be compile-checked; set e.g. "torch" to take what pip picks for your machine)
+#   SDP4BIT_DEEPSPEED  a DeepSpeed version inside the supported range (pyproject.toml) to install instead of the
+#                   newest one pip picks, e.g. 0.17.6; the venv's DeepSpeed is replaced when it differs
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SDP4BIT_VENV:-$root/.venv}"
@@ -27,13 +29,21 @@ sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PY
 }
 
-if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && have_all; then
+deepspeed_is_asked() {
+  [ -z "${SDP4BIT_DEEPSPEED:-}" ] || [ "$("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null)" = "$SDP4BIT_DEEPSPEED" ]
+}
+
+if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && have_all && deepspeed_is_asked; then
   echo "install: $venv is up to date"
   exit 0
 fi
 if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   echo "install: ${SDP4BIT_TORCH:-torch==2.14.1} (a minute or two)"
   "$py" -m pip install -q "${SDP4BIT_TORCH:-torch==2.14.1}"
+fi
+if [ -n "${SDP4BIT_DEEPSPEED:-}" ]; then
+  echo "install: deepspeed==$SDP4BIT_DEEPSPEED"
+  "$py" -m pip install -q "deepspeed==$SDP4BIT_DEEPSPEED"
 fi
 echo "install: the project and its [test] extras (editable)"
 "$py" -m pip install -q -e "$root[test]"

@@ -24,6 +24,15 @@ import torch
 from sdp4bit_testing import zero3_harness as H
 
 
+def _took_the_shm_path(backend: object) -> bool:
+    """Whether DeepSpeed's inference all-reduce of an fp32 tensor went through its shared-memory op: from 0.19.8 when
+    the op's vector kernel level allows it, before whenever the op is registered."""
+    level = getattr(backend, "shm_vector_kernel_level", None)
+    if level is not None:
+        return level >= 1
+    return hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+
+
 class OwnGroup:
     """A DeepSpeed `mpu` whose data parallelism is this rank alone, so building the engine involves no other rank."""
 
@@ -96,7 +105,7 @@ def symmetric(rank: int, world: int) -> dict[str, Any]:
     values = torch.arange(1000, dtype=torch.float32) * (rank + 1)
     ds_dist.inference_all_reduce(values)
     seen["all_reduce_ok"] = torch.equal(values, torch.arange(1000, dtype=torch.float32) * (world * (world + 1) // 2))
-    seen["shm_kernel"] = getattr(ds_comm.cdb, "shm_vector_kernel_level", 0) >= 1  # fp32 took the shm path
+    seen["shm_kernel"] = _took_the_shm_path(ds_comm.cdb)
     H.train_steps(engine, 0, 1)
     return seen
 

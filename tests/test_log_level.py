@@ -11,6 +11,8 @@ import pytest
 
 from deepspeed_sdp4bit import log
 
+pytestmark = pytest.mark.compat  # depends on the DeepSpeed release: run on every tested pair
+
 
 @pytest.mark.parametrize("value, level", [("debug", logging.DEBUG), ("WARNING", logging.WARNING),
                                           ("error", logging.ERROR)])

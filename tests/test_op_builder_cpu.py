@@ -81,6 +81,7 @@ print(json.dumps({"file": module.__file__, "prebuilt": prebuilt, "seconds": roun
         print(f"loaded again ({name}) in {again['seconds']} s without a rebuild")
 
 
+@pytest.mark.compat
 def test_dispatch_picks_the_cpu_op_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SDP4BIT_CODEC_BACKEND", raising=False)
     x = torch.randn(3000)

@@ -37,6 +37,7 @@ def _job(out: Path, *flags: str, timeout: float = 600) -> tuple[list[dict], str]
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_engine_releases_deepspeed_shm_segments(tmp_path: Path) -> None:
     seen, port = _job(tmp_path)
     expected = {"before_engine": True, "after_engine": False, "all_reduce_ok": True, "shm_kernel": True}

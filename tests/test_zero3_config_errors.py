@@ -17,6 +17,8 @@ import torch
 from sdp4bit_testing import zero3_harness as H
 from sdp4bit_testing.dist_harness import run_distributed
 
+pytestmark = pytest.mark.compat  # depends on the DeepSpeed release: run on every tested pair
+
 QW = {"quantized_weights": True}
 QG = {"quantized_gradients": True}
 
@@ -82,18 +84,34 @@ def test_block_that_is_not_an_object_is_rejected() -> None:
         deepspeed_sdp4bit.initialize(model=torch.nn.Linear(4, 4), config={**H.ds_config(), "sdp4bit": True})
 
 
-@pytest.mark.parametrize("key, value", [("mics_shard_size", 2), ("mics_hierarchical_params_gather", True)])
-def test_a_key_deepspeed_removed_gives_deepspeeds_own_message(key: str, value: Any) -> None:
-    import deepspeed
-    from deepspeed.runtime.config import _REMOVED_ZERO_CONFIG_KEYS, DeepSpeedConfigError
+def _removed_keys() -> dict[str, str] | None:
+    """DeepSpeed's messages for the ZeRO keys it removed (from 0.19.8), or None on a release that has MiCS."""
+    from deepspeed.runtime import config
 
-    import deepspeed_sdp4bit  # noqa: F401  (routes deepspeed.initialize through SDP4Bit)
+    return getattr(config, "_REMOVED_ZERO_CONFIG_KEYS", None)
+
+
+@pytest.mark.parametrize("key, value", [("mics_shard_size", 2), ("mics_hierarchical_params_gather", True)])
+def test_mics_is_refused_with_deepspeeds_own_message_where_it_was_removed(key: str, value: Any) -> None:
+    """From 0.19.8 DeepSpeed refuses MiCS's keys itself, and its message reaches the user; before, MiCS is a
+    feature whose groups sdp4bit does not follow, refused naming the key (the gather setting alone does nothing)."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    import deepspeed_sdp4bit  # routes deepspeed.initialize through SDP4Bit
+    from deepspeed_sdp4bit.zero3.activate import checked_block
 
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(DeepSpeedConfigError) as raised:
-        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                             config=H.ds_config(sdp4bit=QG, **{key: value}))
-    assert str(raised.value) == _REMOVED_ZERO_CONFIG_KEYS[key]
+    config = H.ds_config(sdp4bit=QG, **{key: value})
+    removed = _removed_keys()
+    if removed is None and key == "mics_hierarchical_params_gather":
+        assert checked_block(config) is not None
+        return
+    expected = (DeepSpeedConfigError, removed[key]) if removed else (
+        deepspeed_sdp4bit.SDP4BitConfigError, "zero_optimization.mics_shard_size = 2: MiCS shards the parameters")
+    with pytest.raises(expected[0]) as raised:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    assert expected[1] in str(raised.value)
 
 
 REFUSALS = [
@@ -128,7 +146,7 @@ def _all_refusals() -> tuple[list[str], list[str]]:
 
     entered, init = [], DeepSpeedEngine.__init__
 
-    @functools.wraps(init)  # keeps the signature that compat.py checks
+    @functools.wraps(init)  # keeps the signature that the adapter checks
     def spy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
         entered.append(type(self).__name__)
         init(self, *args, **kwargs)
@@ -140,10 +158,20 @@ def _all_refusals() -> tuple[list[str], list[str]]:
         DeepSpeedEngine.__init__ = init
 
 
+def _named(name: str, key: str) -> str:
+    """What the refusal must say: sdp4bit's message, or DeepSpeed's own validation error naming the field on a
+    release that has no such feature (SuperOffload came in 0.18)."""
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    if name == "SuperOffload" and "super_offload" not in DeepSpeedZeroOffloadOptimizerConfig.model_fields:
+        return "offload_optimizer.super_offload\n  Extra inputs are not permitted"
+    return key
+
+
 def test_refusals_name_the_key_before_deepspeed_builds_an_engine() -> None:
     messages, entered = run_distributed(2, _all_refusals)[0]
     for (name, _, _, key), message in zip(REFUSALS, messages):
-        assert key in message, f"{name}: expected an error naming {key}, got {message!r}"
+        assert _named(name, key) in message, f"{name}: expected an error naming {_named(name, key)}, got {message!r}"
     assert entered == [], f"DeepSpeedEngine.__init__ was entered before a refusal: {entered}"
 
 

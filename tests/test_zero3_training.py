@@ -293,8 +293,10 @@ SMALL_WORLDS = {
 }
 
 
-@pytest.mark.parametrize("world", sorted(SMALL_WORLDS))
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.compat), 3])
 def test_world_sizes_two_and_three_train(world: int) -> None:
+    """Two worlds of the paper's block, each as nodes of one rank and as one node; world 2 is also the training check
+    run on every tested DeepSpeed/torch pair (real ZeRO-3, its collectives recorded and emulated bit for bit)."""
     _assert_trained(run_distributed(world, _modes, SMALL_WORLDS[world]))
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Iterator
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
+from .. import adapter
+
 if TYPE_CHECKING:
     from setuptools import Extension
 
@@ -177,7 +179,7 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
         return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false",
                 "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
                 "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-                "-U__CUDA_NO_BFLOAT162_OPERATORS__"] + self.compute_capability_args()
+                "-U__CUDA_NO_BFLOAT162_OPERATORS__"] + adapter.cuda_arch_args(self)
 
     def check_buildable(self) -> None:
         """A CUDA build of torch and a CUDA toolkit; points torch's extension builder at that toolkit."""

@@ -28,13 +28,12 @@ import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from .. import codec
+from .. import adapter, codec
 from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
 from ..log import logger
 from ..topology import Topology, build_topology
-from . import patches, shm
+from . import patches, selftest, shm
 from .checks import check_ds_config, check_engine
-from .compat import check_deepspeed
 from .runtime import SDP4BitRuntime
 
 _CREATED = itertools.count()
@@ -79,7 +78,7 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
 
 def _check_supported(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
     """The DeepSpeed version and the symbols this package patches, then the DeepSpeed settings the block needs."""
-    check_deepspeed()
+    adapter.check_deepspeed()
     check_ds_config(ds_config, cfg)
 
 
@@ -200,9 +199,26 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None =
         patches.refuse_offload_states(engine, runtime)
     patches.patch_destroy(engine, runtime, release)
     runtime.begin()
+    if adapter.support() is adapter.Support.NEWER:
+        _self_test(runtime)
     engine.sdp4bit = runtime
     _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s")
     return runtime
+
+
+def _self_test(runtime: SDP4BitRuntime) -> None:
+    """On a DeepSpeed newer than the tested range: the self-test, then one warning naming the release; a failure
+    gives the model back to DeepSpeed and stops (collective)."""
+    try:
+        checked = selftest.run(runtime)
+    except adapter.SDP4BitCompatError:
+        release(runtime)
+        raise
+    if runtime.topology.rank == 0:
+        logger.warning(f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "
+                       f"{adapter.SUPPORTED} (tested: {', '.join(adapter.TESTED)}); it passed the self-test "
+                       f"({' and '.join(checked) or 'nothing served at initialize'} through DeepSpeed's own path, "
+                       f"bit for bit), so training goes on. {adapter.STRICT_VARIABLE}=1 refuses such a release")
 
 
 def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:

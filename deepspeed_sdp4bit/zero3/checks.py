@@ -18,6 +18,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from .. import adapter
 from ..collectives import comm
 from ..config import SDP4BitConfig, SDP4BitConfigError
 from ..topology import Topology
@@ -45,6 +46,9 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
         problems.append(f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size}: with "
                         "sdp4bit.quantized_weights the weight replica (sdp4bit.weight_replica) takes hpZ's place; "
                         "set it to 1")
+    if getattr(zero, "mics_shard_size", -1) > 0:
+        problems.append(f"zero_optimization.mics_shard_size = {zero.mics_shard_size}: MiCS shards the parameters "
+                        "in its own groups, which sdp4bit's replicas and reductions do not follow; remove it")
     if _offload_device(zero.offload_param) != "none":
         problems.append(f"zero_optimization.offload_param.device = {_offload_device(zero.offload_param)!r}: "
                         "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)")
@@ -79,10 +83,10 @@ def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
     then its models of the zero_optimization and compile sections (an invalid one raises DeepSpeed's validation
     error naming the field).
     """
-    from deepspeed.compile.config import CompileConfig  # here: DeepSpeed releases before DeepCompile lack the module
-    from deepspeed.runtime.config import _reject_removed_config_keys  # private: compat.py checks it exists
-
-    _reject_removed_config_keys(ds_config)
+    from deepspeed.compile.config import (
+        CompileConfig,  # here: DeepSpeed releases before DeepCompile lack the module
+    )
+    adapter.reject_removed_config_keys(ds_config)
     _section(ds_config, "zero_optimization")
     _section(ds_config, "compile")
     problems = _zero_problems(get_zero_config(ds_config), cfg)

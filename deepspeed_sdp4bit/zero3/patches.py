@@ -15,15 +15,16 @@ Per engine (instance attributes, so other engines in the process are untouched; 
   bucket as SDP4Bit's), every ZeRO parameter's `all_gather_coalesced` (served from the replicas; each such parameter
   also names its runtime in `_sdp4bit_runtime`), the engine's `save_checkpoint` / `load_checkpoint` (carry SDP4Bit's
   state), `offload_states` (refused: the replicas would stay on the device) and `destroy` (undoes all of this).
-`compat.check_deepspeed()` verifies the version and every one of these symbols before any is touched.
+`adapter.check_deepspeed()` verifies the version and every one of these symbols before any is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import deepspeed
 import deepspeed.runtime.zero.stage3 as stage3
@@ -31,10 +32,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.partition_parameters import Init
 
 from . import state
-from .compat import check_param_gather
+from ..adapter import check_param_gather
 from .runtime import MultipleHandles, SDP4BitRuntime
 
-_ACTIVE: contextvars.ContextVar[SDP4BitRuntime | None] = contextvars.ContextVar("sdp4bit_active", default=None)
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("sdp4bit_active", default=None)
 _ACTIVATING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdp4bit_activating", default=False)
 _MARK = "__sdp4bit_original__"
 _OWNER = "_sdp4bit_runtime"
@@ -51,6 +52,22 @@ def _wrap(original: Callable, wrapper: Callable) -> Callable:
 def _is_patched(func: Callable) -> bool:
     """Whether func is one of this package's wrappers."""
     return hasattr(func, _MARK)
+
+
+def original(func: Callable) -> Callable:
+    """What one of this package's wrappers replaced."""
+    return getattr(func, _MARK)
+
+
+@contextlib.contextmanager
+def reducing_with(reducer: Any) -> Iterator[None]:
+    """While inside, ZeRO-3's reduce-scatter goes to `reducer.reduce_scatter(tensors, group)` (a runtime, or the
+    self-test's stand-in), as inside an SDP4Bit optimizer's __avg_scatter_grads."""
+    token = _ACTIVE.set(reducer)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def owner(param: Any) -> SDP4BitRuntime | None:
@@ -163,11 +180,8 @@ def patch_optimizer(optimizer: Any, runtime: SDP4BitRuntime) -> None:
         return post_step(timer_names)
 
     def avg_scatter_grads(params_to_reduce: Any, communication_data_type: Any) -> Any:
-        token = _ACTIVE.set(runtime)
-        try:
+        with reducing_with(runtime):
             return avg_scatter(params_to_reduce, communication_data_type)
-        finally:
-            _ACTIVE.reset(token)
 
     post_step = _install(runtime, optimizer, "_post_step", _post_step)
     avg_scatter = _install(runtime, optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)

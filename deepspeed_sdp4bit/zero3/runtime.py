@@ -413,6 +413,10 @@ class SDP4BitRuntime:
         self.params = {}
         self.closed = True
 
+    def name(self, key: int) -> str:
+        """The model's name for the served parameter `key` (its ds_id), for messages."""
+        return self._names[key]
+
     def describe(self) -> str:
         """Which engine this runtime belongs to, for messages."""
         return f"the SDP4Bit engine #{self.created} on {type(self.engine.module).__name__}"

@@ -20,8 +20,8 @@ from pathlib import Path
 import deepspeed.comm.comm as ds_comm
 import torch.distributed as dist
 
+from .. import adapter
 from ..log import logger
-from . import compat
 
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 SHM_DIR = Path("/dev/shm")
@@ -49,9 +49,9 @@ def release_workspace() -> None:
     """Count this rank as past the mapping (once per process); the rank that completes the count unlinks every
     rank's segment name. Never waits for another rank.
 
-    Only on the tested DeepSpeed: the name and the map-every-segment-at-start behaviour are read from its shm.cpp."""
+    Only on a tested DeepSpeed: the name and the map-every-segment-at-start behaviour are read from its shm.cpp."""
     global _released
-    if _released or not compat.version_tested() or not workspace_mapped():
+    if _released or not adapter.shm_release_applies() or not workspace_mapped():
         return
     _released = True
     store = getattr(dist.distributed_c10d, "_get_default_store", None)

@@ -1,0 +1,197 @@
+"""The versioned adapter: which DeepSpeed releases this package supports, the check that the installed one still has
+every internal the package patches or reads, and the one place for each behaviour that differs between releases.
+
+Supporting a new DeepSpeed release means adding its differences here (one entry each, with its test); no other
+module compares DeepSpeed versions. A release newer than the tested range runs after a self-test at initialize
+(`zero3/selftest.py`) unless SDP4BIT_STRICT_VERSION=1; an older one is refused, naming the supported range.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+import os
+from typing import Any
+
+import deepspeed
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+SUPPORTED = SpecifierSet(">=0.17.6,<0.20")
+TESTED = ("0.17.6", "0.18.9", "0.19.5", "0.19.8")  # each run by CI with the compatibility tests and a training check
+STRICT_VARIABLE = "SDP4BIT_STRICT_VERSION"
+
+# (module, attribute path, parameter names the callable must have, or None for "any attribute").
+PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("deepspeed", "initialize", ("args", "model", "config", "config_params")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", ("self", "args", "model", "config")),
+    ("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", ("tensors", "group")),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._post_step", ("self", "timer_names")),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+     ("self", "params_to_reduce", "communication_data_type")),
+    ("deepspeed.runtime.zero.partition_parameters", "Init._partition",
+     ("self", "param_list", "force", "has_been_updated", "free_data")),
+    ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus", None),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", ("self", "save_dir", "tag", "client_state")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint",
+     ("self", "load_dir", "tag", "load_optimizer_states", "load_module_only")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._get_ckpt_name", ("self", "checkpoints_path", "tag")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self", )),
+    ("deepspeed.comm", "init_distributed", ("dist_backend", "distributed_port", "dist_init_required")),
+)
+
+# DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
+# _convert_to_deepspeed_param); patches.patch_params replaces it per parameter, so it is checked on a parameter.
+PARAM_GATHER_PARAMETERS = ("params", "safe_mode", "quantize")
+
+
+class SDP4BitCompatError(RuntimeError):
+    """The installed DeepSpeed is outside the supported range or lacks a symbol or behaviour this package uses."""
+
+
+class Support(enum.Enum):
+    """Where the installed DeepSpeed stands against SUPPORTED."""
+
+    SUPPORTED = "supported"
+    NEWER = "newer than the tested range"
+    OLDER = "older than the supported range"
+
+
+def installed_version() -> Version:
+    """The installed DeepSpeed's release (a local build suffix such as +cu124 aside)."""
+    return Version(deepspeed.__version__.split("+")[0])
+
+
+def support() -> Support:
+    """Whether the installed DeepSpeed is inside, above or below SUPPORTED."""
+    version = installed_version()
+    if version in SUPPORTED:
+        return Support.SUPPORTED
+    above = all(version >= Version(spec.version) for spec in SUPPORTED if spec.operator.startswith(">"))
+    return Support.NEWER if above else Support.OLDER
+
+
+def strict() -> bool:
+    """Whether SDP4BIT_STRICT_VERSION asks to refuse a DeepSpeed newer than the tested range ("1"; "0" or unset
+    runs it after the self-test); a ValueError naming the variable for any other value."""
+    value = os.environ.get(STRICT_VARIABLE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{STRICT_VARIABLE} = {value!r}: must be 0 (run a newer DeepSpeed after a self-test) or 1 "
+                         "(refuse it)")
+    return value == "1"
+
+
+def _resolve(module: str, path: str) -> object:
+    """The object at module.path (AttributeError/ImportError when it moved)."""
+    obj: object = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parameter_names(obj: object) -> list[str]:
+    """Parameter names of a callable, looking through decorators (DeepSpeed's nvtx wrapper keeps no __wrapped__)."""
+    params = inspect.signature(obj).parameters.values()
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        for cell in getattr(obj, "__closure__", None) or ():
+            inner = cell.cell_contents
+            if callable(inner) and not inspect.isclass(inner):
+                return _parameter_names(inner)
+    return [p.name for p in params]
+
+
+def _symbol_problem(module: str, path: str, params: tuple[str, ...] | None) -> str | None:
+    """A description of what is wrong with one patched symbol, or None if it is as expected."""
+    try:
+        obj = _resolve(module, path)
+    except (ImportError, AttributeError):
+        return f"{module}.{path} is missing"
+    if params is None:
+        return None
+    have = _parameter_names(obj)
+    if not set(params) <= set(have):
+        return f"{module}.{path} has parameters {have}, expected {list(params)}"
+    return None
+
+
+def check_deepspeed() -> Support:
+    """Raise SDP4BitCompatError unless the installed DeepSpeed may be patched: inside SUPPORTED, or newer with
+    SDP4BIT_STRICT_VERSION unset or 0, and every patched symbol as expected. Returns where it stands (NEWER: the
+    caller warns and runs the self-test)."""
+    where = support()
+    problems = []
+    if where is Support.OLDER:
+        problems.append(f"deepspeed {deepspeed.__version__} is older than the supported range {SUPPORTED} "
+                        f"(tested: {', '.join(TESTED)}); install one of those")
+    elif where is Support.NEWER and strict():
+        problems.append(f"deepspeed {deepspeed.__version__} is newer than the tested range {SUPPORTED} and "
+                        f"{STRICT_VARIABLE}=1 refuses it; unset it to run after a self-test, or install one of "
+                        f"{', '.join(TESTED)}")
+    problems += [p for p in (_symbol_problem(*entry) for entry in PATCHED_SYMBOLS) if p]
+    if problems:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely:\n  " + "\n  ".join(problems))
+    return where
+
+
+def describe_support() -> str:
+    """One line for reports: the installed release, where it stands, and why it cannot be patched if it cannot."""
+    try:
+        where = check_deepspeed().value
+    except (SDP4BitCompatError, ValueError) as err:
+        where = "NOT supported: " + "; ".join(line.strip() for line in str(err).splitlines()[1:] or [str(err)])
+    return f"{deepspeed.__version__}: {where} ({SUPPORTED}; tested {', '.join(TESTED)})"
+
+
+def check_param_gather(param: object) -> None:
+    """Raise SDP4BitCompatError unless this ZeRO-3 parameter's `all_gather_coalesced` takes the expected arguments."""
+    gather = getattr(param, "all_gather_coalesced", None)
+    if gather is None:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter has no "
+                                 "all_gather_coalesced")
+    have = _parameter_names(gather)
+    if list(PARAM_GATHER_PARAMETERS) != have:
+        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter's "
+                                 f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}")
+
+
+# ----- behaviours that differ between releases, one entry each
+def reduced_gradient_dtype(optimizer: Any) -> Any:
+    """The dtype ZeRO-3's `__avg_scatter_grads` hands its reduced partitions on in: the optimizer's `dtype` up to
+    0.19.1, its `gradient_accumulation_dtype` from 0.19.2 (the self-test checks this on an untested release)."""
+    if installed_version() < Version("0.19.2"):
+        return optimizer.dtype
+    return optimizer.gradient_accumulation_dtype
+
+
+def reject_removed_config_keys(ds_config: dict[str, Any]) -> None:
+    """DeepSpeed's own refusal of config keys it has removed (from 0.19.8, e.g. MiCS's), so that its message reaches
+    the user before sdp4bit's checks; earlier releases have none (MiCS is then a feature, refused by checks.py)."""
+    reject = getattr(importlib.import_module("deepspeed.runtime.config"), "_reject_removed_config_keys", None)
+    if reject is not None:
+        reject(ds_config)
+
+
+def cuda_arch_args(builder: Any) -> list[str]:
+    """nvcc's -gencode flags for an op builder, from TORCH_CUDA_ARCH_LIST when it is set or no GPU is visible.
+
+    Before 0.19.0 a JIT build takes only the visible GPUs' architectures (an IndexError without a GPU) and ignores
+    TORCH_CUDA_ARCH_LIST; its cross-compile branch reads the variable (or DeepSpeed's default list), so that branch
+    answers here."""
+    import torch
+
+    old_jit = installed_version() < Version("0.19.0") and getattr(builder, "jit_mode", False)
+    if not old_jit or (not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() > 0):
+        return builder.compute_capability_args()
+    builder.jit_mode = False
+    try:
+        return builder.compute_capability_args()
+    finally:
+        builder.jit_mode = True
+
+
+def shm_release_applies() -> bool:
+    """Whether DeepSpeed's CPU shared-memory all-reduce names its segments and maps every rank's at start as
+    `zero3/shm.py` expects: read from ops/csrc/cpu/comm/shm.cpp of every tested release (not assumed of a newer one)."""
+    return support() is Support.SUPPORTED

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The DeepSpeed/torch pairs this package is tested on besides the default one, each in its own environment made by
+# scripts/install.sh (as a user would: SDP4BIT_DEEPSPEED=... SDP4BIT_TORCH=... bash scripts/install.sh), running
+# the tests marked `compat` (the version checks, the refusals, the op dispatch, the CPU shared-memory release, and a
+# two-rank ZeRO-3 training run whose quantized collectives are recorded and emulated bit for bit).
+#   bash scripts/compat_legs.sh install   make (or update) every leg's environment
+#   bash scripts/compat_legs.sh test      run the compat tests in each; one summary line per leg; fails if any leg does
+#   bash scripts/compat_legs.sh           both
+#   SDP4BIT_LEGS_DIR   where the environments go (default <repo>/.venv-legs; about 5.3 GB each)
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+legs_dir="${SDP4BIT_LEGS_DIR:-$root/.venv-legs}"
+# deepspeed torch (the default pair, DeepSpeed 0.19.8 with torch 2.14.1, is the main suite's)
+LEGS=("0.17.6 2.11.0" "0.18.9 2.11.0" "0.19.5 2.14.1" "0.19.8 2.15.0")
+phase="${1:-all}"
+case "$phase" in install|test|all) ;; *) echo "compat_legs: unknown phase '$phase': use install, test or all" >&2; exit 2;; esac
+
+install_leg() {
+  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS
+  if SDP4BIT_VENV="$venv" SDP4BIT_DEEPSPEED="$ds" SDP4BIT_TORCH="torch==$torch" bash "$root/scripts/install.sh" \
+      > "$venv.install.log" 2>&1; then
+    echo "compat leg deepspeed $ds torch $torch: environment ready in $((SECONDS - began)) s"
+  else
+    echo "compat leg deepspeed $ds torch $torch: install FAILED (last lines of $venv.install.log):"
+    tail -5 "$venv.install.log"
+    return 1
+  fi
+}
+
+test_leg() {
+  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS summary extensions
+  extensions="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-leg-extensions.XXXXXX")"
+  (cd "$root" && PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
+      SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" \
+      "$venv/bin/python" -m pytest -q -m compat -rfEs -p no:cacheprovider tests > "$venv.test.log" 2>&1)
+  local rc=$?
+  rm -rf "$extensions"
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
+  echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null)): ${summary:-no summary} [$((SECONDS - began)) s]"
+  if [ $rc -ne 0 ]; then
+    grep -E "^(FAILED|ERROR)" "$venv.test.log" | head -20
+  fi
+  return $rc
+}
+
+mkdir -p "$legs_dir"
+failed=0
+for leg in "${LEGS[@]}"; do
+  # shellcheck disable=SC2086
+  set -- $leg
+  if [ "$phase" != test ]; then install_leg "$1" "$2" || { failed=1; continue; }; fi
+  if [ "$phase" != install ]; then test_leg "$1" "$2" || failed=1; fi
+done
+exit $failed
