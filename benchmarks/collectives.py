@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+
+from sdp4bit_benchmarks.timing import time_ms
 
 from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
 from sdp4bit_testing.dist_harness import run_distributed  # noqa: E402
@@ -78,17 +79,11 @@ def bucket_sizes(total: int) -> list[int]:
 
 
 def median_ms(ctx: BenchContext, fn: Callable[[], object]) -> float:
-    """Median wall time of fn() over ctx.iters runs after ctx.warmup, each started by a barrier."""
+    """Median milliseconds of fn() over ctx.iters rounds after ctx.warmup calls, each round started by a barrier."""
     import torch.distributed as dist
 
-    times = []
-    for i in range(ctx.warmup + ctx.iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if i >= ctx.warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    device = ctx.tensors[0].device if ctx.tensors else torch.device("cpu")
+    return time_ms(fn, device, rounds=ctx.iters, warmup=ctx.warmup, before=dist.barrier)
 
 
 def _torch_op(name: str, older: str) -> Callable:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout when imported; stdout carries the rows
+    from sdp4bit_benchmarks.timing import interleaved_ms  # noqa: E402
+
     from deepspeed_sdp4bit.codec import reference  # noqa: E402
     from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
     from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
@@ -72,32 +72,6 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _call_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call (CUDA: timed with events on the current stream)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    begin = time.perf_counter()
-    fn()
-    return (time.perf_counter() - begin) * 1e3
-
-
-def time_ms(fns: list[Callable[[], object]], device: torch.device, repeat: int) -> list[float]:
-    """Median milliseconds of each function over `repeat` rounds after one warm-up call each; a round calls them
-    back to back, so functions timed together see the same load on a shared machine."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, samples in zip(fns, times):
-            samples.append(_call_ms(fn, device))
-    return [statistics.median(samples) for samples in times]
-
-
 Anchor = tuple[Callable[[], object], int]  # a copy call and the bytes it moves
 
 
@@ -112,7 +86,7 @@ def measure(op: str, backend: str, bench: Bench, bits: int | None, numel: int, f
             moved: int, repeat: int, anchor: Anchor | None = None, **fields: Any) -> Row:
     """One row: the median time of `fn` and the bandwidth for `moved` bytes read + written per call; with an anchor,
     also the bandwidth of that copy timed in the same rounds (copy_gbps)."""
-    ms, *anchor_ms = time_ms([fn] + ([anchor[0]] if anchor else []), bench.device, repeat)
+    ms, *anchor_ms = interleaved_ms([fn] + ([anchor[0]] if anchor else []), bench.device, rounds=repeat)
     dtype = next(k for k, v in DTYPES.items() if v == bench.dtype)
     row = {"op": op, "backend": backend, "device": bench.device.type, "dtype": dtype, "bits": bits, "numel": numel,
            **fields, "ms": round(ms, 3), "gbps": round(moved / ms / 1e6, 2)}

@@ -16,50 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+from sdp4bit_benchmarks.kernels import nbytes
+from sdp4bit_benchmarks.timing import time_ms
 
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
 from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
-from sdp4bit_benchmarks.kernels import nbytes
 
 Row = dict[str, Any]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, batch: int = 20, rounds: int = 7,
-            warmup: int = 3) -> float:
-    """Median per-call milliseconds over `rounds` timed batches of `batch` back-to-back calls.
-
-    On a GPU the batches are timed with CUDA events and keep the queue full, so Python's per-call overhead stays
-    out of the kernel time; on a CPU (a dry run of this script) with the wall clock.
-    """
-    for _ in range(warmup):
-        fn()
-    per_call = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(batch):
-                fn()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / batch)
-        else:
-            begin = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            per_call.append((time.perf_counter() - begin) * 1e3 / batch)
-    return statistics.median(per_call)
 
 
 def measure(op: str, backend: str, dtype: torch.dtype, bits: int, numel: int, fn: Callable[[], object],
@@ -68,7 +39,7 @@ def measure(op: str, backend: str, dtype: torch.dtype, bits: int, numel: int, fn
     row: Row = {"op": op, "backend": backend, "device": device.type, "dtype": _DTYPE_NAMES[dtype], "bits": bits,
                 "numel": numel, **params}
     try:
-        ms = time_ms(fn, device)
+        ms = time_ms(fn, device, batch=20, rounds=7, warmup=3)
         row.update(ms=round(ms, 5), gbps=round(moved() / ms / 1e6, 1))
     except Exception as exc:  # a failing kernel must not hide the other rows
         traceback.print_exc(file=sys.stderr)

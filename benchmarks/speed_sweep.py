@@ -36,8 +36,8 @@ from typing import Iterator, Sequence
 from deepspeed_sdp4bit.config import AUTO_START_STEP
 from deepspeed_sdp4bit.provenance import provenance
 from sdp4bit_benchmarks import cost_model
-from sdp4bit_benchmarks.two_nodes import (LINK, TCP_OVERHEAD, Invoker, Link, TwoNodes, TwoNodesError, check_topology,
-                                          invoker, run_job, signals_raise)
+from sdp4bit_benchmarks.two_nodes import (LINK, Invoker, Link, TwoNodes, TwoNodesError, check_topology,
+                                          invoker, run_job, signals_raise, tcp_payload)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = str(ROOT / "configs/cpu/tiny_baseline.json")
@@ -119,7 +119,7 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     if variant.config == SDP4BIT:
         check_topology(job["topology"][0], nodes.ranks_per_node)
     link_bytes = summary["link_tx_bytes_per_step"]
-    link_payload = link_bytes - TCP_OVERHEAD * summary["link_tx_packets_per_step"]
+    link_payload = tcp_payload(link_bytes, summary["link_tx_packets_per_step"])
     accounted = cost_model.accounted_cross_node_bytes(summary, variant.name, dtype)
     model = cost_model.sweep_bytes(summary, variant.name, dtype)
     record.update({"step_s": summary["step_time_s"], "step0_s": summary["step0_time_s"],

@@ -49,6 +49,11 @@ LAUNCHER = (sys.executable, "-m", "deepspeed.launcher.runner")
 TOPOLOGY_LINE = re.compile(r"sdp4bit active: topology (.*?); codec")
 
 
+def tcp_payload(link_bytes: float, packets: float) -> float:
+    """TCP payload bytes of what an interface counted: its bytes less the per-packet headers (TCP_OVERHEAD)."""
+    return link_bytes - TCP_OVERHEAD * packets
+
+
 class TwoNodesError(RuntimeError):
     """The two nodes cannot be set up here; the message says why."""
 
@@ -75,7 +80,7 @@ class Counters:
 
     def payload(self) -> int:
         """TCP payload bytes: what the collectives sent, without the per-packet headers."""
-        return self.tx_bytes - TCP_OVERHEAD * self.tx_packets
+        return int(tcp_payload(self.tx_bytes, self.tx_packets))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
-from .sharding import shard_numel, valid_numel
+from .sharding import check_registration, shard_numel, valid_numel
 from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
 
 
@@ -59,11 +59,7 @@ class DirectQuantGather:
         gather it replaces would send."""
         if key in self._numels:
             raise ValueError(f"add: key {key} is already registered")
-        if not isinstance(numel, int) or numel < 1:
-            raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
-        if logical_element_size is not None and (not isinstance(logical_element_size, int) or logical_element_size < 1):
-            raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got "
-                             f"{logical_element_size!r}")
+        check_registration(key, numel, logical_element_size)
         self._numels[key] = numel
         self._logical_sizes[key] = logical_element_size
         self._offsets[key] = self._total

@@ -31,7 +31,7 @@ from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
-from .sharding import shard_numel, valid_numel
+from .sharding import check_registration, shard_numel, valid_numel
 
 REFRESH_KIND = "weight_refresh"
 RESYNC_KIND = "weight_resync"
@@ -192,11 +192,8 @@ class WeightStore:
             raise RuntimeError(f"add(key={key}): the store is already finalized")
         if key in self._params:
             raise ValueError(f"add: key {key} is already registered")
-        if not isinstance(numel, int) or numel < 1:
-            raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
+        check_registration(key, numel, logical_element_size)
         size = self._elem if logical_element_size is None else logical_element_size
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got {size!r}")
         per_shard = shard_numel(numel, self._topo.world)
         self._params[key] = _Param(key, numel, per_shard, len(self._params), self._total, size)
         self._total += per_shard
