@@ -28,13 +28,14 @@ install_leg() {
 }
 
 test_leg() {
-  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS summary extensions
-  extensions="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-leg-extensions.XXXXXX")"
+  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS summary
+  # compiled ops from scratch, shared by the legs of one torch (torch's JIT rebuilds an op whose sources changed)
+  local extensions="$extensions_root/torch$torch"
+  mkdir -p "$extensions"
   (cd "$root" && PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
       SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" \
       "$venv/bin/python" -m pytest -q -m compat -rfEs -p no:cacheprovider tests > "$venv.test.log" 2>&1)
   local rc=$?
-  rm -rf "$extensions"
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
   echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null)): ${summary:-no summary} [$((SECONDS - began)) s]"
   if [ $rc -ne 0 ]; then
@@ -44,6 +45,8 @@ test_leg() {
 }
 
 mkdir -p "$legs_dir"
+extensions_root="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-leg-extensions.XXXXXX")"
+trap 'rm -rf "$extensions_root"' EXIT
 failed=0
 for leg in "${LEGS[@]}"; do
   # shellcheck disable=SC2086
