@@ -37,7 +37,7 @@ test_leg() {
       "$venv/bin/python" -m pytest -q -m compat -rfEs -p no:cacheprovider tests > "$venv.test.log" 2>&1)
   local rc=$?
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
-  echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null)): ${summary:-no summary} [$((SECONDS - began)) s]"
+  echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
   if [ $rc -ne 0 ]; then
     grep -E "^(FAILED|ERROR)" "$venv.test.log" | head -20
   fi
