@@ -4,7 +4,8 @@
 # the tests marked `compat` (the version checks, the refusals, the op dispatch, the CPU shared-memory release, and a
 # two-rank ZeRO-3 training run whose quantized collectives are recorded and emulated bit for bit).
 #   bash scripts/compat_legs.sh install   make (or update) every leg's environment
-#   bash scripts/compat_legs.sh test      run the compat tests in each; one summary line per leg; fails if any leg does
+#   bash scripts/compat_legs.sh test      run the compat tests in each; one summary line per leg (then its five
+#                                         slowest tests); fails if any leg does
 #   bash scripts/compat_legs.sh           both
 #   SDP4BIT_LEGS_DIR   where the environments go (default <repo>/.venv-legs; about 5.3 GB each)
 set -uo pipefail
@@ -34,10 +35,12 @@ test_leg() {
   mkdir -p "$extensions"
   (cd "$root" && PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
       SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" \
-      "$venv/bin/python" -m pytest -q -m compat -rfEs -p no:cacheprovider tests > "$venv.test.log" 2>&1)
+      "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$venv.test.log" 2>&1)
   local rc=$?
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
   echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
+  # where the leg's time goes: its five slowest tests
+  grep -A5 "slowest 5 durations" "$venv.test.log" | tail -5 | sed 's/^/  /'
   if [ $rc -ne 0 ]; then
     grep -E "^(FAILED|ERROR)" "$venv.test.log" | head -20
   fi
