@@ -30,8 +30,8 @@ install_leg() {
 
 test_leg() {
   local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS summary
-  # compiled ops from scratch, in a folder of the leg's own (a build's flags name its venv's paths, so the legs of one
-  # torch could not share one anyway); all of them are removed on exit
+  # compiled ops from scratch, in a folder of the leg's own (the build commands name the leg's venv, so ninja would
+  # rebuild in a folder shared by the legs of one torch anyway); all of them are removed on exit
   local extensions="$extensions_root/ds$ds-torch$torch"
   mkdir -p "$extensions"
   (cd "$root" && PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
