@@ -188,10 +188,9 @@ def row_replica_gather(ctx: BenchContext) -> dict:
     from deepspeed_sdp4bit.collectives.accounting import CommStats
 
     stats = CommStats()
-    store, _ = _weight_store(ctx, stats)
-    keys = list(range(len(ctx.tensors)))
+    store, shards = _weight_store(ctx, stats)
     stats.reset()
-    ms = median_ms(ctx, lambda: store.gather(keys).wait())
+    ms = median_ms(ctx, lambda: store.gather(shards).wait())
     wire, logical = _per_call(stats.snapshot(), "weight_gather", ctx.warmup + ctx.iters)
     return {"name": "replica gather", "ms": ms, "wire_bytes": wire, "logical_bytes": logical, "replica": "node"}
 

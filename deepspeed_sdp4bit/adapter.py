@@ -12,11 +12,14 @@ import enum
 import importlib
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import deepspeed
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from .collectives.contract import InFlightGather
 
 SUPPORTED = SpecifierSet(">=0.17.6,<0.20")
 TESTED = ("0.17.6", "0.18.9", "0.19.5", "0.19.8")  # each run by CI with the compatibility tests and a training check
@@ -154,6 +157,54 @@ def check_param_gather(param: object) -> None:
     if list(PARAM_GATHER_PARAMETERS) != have:
         raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter's "
                                  f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}")
+
+
+# ----- the DeepSpeed side of a gather SDP4Bit serves (ZeRO-3's parameter status and gather-handle contract)
+def _param_status() -> Any:
+    """ZeRO-3's ZeroParamStatus (imported when first needed, after check_deepspeed() found it)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return ZeroParamStatus
+
+
+def mark_inflight(params: Sequence[Any]) -> None:
+    """What ZeRO-3 expects of parameters whose gather has started: status INFLIGHT until their handle's wait()."""
+    inflight = _param_status().INFLIGHT
+    for param in params:
+        param.ds_status = inflight
+
+
+class ParamGatherHandle:
+    """ZeRO-3's gather-handle contract over a weight collective's gather in flight: `wait()` leaves the parameters
+    full (`param.data`, shaped `ds_shape`) and AVAILABLE."""
+
+    def __init__(self, params: Sequence[Any], inner: InFlightGather) -> None:
+        self.params = list(params)
+        self.inner = inner
+        self.complete = False
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Finish the gather and publish the full weights on the parameters (handle_dependency is DeepSpeed's
+        signature; the inner handle has no dependency to wait on)."""
+        if self.complete:
+            return
+        available = _param_status().AVAILABLE
+        for param, full in zip(self.params, self.inner.wait()):
+            param.data = full.view(param.ds_shape)
+            param.ds_status = available
+        self.complete = True
+
+
+class MultipleHandles:
+    """Waits on several gather handles (SDP4Bit's and DeepSpeed's own for the parameters it keeps)."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Wait on every handle, passing DeepSpeed's handle_dependency on."""
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 
 # ----- behaviours that differ between releases, one entry each

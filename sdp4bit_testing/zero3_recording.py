@@ -20,6 +20,7 @@ and by how much. `wire_bytes` derives each kind's wire bytes from the recorded s
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
     inner = store.refresh
     rank = torch.distributed.get_rank()
 
-    def refresh(new: dict[int, torch.Tensor], quantize: bool = True) -> None:
+    def refresh(new: Mapping[int, torch.Tensor], quantize: bool = True) -> Mapping[int, torch.Tensor]:
         """The store's own refresh, logged; at the recorded step also the weights it serves afterwards."""
         keys = sorted(new)
         state = store.state_dict()["rounding"]
@@ -108,10 +109,11 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
         if entry["step"] == step:
             entry["new"] = [new[k].detach().reshape(-1).clone() for k in keys]
             entry["before"] = torch.cat([store.own_shard(k) for k in keys])
-        inner(new, quantize)
+        written = inner(new, quantize)
         if "new" in entry:
-            entry["served"] = [t.clone() for t in store.gather(keys).wait()]
+            entry["served"] = [t.clone() for t in store.gather({k: new[k] for k in keys}).wait()]
         log.append(entry)
+        return written
 
     store.refresh = refresh
 

@@ -80,7 +80,7 @@ def test_every_gather_of_a_step_returns_the_same_weights() -> None:
 def test_next_step_draws_afresh_even_for_unchanged_weights() -> None:
     gatherer, shards = _gatherer(), _shards()
     step0 = _gather(gatherer, shards, list(SIZES))
-    gatherer.new_step()
+    gatherer.refresh(shards)
     step1 = _gather(gatherer, shards, list(SIZES))
     assert _equal(step1, _expected(shards, 1))
     assert all(not torch.equal(step0[k], step1[k]) for k in SIZES)
@@ -89,14 +89,14 @@ def test_next_step_draws_afresh_even_for_unchanged_weights() -> None:
 def test_next_step_quantizes_the_updated_shards() -> None:
     gatherer, before, after = _gatherer(), _shards(0), _shards(1)
     _gather(gatherer, before, list(SIZES))
-    gatherer.new_step()
+    assert gatherer.refresh(after) == {}  # the exact weights stay in the shards: nothing to write back
     assert _equal(_gather(gatherer, after, list(SIZES)), _expected(after, 1))
 
 
 def test_round_to_nearest_gives_the_same_weights_every_step() -> None:
     gatherer, shards = _gatherer(stochastic=False), _shards()
     step0 = _gather(gatherer, shards, list(SIZES))
-    gatherer.new_step()
+    gatherer.refresh(shards)
     assert _equal(step0, _gather(gatherer, shards, list(SIZES)))
     assert _equal(step0, _expected(shards, 0, stochastic=False))
 
@@ -105,15 +105,15 @@ def test_a_shard_rewritten_within_the_step_is_requantized_with_the_same_draws() 
     gatherer, shards = _gatherer(), _shards(0)
     _gather(gatherer, shards, list(SIZES))
     rewritten = {**shards, 7: _shards(1)[7]}
-    assert _equal(_gather(gatherer, rewritten, [7]), {7: _expected(shards, 0)[7]})  # this step's codes until forget
-    gatherer.forget([7])
+    assert _equal(_gather(gatherer, rewritten, [7]), {7: _expected(shards, 0)[7]})  # this step's codes until resync
+    assert gatherer.resync({7: rewritten[7]}) == {}
     assert _equal(_gather(gatherer, rewritten, list(SIZES)), _expected(rewritten, 0))
 
 
 def test_a_checkpointed_counter_resumes_the_same_draws() -> None:
     gatherer, shards = _gatherer(), _shards()
     for _ in range(2):
-        gatherer.new_step()
+        gatherer.refresh(shards)
     saved = gatherer.state_dict()
     _gather(gatherer, shards, list(SIZES))
     resumed = _gatherer()

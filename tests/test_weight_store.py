@@ -136,6 +136,11 @@ def _own_run(store: WeightStore, keys: list[int]) -> torch.Tensor:
     return torch.cat([store.own_shard(k) for k in keys])
 
 
+def _own_shards(store: WeightStore, keys: list[int]) -> dict[int, torch.Tensor]:
+    """This rank's shards of `keys` as the store holds them (what a gather names; the store serves its replicas)."""
+    return {k: store.own_shard(k) for k in keys}
+
+
 def _wide_bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns widened to int32 (gloo cannot all-gather int16)."""
     return _bits(t).to(torch.int32)
@@ -152,7 +157,7 @@ def _consistent(store: WeightStore, keys: list[int], sizes: list[int]) -> dict[s
     """Regions the checksum finds differing, ranks whose gathered copy differs from this one, gathered elements
     unlike the owners' shards, non-zero padding elements of the own slot (all empty or 0 when consistent)."""
     report = store.checksum()
-    full = torch.cat(store.gather(keys).wait())
+    full = torch.cat(store.gather(_own_shards(store, keys)).wait())
     world, rank = dist.get_world_size(), dist.get_rank()
     own = _own_run(store, keys)
     copies = _all_gather(full)
@@ -166,7 +171,7 @@ def _inexact(store: WeightStore, keys: list[int], sizes: list[int], run: torch.T
     """Elements where this rank's gathered copy differs from the owners' dtype(master) runs assembled, plus those where
     its own slot differs from its run (0 when exact)."""
     world = dist.get_world_size()
-    full = torch.cat(store.gather(keys).wait())
+    full = torch.cat(store.gather(_own_shards(store, keys)).wait())
     return (int((_assemble(_all_gather(run.to(dtype)), sizes, world) != _wide_bits(full)).sum())
             + _differing(_own_run(store, keys), run.to(dtype)))
 
@@ -348,7 +353,7 @@ def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], g
                 codes, scales = reference.diff_quantize(new[start:stop], ref[r, start:stop], bits=4,
                                                         group_size=group, stochastic=True, seed=s, offset=off)
                 reference.dequantize_add_(ref[r, start:stop], codes, scales, bits=4, group_size=group)
-        gathered.append(_differing(torch.cat(store.gather(keys).wait()), _assemble(list(ref), sizes, world)))
+        gathered.append(_differing(torch.cat(store.gather(_own_shards(store, keys)).wait()), _assemble(list(ref), sizes, world)))
         own.append(_differing(_own_run(store, keys), ref[rank]))
     offsets = _offsets(sizes, world)
     shared = [(a, b) for a, b in buckets if b - a > group and sum(a <= off < b for off in offsets) > 1]
@@ -381,7 +386,7 @@ def _nan_case(rpn: int, replica: str, group: int) -> dict:
     empty = torch.zeros_like(expected)
     padding = ~_valid_mask(sizes, world, source)
     spanned = [k for k, off in enumerate(offsets) if expected[off:off + shard_numel(sizes[k], world)].any()]
-    full = torch.cat(store.gather(keys).wait())
+    full = torch.cat(store.gather(_own_shards(store, keys)).wait())
     nan_expected = _assemble([expected if r == source else empty for r in range(world)], sizes, world)
     out = {"params_in_group": spanned, "padding_in_group": int((expected & padding).sum()),
            "gathered_nan_misplaced": int((torch.isnan(full.float()) != nan_expected).sum()),
@@ -625,7 +630,7 @@ def test_bad_dtype_and_lifecycle_errors() -> None:
     with pytest.raises(RuntimeError, match="before finalize"):
         store.own_shard(3)
     store.finalize()
-    assert store.gather([]).wait() == []
+    assert store.gather({}).wait() == []
     with pytest.raises(RuntimeError, match="already finalized"):
         store.add(4, 5)
     with pytest.raises(KeyError, match="key 9 is not registered"):

@@ -70,7 +70,7 @@ def test_a_failed_rank_ends_every_rank_and_the_launcher(tmp_path: Path, fault: s
 def _replicas(engine: Any) -> list[torch.Tensor]:
     """Every model weight as this rank's replicas hold it, bit for bit."""
     runtime = engine.sdp4bit
-    return [t.view(torch.int32).clone() for t in runtime.store.gather(sorted(runtime.params)).wait()]
+    return [t.view(torch.int32).clone() for t in runtime.store.gather(runtime.shards()).wait()]
 
 
 def _burst(value: float) -> dict[str, Any]:

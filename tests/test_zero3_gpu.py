@@ -45,7 +45,7 @@ def test_bf16_trains_on_gpu() -> None:
 def _weights(engine: Any) -> list[torch.Tensor]:
     runtime = engine.sdp4bit
     return [runtime.params[k].ds_tensor.detach().clone() for k in sorted(runtime.params)] + \
-        [t.detach().clone() for t in runtime.store.gather(sorted(runtime.params)).wait()]
+        [t.detach().clone() for t in runtime.store.gather(runtime.shards()).wait()]
 
 
 def _fp16_overflow_run() -> dict[str, Any]:

@@ -38,7 +38,7 @@ def _flip_one_gathered_byte() -> Any:
     """Make every SDP4Bit gather hand DeepSpeed its weights with one byte changed; returns the undo."""
     import torch
 
-    from deepspeed_sdp4bit.zero3.runtime import ParamGatherHandle
+    from deepspeed_sdp4bit.adapter import ParamGatherHandle
 
     wait = ParamGatherHandle.wait
 

@@ -72,7 +72,7 @@ def _ds_tensors_equal_replicas(runtime: Any) -> tuple[bool, list[torch.Tensor]]:
     """Whether DeepSpeed's ds_tensor equals the gathered replica on this rank's shard of every parameter."""
     rank = torch.distributed.get_rank()
     keys = sorted(runtime.params)
-    full = runtime.store.gather(keys).wait()
+    full = runtime.store.gather(runtime.shards(keys)).wait()
     equal = True
     for key, tensor in zip(keys, full, strict=True):
         shard = runtime.store.shard_numel(key)
@@ -316,7 +316,7 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
         if torch.distributed.get_rank() == 0:
             weight.data.fill_(0.25)
-    edited = engine.sdp4bit.store.gather([weight.ds_id]).wait()[0]
+    edited = engine.sdp4bit.store.gather(engine.sdp4bit.shards([weight.ds_id])).wait()[0]
     resynced.append(engine.sdp4bit.stats()["weight_resync"]["wire_bytes"])
     engine.save_16bit_model(directory)
     resynced.append(engine.sdp4bit.stats()["weight_resync"]["wire_bytes"])

@@ -17,8 +17,6 @@ counter resumes the same draws.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 import torch
 
 from .. import codec
@@ -26,6 +24,7 @@ from ..codec.spec import FLOAT_DTYPES, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
+from .contract import Shards
 from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
 from .sharding import check_registration, shard_numel, valid_numel
 from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
@@ -35,9 +34,10 @@ class DirectQuantGather:
     """All-gather of ZeRO-3 shards as 4/8-bit weights quantized once per optimizer step (every rank uses the
     dequantized values).
 
-    Register every parameter with `add` (same keys on every rank), call `new_step()` after each optimizer step
-    (the next gather quantizes the updated shards with fresh draws) and `forget(keys)` when a shard was rewritten
-    in the middle of a step (a checkpoint load, an edit under GatheredParameters).
+    Register every parameter with `add` (same keys on every rank), call `refresh` after each optimizer step (the
+    next gather quantizes the updated shards with fresh draws) and `resync` when shards were rewritten in the middle
+    of a step (a checkpoint load, an edit under GatheredParameters). Neither communicates, and neither asks the
+    caller to write its shards: the exact weights stay there.
     """
 
     def __init__(self, topo: Topology, *, bits: int, group_size: int, stochastic: bool, seed: int,
@@ -65,17 +65,21 @@ class DirectQuantGather:
         self._offsets[key] = self._total
         self._total += shard_numel(numel, self._topo.world)
 
-    def new_step(self) -> None:
-        """An optimizer step changed the shards: drop this step's codes and move to the next step's draws."""
+    def refresh(self, shards: Shards, quantize: bool = True) -> Shards:
+        """An optimizer step changed the shards: drop this step's codes and move to the next step's draws (every
+        parameter's, whichever `shards` names; `quantize` does not apply: before the start step nothing is served)."""
         self._encoded.clear()
         self._stream.take(self._total)
+        return {}
 
-    def forget(self, keys: Iterable[int] | None = None) -> None:
-        """Drop the codes of these parameters (all if None): their shards were rewritten within the step."""
-        for key in self._numels if keys is None else keys:
+    def resync(self, shards: Shards) -> Shards:
+        """Drop the codes of the parameters `shards` names: they were rewritten within the step, and their next
+        gather quantizes the new values with the same draws."""
+        for key in shards:
             self._encoded.pop(key, None)
+        return {}
 
-    def gather(self, shards: Mapping[int, torch.Tensor]) -> GatherHandle:
+    def gather(self, shards: Shards) -> GatherHandle:
         """Start gathering the parameters whose own shards are `shards` (key -> ps = ceil(n/W) elements)."""
         keys = sorted(shards)
         for key in keys:

@@ -30,6 +30,7 @@ from ..codec.spec import FLOAT_DTYPES, check_group_size, mix32, qmax_for
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
+from .contract import Shards
 from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
 from .sharding import check_registration, shard_numel, valid_numel
 
@@ -254,22 +255,27 @@ class WeightStore:
 
     # -- refresh and resync --------------------------------------------------------------------------------------
 
-    def refresh(self, new: Mapping[int, torch.Tensor], quantize: bool = True) -> None:
-        """Move w~ towards the new own shards (collective): quantized differences, or exact values if not `quantize`."""
-        params = self._checked(new, "refresh")
+    def refresh(self, shards: Shards, quantize: bool = True) -> Shards:
+        """Move w~ towards the new own shards (collective): quantized differences, or exact values if not `quantize`;
+        returns w~ on this rank's shards of them, what the owner's ds_tensor must hold from now on."""
+        params = self._checked(shards, "refresh")
         if quantize:
-            self._exchange(params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, new),
+            self._exchange(params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, shards),
                            self._apply_deltas)
         else:
-            self._send_values(params, REFRESH_KIND, new)
+            self._send_values(params, REFRESH_KIND, shards)
+        return {p.key: self.own_shard(p.key) for p in params}
 
-    def resync(self, shards: Mapping[int, torch.Tensor]) -> None:
-        """Rebuild every replica region exactly from its owner's current shard (collective, full precision).
+    def resync(self, shards: Shards) -> Shards:
+        """Rebuild every replica region exactly from its owner's current shard (collective, full precision);
+        returns w~ on this rank's shards of them (equal to the shards' valid parts, with zero padding).
 
         The same exchange as an unquantized refresh, counted as its own kind ("weight_resync") so the refresh
         statistics show what the per-step weight traffic costs.
         """
-        self._send_values(self._checked(shards, "resync"), RESYNC_KIND, shards)
+        params = self._checked(shards, "resync")
+        self._send_values(params, RESYNC_KIND, shards)
+        return {p.key: self.own_shard(p.key) for p in params}
 
     def _send_values(self, params: list[_Param], kind: str, new: Mapping[int, torch.Tensor]) -> None:
         """Overwrite every holder's copy with the owners' exact values."""
@@ -389,9 +395,10 @@ class WeightStore:
 
     # -- gather -------------------------------------------------------------------------------------------------
 
-    def gather(self, keys: Sequence[int]) -> GatherHandle:
-        """Full flat tensors (n elements, weight dtype) of `keys` for forward/backward; wait() on the handle."""
-        params = [self._param(k) for k in keys]
+    def gather(self, shards: Shards) -> GatherHandle:
+        """Full flat tensors (n elements, weight dtype) of the parameters `shards` names, from the replicas (the
+        shards' values are not read); wait() on the handle."""
+        params = [self._param(k) for k in shards]
         per_node = self._topo.ranks_per_node
         if not params:
             return GatherHandle([], list)

@@ -32,8 +32,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.partition_parameters import Init
 
 from . import state
-from ..adapter import check_param_gather
-from .runtime import MultipleHandles, SDP4BitRuntime
+from ..adapter import MultipleHandles, check_param_gather
+from .runtime import SDP4BitRuntime
 
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("sdp4bit_active", default=None)
 _ACTIVATING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdp4bit_activating", default=False)

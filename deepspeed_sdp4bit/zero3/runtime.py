@@ -1,9 +1,13 @@
 """What an engine gains from an enabled "sdp4bit" block: the collectives, their state, lifecycle and telemetry.
 
-`engine.sdp4bit` is an `SDP4BitRuntime`. It owns the weight store (qWD) or the direct gather (qW ablation), the
-TLq reducer, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to the model weights w~ on
-every shard. The patches in `patches.py` call into it; it never patches anything itself, but holds the callables that
-undo its engine's patches (`undo_patches`), which `close()`'s caller runs when the engine is destroyed.
+`engine.sdp4bit` is an `SDP4BitRuntime`. It owns one weight collective (`weights`: qWD's replicas, or the qW
+ablation's direct gather) and one gradient collective (`reducer`: TLq), both used only through the contract in
+`collectives/contract.py`, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to what the
+weight collective serves. The patches in `patches.py` call into it; it never patches anything itself, but holds the
+callables that undo its engine's patches (`undo_patches`), which `close()`'s caller runs when the engine is destroyed.
+
+One gather, in three hops: `patches.patch_params`' `all_gather_coalesced` -> `SDP4BitRuntime.gather` ->
+`WeightCollective.gather`; `adapter.ParamGatherHandle.wait` publishes the full weights on the parameters.
 
 Writes to `ds_tensor` that do not come from SDP4Bit or from a DeepSpeed path it follows (a script's
 `param.ds_tensor.data = t`, `param.ds_tensor.copy_(t)`, `param.ds_tensor = t`) are found at the start of each
@@ -18,16 +22,17 @@ the replica.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from ..adapter import ParamGatherHandle, mark_inflight
 from ..codec.spec import FLOAT_DTYPES
 from ..collectives import comm
 from ..collectives.accounting import KINDS, CommStats
+from ..collectives.contract import GradientCollective, Shards, WeightCollective
 from ..collectives.grad_reduce import TLqReducer
 from ..collectives.sharding import shard_numel
 from ..collectives.weight_direct import DirectQuantGather
@@ -61,37 +66,6 @@ def _how_written(before: tuple[torch.Tensor, int, int, int], now: tuple[torch.Te
     return ""
 
 
-class ParamGatherHandle:
-    """DeepSpeed's gather-handle contract for parameters served by SDP4Bit: wait() leaves them full and AVAILABLE."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], inner: Any) -> None:
-        self.params = list(params)
-        self.inner = inner
-        self.complete = False
-
-    def wait(self, handle_dependency: bool = True) -> None:
-        """Finish the gather and publish the full weights on the parameters (handle_dependency is DeepSpeed's
-        signature; the inner handle has no dependency to wait on)."""
-        if self.complete:
-            return
-        for param, full in zip(self.params, self.inner.wait()):
-            param.data = full.view(param.ds_shape)
-            param.ds_status = ZeroParamStatus.AVAILABLE
-        self.complete = True
-
-
-class MultipleHandles:
-    """Waits on several gather handles (SDP4Bit's and DeepSpeed's own for the parameters it keeps)."""
-
-    def __init__(self, handles: Sequence[Any]) -> None:
-        self.handles = list(handles)
-
-    def wait(self, handle_dependency: bool = True) -> None:
-        """Wait on every handle, passing DeepSpeed's handle_dependency on."""
-        for handle in self.handles:
-            handle.wait(handle_dependency=handle_dependency)
-
-
 class SDP4BitRuntime:
     """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`).
 
@@ -119,10 +93,10 @@ class SDP4BitRuntime:
         self._shard_device = torch.device(engine.device).type
         self._warned_writes: set[int] = set()
         config = self.config
-        self.store = self._make_store() if config.weight_differences else None
-        self.direct = self._make_direct() if config.weights_direct else None
-        self.reducer = self._make_reducer() if config.quantized_gradients else None
-        self.auto = self._make_auto() if config.auto and (self.store or self.reducer) else None
+        self.weights: WeightCollective | None = (self._make_store() if config.weight_differences else
+                                                 self._make_direct() if config.weights_direct else None)
+        self.reducer: GradientCollective | None = self._make_reducer() if config.quantized_gradients else None
+        self.auto = self._make_auto() if config.auto and (self.weights or self.reducer) else None
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
         self._weights_written: Any = None
@@ -161,6 +135,20 @@ class SDP4BitRuntime:
                           pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
                           stats=self.comm_stats)
 
+    @property
+    def store(self) -> WeightStore | None:
+        """The qWD replicas when they serve the gathers (what `verify()` and checkpoints read)."""
+        return self.weights if isinstance(self.weights, WeightStore) else None
+
+    @property
+    def direct(self) -> DirectQuantGather | None:
+        """The qW ablation's gather when it serves the gathers."""
+        return self.weights if isinstance(self.weights, DirectQuantGather) else None
+
+    def shards(self, keys: Iterable[int] | None = None) -> Shards:
+        """This rank's ds_tensor of the served parameters `keys` (all of them if None), in ds_id order."""
+        return {key: self.params[key].ds_tensor for key in sorted(self.params if keys is None else keys)}
+
     def _make_auto(self) -> auto.AutoTuner:
         """The auto block's tuner: it measures the links and the codec now (collective) and decides later."""
         candidates = (self.store is not None, self.reducer is not None)
@@ -183,11 +171,11 @@ class SDP4BitRuntime:
                 and (self.store is not None or self.direct_active()))
 
     # ----- weights
-    def _write_ds_tensors(self, keys: Sequence[int]) -> None:
-        """ds_tensor <- w~ on this rank's shard, keeping DeepSpeed's view of the weights equal to the model's."""
-        for key in keys:
-            self.params[key].ds_tensor.data.copy_(self.store.own_shard(key))
-        self._record(keys)
+    def _write_ds_tensors(self, values: Shards) -> None:
+        """ds_tensor <- what the weight collective serves for these parameters (qWD: w~ on this rank's shard),
+        keeping DeepSpeed's view of the weights equal to the model's."""
+        for key, value in values.items():
+            self.params[key].ds_tensor.data.copy_(value)
 
     def _record(self, keys: Sequence[int]) -> None:
         """Remember these parameters' ds_tensor as SDP4Bit left it: what serves them agrees with it now."""
@@ -212,7 +200,7 @@ class SDP4BitRuntime:
         """Before a forward of the engine's model: resync the served parameters whose ds_tensor some rank finds
         written by something other than SDP4Bit (collective: one small all-reduce, on host memory where the world's
         backend needs it, so no device synchronisation)."""
-        if self.measuring() or (self.store is None and self.direct is None):
+        if self.measuring() or self.weights is None:
             return
         keys = sorted(self.params)
         found = {key: self._foreign_write(key) for key in keys}
@@ -243,18 +231,14 @@ class SDP4BitRuntime:
                        "weights")
 
     def resync(self, keys: Sequence[int] | None = None) -> None:
-        """Full-precision rebuild of the replicas from every rank's ds_tensor (collective); under qW, drop this
-        step's codes of these parameters so their next gather quantizes the rewritten shards (local)."""
+        """The weight collective serves every rank's ds_tensor of these parameters (all if None) from now on: qWD
+        rebuilds the replicas from them in full precision (collective), qW drops this step's codes (local)."""
         keys = sorted(self.params) if keys is None else sorted(k for k in keys if k in self.params)
-        if self.direct is not None:
-            self.direct.forget(keys)
-            self._record(keys)
-        if self.store is None or self.measuring():  # under auto the replicas are built at the decision
+        if self.weights is None or self.measuring() or not keys:  # under auto the replicas are built at the decision
             return
-        if keys:
-            self.store.resync({k: self.params[k].ds_tensor for k in keys})
-            self._write_ds_tensors(keys)
-            self._mark_weights_written()
+        self._write_ds_tensors(self.weights.resync(self.shards(keys)))
+        self._record(keys)
+        self._mark_weights_written()
 
     def begin(self) -> None:
         """The start-up sync: replicas from every rank's ds_tensor in full precision (collective; under auto at the
@@ -274,7 +258,7 @@ class SDP4BitRuntime:
         """
         keys = sorted(k for k in keys if k in self.params)
         if self.direct is not None:
-            self.direct.forget(keys)
+            self.direct.resync(self.shards(keys))
         if self.store is not None and keys and not self.measuring():
             written = any(not self._ds_tensor_is_w(k) for k in keys)
             flag = torch.tensor([int(written)], dtype=torch.int32, device=self.params[keys[0]].ds_tensor.device)
@@ -299,24 +283,20 @@ class SDP4BitRuntime:
             self._weights_written.record()
 
     def refresh(self) -> None:
-        """qWD after a successful optimizer step: ds_tensor holds the new weights; spread their quantized change."""
-        if self.store is None or self.measuring():
+        """After a successful optimizer step: ds_tensor holds the new weights; the weight collective takes them up
+        (qWD: spreads their quantized change and hands back w~; qW: quantizes them at the next gather)."""
+        if self.weights is None or self.measuring():
             return
-        self.store.refresh({k: p.ds_tensor for k, p in self.params.items()}, quantize=self.quantizing())
-        self._write_ds_tensors(list(self.params))
+        self._write_ds_tensors(self.weights.refresh(self.shards(), quantize=self.quantizing()))
+        self._record(list(self.params))
 
     def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
         """Start the gather of parameters this runtime manages (collective over the same params on all ranks)."""
         params = sorted(params, key=lambda p: p.ds_id)
-        for param in params:
-            param.ds_status = ZeroParamStatus.INFLIGHT
+        mark_inflight(params)
         if self._weights_written is not None:
             get_accelerator().current_stream().wait_event(self._weights_written)
-        if self.store is not None:
-            inner = self.store.gather([p.ds_id for p in params])
-        else:
-            inner = self.direct.gather({p.ds_id: p.ds_tensor for p in params})
-        return ParamGatherHandle(params, inner)
+        return ParamGatherHandle(params, self.weights.gather({p.ds_id: p.ds_tensor for p in params}))
 
     def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Say once that a fetch mixing this engine's parameters with others' goes to DeepSpeed's own gather."""
@@ -349,9 +329,6 @@ class SDP4BitRuntime:
                 self.apply_decision(decision)
         else:
             self.refresh()
-        if self.direct is not None:
-            self.direct.new_step()
-            self._record(list(self.params))
         self._mark_weights_written()
         self.optimizer_steps += 1
         interval = self.config.verify_interval
@@ -363,7 +340,7 @@ class SDP4BitRuntime:
         """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
         from ds_tensor in full precision (collective)."""
         if not decision.weights:
-            self.store = None
+            self.weights = None
         if not decision.gradients:
             self.reducer = None
         self.resync()
@@ -409,7 +386,7 @@ class SDP4BitRuntime:
 
     def close(self) -> None:
         """Drop the replicas and collectives: the engine was destroyed (its patches are undone by the caller)."""
-        self.store = self.direct = self.reducer = None
+        self.weights = self.reducer = None
         self.params = {}
         self.closed = True
 
@@ -549,7 +526,7 @@ class SDP4BitRuntime:
                                "written with")
         if not saved.get("measuring"):
             decision = auto.Decision.from_dict(saved)
-            self.store = self.store if decision.weights else None
+            self.weights = self.weights if decision.weights else None
             self.reducer = self.reducer if decision.gradients else None
             self.auto.restore(decision)
             auto.log_decision(self.auto)

@@ -1,0 +1,60 @@
+"""The contract between collectives/ and zero3/ (collectives/contract.py): every collective offers each method with
+the contract's parameters, and the runtime reaches its collectives through nothing else."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from deepspeed_sdp4bit.collectives import contract
+from deepspeed_sdp4bit.collectives.grad_reduce import TLqReducer
+from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
+from deepspeed_sdp4bit.collectives.weight_store import GatherHandle, WeightStore
+
+RUNTIME = Path(__file__).resolve().parents[1] / "deepspeed_sdp4bit" / "zero3" / "runtime.py"
+
+
+def _methods(protocol: type) -> list[str]:
+    """The methods a protocol declares."""
+    return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+def _parameters(func: object) -> list[str]:
+    return list(inspect.signature(func).parameters)
+
+
+@pytest.mark.parametrize(("implementation", "protocol"), [
+    (WeightStore, contract.WeightCollective),
+    (DirectQuantGather, contract.WeightCollective),
+    (TLqReducer, contract.GradientCollective),
+    (GatherHandle, contract.InFlightGather),
+])
+def test_each_collective_has_the_contracts_methods_and_parameters(implementation: type, protocol: type) -> None:
+    """Same names in the same order: the runtime calls them positionally and by keyword."""
+    for name in _methods(protocol):
+        ours = getattr(implementation, name, None)
+        assert ours is not None, f"{implementation.__name__} lacks {protocol.__name__}.{name}"
+        assert _parameters(ours) == _parameters(getattr(protocol, name)), f"{implementation.__name__}.{name}"
+
+
+def _calls_on(attribute: str) -> set[str]:
+    """Names of the methods runtime.py calls on `self.<attribute>`."""
+    found = set()
+    for node in ast.walk(ast.parse(RUNTIME.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                and node.value.attr == attribute):
+            found.add(node.attr)
+    return found
+
+
+def test_the_runtime_uses_its_collectives_only_through_the_contract() -> None:
+    """`self.weights` and `self.reducer` are typed by the contract; the replica-only parts (verify, checkpoints) go
+    through `self.store`, which names the qWD store."""
+    weights, gradients = _calls_on("weights"), _calls_on("reducer")
+    assert weights and gradients
+    assert weights <= set(_methods(contract.WeightCollective)), weights
+    assert gradients <= set(_methods(contract.GradientCollective)), gradients
