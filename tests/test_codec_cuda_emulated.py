@@ -317,6 +317,7 @@ def test_dequantize_reduce_matches_reference(emu: CompiledBackend, dtype: torch.
                                 f"dequantize_reduce {kw}")
 
 
+@pytest.mark.slow  # millions of emulated CUDA threads
 def test_inputs_above_2_20_elements(emu: CompiledBackend) -> None:
     """Buffers of more than 2^20 elements (hundreds of blocks): quantize with a counter crossing 2^32 and a valid
     length, and the decoding ops in groups of 96 (the 32-bit division path over every element). The Hadamard and
@@ -341,6 +342,7 @@ def test_inputs_above_2_20_elements(emu: CompiledBackend) -> None:
                           ref.dequantize_reduce_quantize(codes, scales, **drq), "dequantize_reduce_quantize")
 
 
+@pytest.mark.slow  # many emulated launches
 def test_partial_hadamard_block_is_quantized_as_without_the_transform(emu: CompiledBackend) -> None:
     """The CUDA kernels' partial-block rule (a select after the lane shuffles) at every remainder 1-31."""
     assert tail_problems(emu, torch.device("cpu")) == []

@@ -32,6 +32,7 @@ def _run(code: str, env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # compiles the op from scratch
 def test_cpu_op_compiles_into_a_fresh_cache_and_is_reused_from_any_environment(tmp_path: Path) -> None:
     """CodecCPUBuilder().load() JIT-compiles into an empty TORCH_EXTENSIONS_DIR and the op equals the reference;
     loading it again from an interpreter started another way (an activated venv, or system tools first on PATH,

@@ -49,6 +49,7 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           timeout=1800, check=False)
 
 
+@pytest.mark.slow  # compiles the op from scratch
 def test_cuda_op_compiles_into_a_fresh_cache(tmp_path: Path, toolkit_root: Path) -> None:
     """JIT build through .load() with nvcc, TORCH_CUDA_ARCH_LIST=9.0, no GPU needed; the module has all functions."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), TORCH_CUDA_ARCH_LIST="9.0",

@@ -486,7 +486,7 @@ def _cases(world: int, *prefixes: str) -> list[tuple[int, str, dict]]:
 STORE_CASES = ("small", "big", "many")
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.slow) if w > 4 else w for w in WORLDS])
 def test_replicas_bit_identical_after_refreshes(world: int) -> None:
     keys = ("checksum_mismatches", "ranks_with_other_copies", "gathered_unlike_owner_shards", "own_padding_nonzero")
     bad = [(rank, name, key, res[key]) for rank, name, res in _cases(world, *STORE_CASES) for key in keys if res[key]]
