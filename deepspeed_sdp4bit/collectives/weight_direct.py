@@ -11,7 +11,7 @@ validation loss at 4 bits. Use qWD (`weight_store.WeightStore`) for training.
 
 Random draws: step s quantizes parameter k with the counter range [s * T + o_k, s * T + o_k + ps_k) of this rank's
 `RoundingStream` (T = sum of all shard sizes, o_k the prefix sum), so the draws do not depend on the order or the
-number of gathers, a codes buffer dropped by `forget` is rebuilt identically from the same shard, and a checkpointed
+number of gathers, a codes buffer dropped by `resync` is rebuilt identically from the same shard, and a checkpointed
 counter resumes the same draws.
 """
 

@@ -296,7 +296,7 @@ class SDP4BitRuntime:
         mark_inflight(params)
         if self._weights_written is not None:
             get_accelerator().current_stream().wait_event(self._weights_written)
-        return ParamGatherHandle(params, self.weights.gather({p.ds_id: p.ds_tensor for p in params}))
+        return ParamGatherHandle(params, self.weights.gather(self.shards(p.ds_id for p in params)))
 
     def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Say once that a fetch mixing this engine's parameters with others' goes to DeepSpeed's own gather."""
