@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="Mbit/s each way, or 'unshaped'")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--repeats", type=int, default=2, help="runs per point")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point")
     parser.add_argument("--rerun_spread", type=float, default=0.2,
                         help="one more run of a point whose runs' step times differ by more than this fraction "
                              "(0: never)")

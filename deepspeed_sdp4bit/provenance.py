@@ -3,7 +3,8 @@
 Every result file the example and the benchmarks write carries `provenance()` under the key "provenance", so a
 figure can be traced to the code and the machine that produced it and rerun with the same command. The commit is
 that of the checkout this package is imported from (None for an installed copy outside a git checkout), "dirty"
-says whether its tracked files or untracked, non-ignored files differed from that commit.
+says whether its tracked files or untracked, non-ignored files differed from that commit. The published results'
+folder (benchmarks/results/) does not count: a benchmark that fills it must not mark its own later runs dirty.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ("deepspeed", "deepspeed-sdp4bit")
 # instruction-set extensions that decide which kernels torch, its BLAS and the compiled ops run (docs/determinism.md)
 ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
+RESULTS = "benchmarks/results"  # where the published results are written; not part of the code's state
 
 
 def _git(checkout: Path, *args: str) -> str | None:
@@ -42,7 +44,7 @@ def _git(checkout: Path, *args: str) -> str | None:
 def source(checkout: Path = CHECKOUT) -> dict[str, Any]:
     """The commit of a checkout (the package's) and whether its tree differs from it (both None outside one)."""
     commit = _git(checkout, "rev-parse", "HEAD")
-    status = _git(checkout, "status", "--porcelain") if commit else None
+    status = _git(checkout, "status", "--porcelain", "--", ".", f":(exclude){RESULTS}") if commit else None
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 

@@ -40,6 +40,24 @@ def test_dirty_means_a_changed_or_added_file(tmp_path: Path) -> None:
     assert P.source(tmp_path / "b.txt") == {"commit": None, "dirty": None}
 
 
+def test_results_written_into_the_results_folder_leave_the_tree_clean(tmp_path: Path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    results = tmp_path / P.RESULTS / "sweep"
+    results.mkdir(parents=True)
+    (results / "runs.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    (results / "runs.jsonl").write_text("{}\n{}\n")
+    (results / "table.md").write_text("| a |\n")
+    assert P.source(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert P.source(tmp_path)["dirty"] is True
+
+
 def test_write_result_adds_the_provenance(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "result.json"
     written = P.write_result(path, {"loss": 1.5})
