@@ -46,7 +46,7 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
 )
 
 # DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
-# _convert_to_deepspeed_param); patches.patch_params replaces it per parameter, so it is checked on a parameter.
+# _convert_to_deepspeed_param); patches.EnginePatches replaces it per parameter, so it is checked on a parameter.
 PARAM_GATHER_PARAMETERS = ("params", "safe_mode", "quantize")
 
 

@@ -123,13 +123,49 @@ def own_shard_of(full: torch.Tensor, param: torch.nn.Parameter) -> tuple[torch.T
     return full.reshape(-1)[rank * shard:rank * shard + valid], param.ds_tensor.reshape(-1)[:valid]
 
 
-def served_equals_ds_tensor(module: torch.nn.Module) -> bool:
-    """Whether every ZeRO-3 parameter of `module` is served with exactly the weights DeepSpeed holds in ds_tensor."""
-    for param in (p for p in module.parameters() if not p.ds_persist):
-        served, held = own_shard_of(fetch(param), param)
-        if not torch.equal(served, held):
-            return False
-    return True
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits as integers, for bit-for-bit comparisons that also hold for NaN."""
+    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
+
+
+def first_difference(name: str, mine: torch.Tensor, theirs: torch.Tensor, what: str) -> list[str]:
+    """[] when `mine` and `theirs` are bit-identical, else one line naming `name`: how many elements differ, the
+    first one and both of its values (what a failing worker reports instead of a flag)."""
+    mine, theirs = mine.reshape(-1), theirs.reshape(-1)
+    if mine.shape != theirs.shape:
+        return [f"{name}: {mine.numel()} elements vs {theirs.numel()} ({what})"]
+    differ = (bits(mine) != bits(theirs)).nonzero().reshape(-1)
+    if differ.numel() == 0:
+        return []
+    i = int(differ[0])
+    return [f"{name}: {differ.numel()} of {mine.numel()} elements differ ({what}), the first at {i}: "
+            f"{mine[i].item()!r} vs {theirs[i].item()!r}"]
+
+
+def checksum_problems(runtime: Any) -> list[str]:
+    """The replica regions whose copies differ between their holders, by parameter name and shard (collective)."""
+    return [f"replica checksum of {runtime.name(key)} shard {shard} differs between its holders"
+            for key, shard in runtime.store.checksum().mismatches]
+
+
+def served_vs_ds_tensor(module: torch.nn.Module) -> list[str]:
+    """Where a ZeRO-3 parameter of `module` is served with other weights than DeepSpeed holds in its ds_tensor, per
+    parameter by name ([] when every one is served exactly)."""
+    problems = []
+    for name, param in module.named_parameters():
+        if not param.ds_persist:
+            served, held = own_shard_of(fetch(param), param)
+            problems += first_difference(name, served, held, "served vs ds_tensor")
+    return problems
+
+
+def unlike(name: str, full: torch.Tensor, value: float) -> list[str]:
+    """[] when every element of `full` equals `value`, else the count and the first element that does not."""
+    off = (full.reshape(-1) != value).nonzero().reshape(-1)
+    if off.numel() == 0:
+        return []
+    return [f"{name}: {off.numel()} of {full.numel()} elements are not {value}, the first at {int(off[0])}: "
+            f"{full.reshape(-1)[int(off[0])].item()!r}"]
 
 
 class LogCapture:

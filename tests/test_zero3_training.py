@@ -22,11 +22,6 @@ pytestmark = pytest.mark.slow
 COMMS_LOGGER = {"enabled": True, "prof_all": True, "verbose": False}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's raw bits as integers, for bit-for-bit comparisons that also hold for NaN."""
-    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
-
-
 def _comms_logger_bytes() -> dict[str, int]:
     """Bytes DeepSpeed's comms logger recorded for SDP4Bit's collectives, per kind."""
     from deepspeed.comm.comm import comms_logger
@@ -39,8 +34,9 @@ def _comms_logger_bytes() -> dict[str, int]:
     return totals
 
 
-def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> bool:
-    """w~ differs from the fp32 master by less than the last delta's quantization step (+ 16-bit rounding).
+def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> list[str]:
+    """Where w~ differs from the fp32 master by more than the last delta's quantization step (+ 16-bit rounding):
+    [] when nowhere, else the count and the first such element with w~, the master and the bound.
 
     The refresh quantizes this rank's own shards of a bucket as one run (registration order, padding zero) in groups
     of wq_group_size that span parameters; the test model fits one bucket, so the groups tile the whole run.
@@ -65,31 +61,40 @@ def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> bo
     _, scales = reference.quantize(delta, bits=runtime.config.weight_quantization_bits, group_size=group)
     step = scales.repeat_interleave(group)[:delta.numel()]
     ulp = master.abs() * (2.0**-23 if runtime.store.own_shard(key).dtype == torch.float32 else 2.0**-7)
-    return bool(((w - master).abs() <= step + ulp).all())
+    far = ((w - master).abs() > step + ulp).nonzero().reshape(-1)
+    if far.numel() == 0:
+        return []
+    i = int(far[0])
+    return [f"{far.numel()} of {w.numel()} elements of this rank's shards are farther from the fp32 master than the "
+            f"last step's quantization step, the first at {i}: w~ {w[i].item()!r}, master {master[i].item()!r}, "
+            f"bound {(step + ulp)[i].item()!r}"]
 
 
-def _ds_tensors_equal_replicas(runtime: Any) -> tuple[bool, list[torch.Tensor]]:
-    """Whether DeepSpeed's ds_tensor equals the gathered replica on this rank's shard of every parameter."""
+def _ds_tensors_vs_replicas(runtime: Any) -> tuple[list[str], list[torch.Tensor]]:
+    """Where DeepSpeed's ds_tensor differs from the gathered replica on this rank's shard, per parameter (empty when
+    nowhere), and the gathered weights."""
     rank = torch.distributed.get_rank()
     keys = sorted(runtime.params)
     full = runtime.store.gather(runtime.shards(keys)).wait()
-    equal = True
+    problems = []
     for key, tensor in zip(keys, full, strict=True):
         shard = runtime.store.shard_numel(key)
         valid = runtime.store.valid_numel(key, rank)
         own = runtime.params[key].ds_tensor.reshape(-1)[:valid]
-        equal &= torch.equal(_bits(own), _bits(tensor.reshape(-1)[rank * shard:rank * shard + valid]))
-    return equal, full
+        problems += H.first_difference(runtime.name(key), own, tensor.reshape(-1)[rank * shard:rank * shard + valid],
+                                      "ds_tensor vs the gathered replica")
+    return problems, full
 
 
 def _invariants(engine: Any, before: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """What each rank can check alone: replica checksums, ds_tensor equal to the replicas, masters within the last
-    step, the gathered weights, SDP4Bit's byte counts and the comms logger's."""
+    """What each rank can check alone (replica checksums, ds_tensor equal to the replicas, masters within the last
+    step: every difference found, as "problems"), the gathered weights, SDP4Bit's byte counts and the comms
+    logger's."""
     runtime = engine.sdp4bit
-    ds_equal, full = _ds_tensors_equal_replicas(runtime)
-    return {"checksum_ok": runtime.store.checksum().ok, "ds_tensor_equals_w": ds_equal,
-            "master_within_step": _master_within_last_step(engine, before),
-            "gathered": [_bits(t) for t in full], "stats": runtime.stats(), "logged": _comms_logger_bytes()}
+    ds_problems, full = _ds_tensors_vs_replicas(runtime)
+    problems = H.checksum_problems(runtime) + ds_problems + _master_within_last_step(engine, before)
+    return {"problems": problems, "gathered": [H.bits(t) for t in full], "stats": runtime.stats(),
+            "logged": _comms_logger_bytes()}
 
 
 def _paper_run(dtype_name: str) -> dict[str, Any]:
@@ -122,9 +127,10 @@ def test_paper_setting_trains_like_baseline_with_exact_replicas(dtype_name: str)
     assert abs(our_tail - base_tail) <= 0.03 * base_tail, (base_tail, our_tail)
     assert base_tail <= 0.7 * base[0] and our_tail <= 0.7 * ours[0], (base[0], base_tail, ours[0], our_tail)
     for rank, result in enumerate(results):
-        assert result["checksum_ok"] and result["ds_tensor_equals_w"] and result["master_within_step"], rank
-        for mine, theirs in zip(result["gathered"], first["gathered"], strict=True):
-            assert torch.equal(mine, theirs), f"rank {rank} holds different model weights than rank 0"
+        assert not result["problems"], f"rank {rank}: " + "; ".join(result["problems"])
+        for index, (mine, theirs) in enumerate(zip(result["gathered"], first["gathered"], strict=True)):
+            found = H.first_difference(f"gathered parameter {index}", mine, theirs, "rank vs rank 0")
+            assert not found, f"rank {rank}: {found[0]}"
         _check_bytes(result, dtype_name)
 
 
@@ -169,12 +175,13 @@ def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
     engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=H.PAPER))
     engine.load_checkpoint(directory, tag="step20", **options)
     runtime, rank = engine.sdp4bit, torch.distributed.get_rank()
-    ds_equal, _ = _ds_tensors_equal_replicas(runtime)
-    master_is_w = all(torch.equal(safe_get_local_fp32_param(p).reshape(-1)[:runtime.store.valid_numel(k, rank)]
-                                  .to(torch.bfloat16), p.ds_tensor.reshape(-1)[:runtime.store.valid_numel(k, rank)])
-                      for k, p in runtime.params.items())
-    return {"checksum_ok": runtime.store.checksum().ok, "ds_tensor_equals_w": ds_equal, "master_is_w": master_is_w,
-            "loss": H.train_steps(engine, 20, 21)[0]}
+    problems = H.checksum_problems(runtime) + _ds_tensors_vs_replicas(runtime)[0]
+    for key, param in runtime.params.items():
+        valid = runtime.store.valid_numel(key, rank)
+        master = safe_get_local_fp32_param(param).reshape(-1)[:valid].to(torch.bfloat16)
+        problems += H.first_difference(runtime.name(key), master, param.ds_tensor.reshape(-1)[:valid],
+                                      "bf16 of the fp32 master vs ds_tensor")
+    return {"problems": problems, "loss": H.train_steps(engine, 20, 21)[0]}
 
 
 def test_resume_from_checkpoint_is_bit_exact(tmp_path: Any) -> None:
@@ -183,8 +190,7 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path: Any) -> None:
     assert resumed[0]["losses"] == full[20:40]
     for rank, result in enumerate(resumed):
         for load in ("module_only", "no_optimizer_states"):
-            checks = {k: result[load][k] for k in ("checksum_ok", "ds_tensor_equals_w", "master_is_w")}
-            assert all(checks.values()), (rank, load, checks)
+            assert not result[load]["problems"], f"rank {rank}, {load} load: " + "; ".join(result[load]["problems"])
     # load_optimizer_states=False loads the saved weights: the next loss is the saved run's, not the initial one.
     assert abs(resumed[0]["no_optimizer_states"]["loss"] - full[20]) < 0.02 * full[20]
     assert math.isfinite(resumed[0]["module_only"]["loss"])
@@ -209,9 +215,9 @@ def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluat
                 losses_eval = engine(input_ids=ids, labels=ids).loss.item()
             engine.train()
             assert math.isfinite(losses_eval)
-    store = runtime.store if runtime is not None else None
-    return {"losses": losses, "checksum_ok": store.checksum().ok if store is not None else True, "config": config,
-            "steps": steps, "log": log, "stats": runtime.stats() if runtime is not None else None}
+    replicas = runtime is not None and runtime.store is not None
+    return {"losses": losses, "checksum_problems": H.checksum_problems(runtime) if replicas else [],
+            "config": config, "steps": steps, "log": log, "stats": runtime.stats() if runtime is not None else None}
 
 
 WORLD4_MODES = {
@@ -268,8 +274,7 @@ def _assert_trained(results: list[dict[str, dict[str, Any]]]) -> None:
         runs = [r[name] for r in results]
         losses = _global_loss(runs, "losses")
         problems = [] if all(map(math.isfinite, losses)) and losses[-1] < losses[0] else [f"losses {losses}"]
-        problems += [f"rank {rank}: replica checksums differ" for rank, run in enumerate(runs)
-                     if not run["checksum_ok"]]
+        problems += [f"rank {rank}: {problem}" for rank, run in enumerate(runs) for problem in run["checksum_problems"]]
         problems += _recording_problems(runs) if runs[0]["log"] is not None else []
         if problems:
             differ[name] = problems
@@ -331,14 +336,16 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
             "plain_has_runtime": hasattr(plain, "sdp4bit"),
             "plain_param_patched": any(hasattr(p, "_sdp4bit_original_all_gather_coalesced")
                                        for p in plain.module.parameters()),
-            "edited_all_quarter": bool((edited == 0.25).all()), "checksum_ok": engine.sdp4bit.store.checksum().ok}
+            "edited": sorted(set(edited.reshape(-1).tolist())),
+            "checksum_problems": H.checksum_problems(engine.sdp4bit)}
 
 
 def test_other_engines_untouched_and_weight_writers_resync(tmp_path: Any) -> None:
     results = run_distributed(4, _untouched_and_hooks, str(tmp_path))
     for result in results:
         assert result["plain_equal"] and not result["plain_has_runtime"] and not result["plain_param_patched"]
-        assert result["edited_all_quarter"] and result["checksum_ok"] and result["offload_refused"]
+        assert result["edited"] == [0.25] and not result["checksum_problems"], result
+        assert result["offload_refused"]
         assert result["edit_resynced"] and not result["save_resynced"], result
     written = {name for _, _, names in os.walk(tmp_path) for name in names}
     assert any("sdp4bit" in name for name in written), sorted(written)
@@ -364,15 +371,14 @@ def _corrupt_then_step(replica: str) -> dict[str, Any]:
         H.train_steps(engine, 2, 3)
     finally:
         logger.removeHandler(handler)
-    ds_equal, _ = _ds_tensors_equal_replicas(engine.sdp4bit)
-    return {"detected": detected, "warned": any("checksum mismatch" in w for w in warnings),
-            "ok_after": store.checksum().ok, "ds_tensor_equals_w": ds_equal}
+    problems = H.checksum_problems(engine.sdp4bit) + _ds_tensors_vs_replicas(engine.sdp4bit)[0]
+    return {"detected": detected, "warned": any("checksum mismatch" in w for w in warnings), "problems": problems}
 
 
 @pytest.mark.parametrize("replica", ["rank", "node"])
 def test_verify_finds_a_corrupted_replica_and_resyncs(replica: str) -> None:
     for rank, result in enumerate(run_distributed(4, _corrupt_then_step, replica)):
-        assert result == {"detected": True, "warned": True, "ok_after": True, "ds_tensor_equals_w": True}, rank
+        assert result == {"detected": True, "warned": True, "problems": []}, (rank, result)
 
 
 def _codec_backends(mixed: bool) -> dict[str, Any]:
@@ -385,10 +391,10 @@ def _codec_backends(mixed: bool) -> dict[str, Any]:
         codec.set_backend("reference")
     engine = H.make_engine(H.ds_config(sdp4bit={**H.PAPER, "verify_interval": 1}))
     losses = H.train_steps(engine, 0, 8)
-    ds_equal, full = _ds_tensors_equal_replicas(engine.sdp4bit)
-    return {"backend": codec.backend_name(torch.empty(0)), "losses": losses, "gathered": [_bits(t) for t in full],
-            "mismatches": engine.sdp4bit.checksum_mismatches, "checksum_ok": engine.sdp4bit.store.checksum().ok,
-            "ds_tensor_equals_w": ds_equal}
+    ds_problems, full = _ds_tensors_vs_replicas(engine.sdp4bit)
+    return {"backend": codec.backend_name(torch.empty(0)), "losses": losses, "gathered": [H.bits(t) for t in full],
+            "mismatches": engine.sdp4bit.checksum_mismatches,
+            "problems": H.checksum_problems(engine.sdp4bit) + ds_problems}
 
 
 def test_ranks_on_different_codec_backends_train_bit_identically() -> None:
@@ -398,7 +404,8 @@ def test_ranks_on_different_codec_backends_train_bit_identically() -> None:
     assert [r["backend"] for r in alone] == ["cpu"] * 4
     assert [r["backend"] for r in mixed] == ["reference", "cpu", "reference", "cpu"]
     for rank, (one, other) in enumerate(zip(alone, mixed)):
-        assert (other["mismatches"], other["checksum_ok"], other["ds_tensor_equals_w"]) == (0, True, True), rank
+        assert (other["mismatches"], other["problems"]) == (0, []), (rank, other["mismatches"], other["problems"])
         assert other["losses"] == one["losses"], rank
-        for mine, theirs in zip(other["gathered"], alone[0]["gathered"], strict=True):
-            assert torch.equal(mine, theirs), f"rank {rank} holds other weights than the compiled-op run"
+        for index, (mine, theirs) in enumerate(zip(other["gathered"], alone[0]["gathered"], strict=True)):
+            found = H.first_difference(f"gathered parameter {index}", mine, theirs, "vs the compiled op")
+            assert not found, f"rank {rank}: {found[0]}"

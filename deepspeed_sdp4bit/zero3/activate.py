@@ -172,12 +172,6 @@ def _after_engine_init(engine: Any, activating: bool) -> None:
     shm.release_workspace()
 
 
-def release(runtime: SDP4BitRuntime) -> None:
-    """Give the engine's model back to DeepSpeed (engine.destroy()): undo the patches, drop the replicas."""
-    patches.undo(runtime)
-    runtime.close()
-
-
 def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None) -> SDP4BitRuntime:
     """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit).
 
@@ -189,30 +183,23 @@ def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None =
     codec_s = time.perf_counter() - began
     topology = _build_topology(cfg) if topology is None else topology
     runtime = SDP4BitRuntime(engine, cfg, topology, created=next(_CREATED))
-    patches.patch_reduce_scatter()
-    patches.patch_partition()
-    patches.patch_optimizer(engine.optimizer, runtime)
-    patches.patch_params([p for p in engine.module.parameters() if hasattr(p, "ds_id")], runtime)
-    patches.patch_forward(engine, runtime)
-    patches.patch_checkpoints(engine, runtime)
-    if runtime.store is not None:
-        patches.refuse_offload_states(engine, runtime)
-    patches.patch_destroy(engine, runtime, release)
+    engine_patches = patches.EnginePatches(engine, runtime)
+    engine_patches.install()
     runtime.begin()
     if adapter.support() is adapter.Support.NEWER:
-        _self_test(runtime)
+        _self_test(runtime, engine_patches)
     engine.sdp4bit = runtime
     _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s")
     return runtime
 
 
-def _self_test(runtime: SDP4BitRuntime) -> None:
+def _self_test(runtime: SDP4BitRuntime, engine_patches: patches.EnginePatches) -> None:
     """On a DeepSpeed newer than the tested range: the self-test, then one warning naming the release; a failure
     gives the model back to DeepSpeed and stops (collective)."""
     try:
         checked = selftest.run(runtime)
     except adapter.SDP4BitCompatError:
-        release(runtime)
+        engine_patches.release()
         raise
     if runtime.topology.rank == 0:
         logger.warning(f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "

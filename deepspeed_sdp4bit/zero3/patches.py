@@ -154,117 +154,175 @@ def patch_partition() -> None:
 
 
 # ----- per-engine patches
-def _install(runtime: SDP4BitRuntime, obj: Any, name: str, wrapper: Callable) -> Callable:
-    """Set obj.name to wrapper (wrapping the current attribute) and record how to undo it; returns the original."""
-    original = getattr(obj, name)
-    own = name in vars(obj)
-    installed = _wrap(original, wrapper)
-    setattr(obj, name, installed)
+class EnginePatches:
+    """Every per-engine change for one runtime: `install()` applies them, `undo()` reverts them newest first, and
+    `release()` (what `engine.destroy()` and a failed self-test call) undoes them and drops the runtime's replicas.
 
-    def undo() -> None:
-        """Put the attribute back as it was, unless something replaced the wrapper since."""
-        if vars(obj).get(name) is installed:
-            if own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)
+    Each change is an instance attribute or a hook of this engine, its optimizer or its parameters, so other engines
+    in the process are untouched; the process-wide patches it needs are installed once, on first use."""
 
-    runtime.undo_patches.append(undo)
-    return original
+    def __init__(self, engine: Any, runtime: SDP4BitRuntime) -> None:
+        self.engine = engine
+        self.runtime = runtime
+        self._undo: list[Callable[[], None]] = []
 
+    def install(self) -> None:
+        """Serve the engine's gathers, reductions, steps, checkpoints and destroy through the runtime."""
+        patch_reduce_scatter()
+        patch_partition()
+        self._optimizer()
+        self._params([p for p in self.engine.module.parameters() if hasattr(p, "ds_id")])
+        self._forward()
+        self._checkpoints()
+        if self.runtime.store is not None:
+            self._refuse_offload_states()
+        self._destroy()
 
-def patch_optimizer(optimizer: Any, runtime: SDP4BitRuntime) -> None:
-    """Refresh before DeepSpeed's post-step work (which regathers persistent params); mark buckets as ours."""
-    def _post_step(timer_names: Any) -> Any:
-        runtime.after_step()
-        return post_step(timer_names)
+    def undo(self) -> None:
+        """Undo every change of install(), newest first (a change already undone or replaced since is left)."""
+        while self._undo:
+            self._undo.pop()()
 
-    def avg_scatter_grads(params_to_reduce: Any, communication_data_type: Any) -> Any:
-        with reducing_with(runtime):
-            return avg_scatter(params_to_reduce, communication_data_type)
+    def release(self) -> None:
+        """Give the engine's model back to DeepSpeed: undo the patches, drop the replicas and collectives."""
+        self.undo()
+        self.runtime.close()
 
-    post_step = _install(runtime, optimizer, "_post_step", _post_step)
-    avg_scatter = _install(runtime, optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
+    def _replace(self, obj: Any, name: str, wrapper: Callable) -> Callable:
+        """Set obj.name to wrapper (wrapping the current attribute) and record how to undo it; returns the
+        original."""
+        original = getattr(obj, name)
+        own = name in vars(obj)
+        installed = _wrap(original, wrapper)
+        setattr(obj, name, installed)
 
+        def undo() -> None:
+            """Put the attribute back as it was, unless something replaced the wrapper since."""
+            if vars(obj).get(name) is installed:
+                if own:
+                    setattr(obj, name, original)
+                else:
+                    delattr(obj, name)
 
-def patch_params(params: list[Any], runtime: SDP4BitRuntime) -> None:
-    """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed.
+        self._undo.append(undo)
+        return original
 
-    ZeRO-3's fetch coordinator calls the first parameter's `all_gather_coalesced` for a whole group, in an order
-    that differs between ranks. A group holding only this engine's parameters is split the same way whichever comes
-    first; a group that also holds parameters of another model or engine goes entirely to DeepSpeed's own gather
-    (what a rank whose group starts with such a parameter runs), so every rank runs the same collectives.
-    """
-    def all_gather_coalesced(params: Iterable[Any], safe_mode: bool = False, quantize: bool = False) -> Any:
-        params = list(params)
-        if any(owner(p) is not runtime for p in params):
-            runtime.note_mixed_fetch(params)
-            return deepspeed_gather(params, safe_mode=safe_mode, quantize=quantize)
-        ours = [p for p in params if runtime.manages(p)]
-        theirs = [p for p in params if not runtime.manages(p)]
-        handles = [runtime.gather(ours)] if ours else []
-        if theirs:
-            handles.append(deepspeed_gather(theirs, safe_mode=safe_mode, quantize=quantize))
-        return handles[0] if len(handles) == 1 else MultipleHandles(handles)
+    def _optimizer(self) -> None:
+        """Refresh before DeepSpeed's post-step work (which regathers persistent params); mark buckets as ours."""
+        runtime = self.runtime
 
-    check_param_gather(params[0])
-    deepspeed_gather = params[0].all_gather_coalesced  # DeepSpeed's closure: any parameter's serves any group
-    for param in params:
-        setattr(param, _ORIGINAL_GATHER, param.all_gather_coalesced)
-        setattr(param, _OWNER, runtime)
-        param.all_gather_coalesced = all_gather_coalesced
+        def _post_step(timer_names: Any) -> Any:
+            runtime.after_step()
+            return post_step(timer_names)
 
-    def undo() -> None:
-        """Give every parameter this runtime still serves DeepSpeed's gather back."""
+        def avg_scatter_grads(params_to_reduce: Any, communication_data_type: Any) -> Any:
+            with reducing_with(runtime):
+                return avg_scatter(params_to_reduce, communication_data_type)
+
+        optimizer = self.engine.optimizer
+        post_step = self._replace(optimizer, "_post_step", _post_step)
+        avg_scatter = self._replace(optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+                                    avg_scatter_grads)
+
+    def _params(self, params: list[Any]) -> None:
+        """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed.
+
+        ZeRO-3's fetch coordinator calls the first parameter's `all_gather_coalesced` for a whole group, in an
+        order that differs between ranks. A group holding only this engine's parameters is split the same way
+        whichever comes first; a group that also holds parameters of another model or engine goes entirely to
+        DeepSpeed's own gather (what a rank whose group starts with such a parameter runs), so every rank runs the
+        same collectives.
+        """
+        runtime = self.runtime
+
+        def all_gather_coalesced(params: Iterable[Any], safe_mode: bool = False, quantize: bool = False) -> Any:
+            params = list(params)
+            if any(owner(p) is not runtime for p in params):
+                runtime.note_mixed_fetch(params)
+                return deepspeed_gather(params, safe_mode=safe_mode, quantize=quantize)
+            ours = [p for p in params if runtime.manages(p)]
+            theirs = [p for p in params if not runtime.manages(p)]
+            handles = [runtime.gather(ours)] if ours else []
+            if theirs:
+                handles.append(deepspeed_gather(theirs, safe_mode=safe_mode, quantize=quantize))
+            return handles[0] if len(handles) == 1 else MultipleHandles(handles)
+
+        check_param_gather(params[0])
+        deepspeed_gather = params[0].all_gather_coalesced  # DeepSpeed's closure: any parameter's serves any group
         for param in params:
-            if owner(param) is runtime:
-                param.all_gather_coalesced = getattr(param, _ORIGINAL_GATHER)
-                delattr(param, _ORIGINAL_GATHER)
-                delattr(param, _OWNER)
+            setattr(param, _ORIGINAL_GATHER, param.all_gather_coalesced)
+            setattr(param, _OWNER, runtime)
+            param.all_gather_coalesced = all_gather_coalesced
 
-    runtime.undo_patches.append(undo)
+        def undo() -> None:
+            """Give every parameter this runtime still serves DeepSpeed's gather back."""
+            for param in params:
+                if owner(param) is runtime:
+                    param.all_gather_coalesced = getattr(param, _ORIGINAL_GATHER)
+                    delattr(param, _ORIGINAL_GATHER)
+                    delattr(param, _OWNER)
 
+        self._undo.append(undo)
 
-def patch_forward(engine: Any, runtime: SDP4BitRuntime) -> None:
-    """Before each forward of the engine's model (ahead of ZeRO-3's own hooks, which start its gathers), let the
-    runtime find and resync writes to ds_tensor made since the last forward."""
-    handle = engine.module.register_forward_pre_hook(lambda module, args: runtime.resync_foreign_writes(),
-                                                     prepend=True)
-    runtime.undo_patches.append(handle.remove)
+    def _forward(self) -> None:
+        """Before each forward of the engine's model (ahead of ZeRO-3's own hooks, which start its gathers), let
+        the runtime find and resync writes to ds_tensor made since the last forward."""
+        runtime = self.runtime
+        handle = self.engine.module.register_forward_pre_hook(
+            lambda module, args: runtime.resync_foreign_writes(), prepend=True)
+        self._undo.append(handle.remove)
 
+    def _checkpoints(self) -> None:
+        """Save SDP4Bit's state as per-rank client state; restore it (and resync) after every load.
 
-def patch_checkpoints(engine: Any, runtime: SDP4BitRuntime) -> None:
-    """Save SDP4Bit's state as per-rank client state; restore it (and resync) after every load.
+        A load that fails because this rank's model-states file (which holds the sdp4bit state) cannot be read
+        names that file.
+        """
+        engine, runtime = self.engine, self.runtime
 
-    A load that fails because this rank's model-states file (which holds the sdp4bit state) cannot be read names
-    that file.
-    """
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        bound = inspect.signature(save).bind(*args, **kwargs)
-        client_state = dict(bound.arguments.get("client_state") or {})
-        client_state[state.CLIENT_STATE_KEY] = runtime.state_dict()
-        bound.arguments["client_state"] = client_state
-        return save(*bound.args, **bound.kwargs)
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            bound = inspect.signature(save).bind(*args, **kwargs)
+            client_state = dict(bound.arguments.get("client_state") or {})
+            client_state[state.CLIENT_STATE_KEY] = runtime.state_dict()
+            bound.arguments["client_state"] = client_state
+            return save(*bound.args, **bound.kwargs)
 
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        bound = inspect.signature(load).bind(*args, **kwargs)
-        bound.apply_defaults()
-        options = bound.arguments
-        try:
-            load_path, client_state = load(*args, **kwargs)
-        except Exception as exc:
-            _raise_if_unreadable(engine, options["load_dir"], options["tag"], exc)
-            raise
-        if load_path is not None:
-            client_state = dict(client_state or {})
-            full_restore = (options["load_optimizer_states"] and not options["load_module_only"]
-                            and not engine.load_universal_checkpoint())
-            runtime.load_state_dict(client_state.pop(state.CLIENT_STATE_KEY, None), full_restore=full_restore,
-                                    source=str(load_path))
-        return load_path, client_state
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            bound = inspect.signature(load).bind(*args, **kwargs)
+            bound.apply_defaults()
+            options = bound.arguments
+            try:
+                load_path, client_state = load(*args, **kwargs)
+            except Exception as exc:
+                _raise_if_unreadable(engine, options["load_dir"], options["tag"], exc)
+                raise
+            if load_path is not None:
+                client_state = dict(client_state or {})
+                full_restore = (options["load_optimizer_states"] and not options["load_module_only"]
+                                and not engine.load_universal_checkpoint())
+                runtime.load_state_dict(client_state.pop(state.CLIENT_STATE_KEY, None), full_restore=full_restore,
+                                        source=str(load_path))
+            return load_path, client_state
 
-    save = _install(runtime, engine, "save_checkpoint", save_checkpoint)
-    load = _install(runtime, engine, "load_checkpoint", load_checkpoint)
+        save = self._replace(engine, "save_checkpoint", save_checkpoint)
+        load = self._replace(engine, "load_checkpoint", load_checkpoint)
+
+    def _refuse_offload_states(self) -> None:
+        """engine.offload_states() would move ds_tensor and the optimizer off the device but not the replicas."""
+        def offload_states(*args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError("engine.offload_states() is not supported with an enabled sdp4bit block: the "
+                                      "weight replicas (engine.sdp4bit.store) would stay on the device and the "
+                                      "weights could no longer be refreshed; disable quantized_weights to use it")
+
+        self._replace(self.engine, "offload_states", offload_states)
+
+    def _destroy(self) -> None:
+        """engine.destroy() first releases SDP4Bit (undoes these patches, frees the replicas), then DeepSpeed's."""
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            self.release()
+            return original(*args, **kwargs)
+
+        original = self._replace(self.engine, "destroy", destroy)
 
 
 def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception) -> None:
@@ -277,28 +335,3 @@ def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception)
     if problem is not None:
         raise RuntimeError(f"sdp4bit: cannot load the checkpoint: {path} (this rank's DeepSpeed model states, which "
                            f"hold its sdp4bit state) cannot be read: {problem}") from error
-
-
-def refuse_offload_states(engine: Any, runtime: SDP4BitRuntime) -> None:
-    """engine.offload_states() would move ds_tensor and the optimizer off the device but not the replicas: refuse."""
-    def offload_states(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("engine.offload_states() is not supported with an enabled sdp4bit block: the weight "
-                                  "replicas (engine.sdp4bit.store) would stay on the device and the weights could "
-                                  "no longer be refreshed; disable quantized_weights to use it")
-
-    _install(runtime, engine, "offload_states", offload_states)
-
-
-def patch_destroy(engine: Any, runtime: SDP4BitRuntime, release: Callable[[SDP4BitRuntime], None]) -> None:
-    """engine.destroy() first releases SDP4Bit (undoes these patches, frees the replicas), then DeepSpeed's."""
-    def destroy(*args: Any, **kwargs: Any) -> Any:
-        release(runtime)
-        return original(*args, **kwargs)
-
-    original = _install(runtime, engine, "destroy", destroy)
-
-
-def undo(runtime: SDP4BitRuntime) -> None:
-    """Undo every per-engine patch of this runtime, newest first."""
-    while runtime.undo_patches:
-        runtime.undo_patches.pop()()

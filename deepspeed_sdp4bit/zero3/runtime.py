@@ -3,10 +3,10 @@
 `engine.sdp4bit` is an `SDP4BitRuntime`. It owns one weight collective (`weights`: qWD's replicas, or the qW
 ablation's direct gather) and one gradient collective (`reducer`: TLq), both used only through the contract in
 `collectives/contract.py`, the byte counters, and the rules that keep DeepSpeed's `ds_tensor` equal to what the
-weight collective serves. The patches in `patches.py` call into it; it never patches anything itself, but holds the
-callables that undo its engine's patches (`undo_patches`), which `close()`'s caller runs when the engine is destroyed.
+weight collective serves. The patches in `patches.py` (`EnginePatches`, which also undoes them) call into it; it
+never patches anything itself.
 
-One gather, in three hops: `patches.patch_params`' `all_gather_coalesced` -> `SDP4BitRuntime.gather` ->
+One gather, in three hops: `patches.EnginePatches._params`' `all_gather_coalesced` -> `SDP4BitRuntime.gather` ->
 `WeightCollective.gather`; `adapter.ParamGatherHandle.wait` publishes the full weights on the parameters.
 
 Writes to `ds_tensor` that do not come from SDP4Bit or from a DeepSpeed path it follows (a script's
@@ -22,7 +22,7 @@ the replica.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -78,7 +78,6 @@ class SDP4BitRuntime:
         self.topology = topology
         self.created = created
         self.closed = False
-        self.undo_patches: list[Callable[[], None]] = []
         self.comm_stats = CommStats(topology.ranks_per_node)
         threshold = engine._config.zero_config.param_persistence_threshold
         self.plan = make_plan(config, topology, param_facts(engine), threshold)
@@ -385,7 +384,8 @@ class SDP4BitRuntime:
         return False
 
     def close(self) -> None:
-        """Drop the replicas and collectives: the engine was destroyed (its patches are undone by the caller)."""
+        """Drop the replicas and collectives: the engine was destroyed (patches.EnginePatches.release undoes its patches
+        first)."""
         self.weights = self.reducer = None
         self.params = {}
         self.closed = True
