@@ -2,6 +2,8 @@
 
     python benchmarks/plan_clusters.py                 # prints the table, writes benchmarks/results/plan_clusters/
 
+rows.json holds the rows under "rows", with the provenance every result file carries.
+
 Each row is `sdp4bit-plan` with the cluster's flags and its defaults otherwise (DeepSpeed ZeRO-3, achieved compute
 40% of the GPU's dense bf16 peak, links at 80% of line rate, one micro-batch of one 2048-token sequence per GPU,
 perfect overlap where DeepSpeed overlaps): projections, not measurements.
@@ -10,10 +12,10 @@ perfect overlap where DeepSpeed overlaps): projections, not measurements.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Sequence
 
+from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_cost import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text)
-    (args.out / "rows.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.out / "rows.json", {"rows": results})
     print(text)
     return 0
 

@@ -104,6 +104,7 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     """One run on the shaped link; the record written to runs.jsonl."""
     nodes.shape(Link(parse_rate(rate)))
     run_dir = out / "logs" / f"{variant.name}-{dtype}-{rate}-{repeat}"
+    (run_dir / "summary.json").unlink(missing_ok=True)  # an interrupted earlier run's must not stand for this one
     load_before = os.getloadavg()[0]
     job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
     record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
