@@ -61,6 +61,15 @@ def test_no_layer_imports_one_below_it(folder: str, forbidden: tuple[str, ...]) 
     assert _violations(folder, forbidden) == []
 
 
+def test_the_config_reads_only_the_codec_contract() -> None:
+    """config.py validates a block against the quantizer's limits, which it reads from codec/spec.py alone; spec is a
+    leaf (it imports nothing of the package), so the config pulls in no backend, collective or DeepSpeed code."""
+    package = "deepspeed_sdp4bit."
+    assert {n for n in imports(PACKAGE / "codec/spec.py") if n.startswith(package)} == set()
+    below = {n for n in imports(PACKAGE / "config.py") if n.startswith(package)}
+    assert below <= {package + "codec.spec", package + "codec.spec.MAX_GROUP", package + "codec.spec.MIN_GROUP"}, below
+
+
 def test_the_cost_model_imports_neither_torch_nor_deepspeed() -> None:
     """sdp4bit_cost starts in a fraction of a second and prints clean JSON: nothing it imports at load time pulls in
     torch, DeepSpeed or this package (the planner reads a config's block through the package only when asked)."""

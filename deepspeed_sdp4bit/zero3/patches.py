@@ -8,7 +8,8 @@ Process-wide (installed once, inert for engines without an enabled "sdp4bit" blo
 - `Init._partition` (every ZeRO-3 partition, including `GatheredParameters(modifier_rank=...)`'s exit and
   `Module.apply` under `zero.Init`) -> after a partition that rewrote ds_tensor, the replicas of those parameters
   are resynced when their values changed.
-Per engine (instance attributes, so other engines in the process are untouched; undone by `engine.destroy()`):
+Per engine (`EnginePatches`: instance attributes, so other engines in the process are untouched; undone by
+`engine.destroy()`):
 - a forward pre-hook on the engine's model, first among its hooks (finds writes to ds_tensor made since the last
   forward and resyncs them);
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
