@@ -14,8 +14,9 @@ DeepSpeed's own collectives from benchmarks/cost_model.py).
 Needs root for the two nodes (benchmarks/two_nodes.py); started with sudo, the training runs as the user who ran
 sudo, this script writes its files as that user and drops root for good once the nodes are removed. Results
 accumulate as JSON lines in OUT/runs.jsonl, each with its provenance (commit, versions, machine, command): a point
-already measured with the same --steps is not run again. After the planned repeats, every point whose runs' step
-times differ by more than --rerun_spread gets one more run. OUT/table.md and OUT/step_time.png summarise the runs
+already measured with the same --steps is not run again. With --rerun_spread F, every point whose runs' step times
+differ by more than F gets one more run after the planned repeats (off by default: the median of the three planned
+runs already sets one outlier aside). OUT/table.md and OUT/step_time.png summarise the runs
 of this --steps: per (dtype, variant, rate) the median over repeats of the runs' median step times, its spread
 (min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step. The defaults are the settings
 of the published sweep (benchmarks/RESULTS.md).
@@ -348,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3, help="runs per point")
-    parser.add_argument("--rerun_spread", type=float, default=0.2,
+    parser.add_argument("--rerun_spread", type=float, default=0.0,
                         help="one more run of a point whose runs' step times differ by more than this fraction "
                              "(0: never)")
     parser.add_argument("--steps", type=int, default=16, help="training steps per run (steady from step 3)")
