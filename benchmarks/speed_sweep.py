@@ -14,9 +14,10 @@ DeepSpeed's own collectives from benchmarks/cost_model.py).
 Needs root for the two nodes (benchmarks/two_nodes.py); started with sudo, the training runs as the user who ran
 sudo, this script writes its files as that user and drops root for good once the nodes are removed. Results
 accumulate as JSON lines in OUT/runs.jsonl, each with its provenance (commit, versions, machine, command): a point
-already measured with the same --steps is not run again. With --rerun_spread F, every point whose runs' step times
-differ by more than F gets one more run after the planned repeats (off by default: the median of the three planned
-runs already sets one outlier aside). OUT/table.md and OUT/step_time.png summarise the runs
+already measured with the same --steps is not run again. Each point runs --repeats times at the fast end and
+--slow_repeats times below SLOW_BELOW Mbit/s, where the link's time dominates and runs agree closely; with
+--rerun_spread F, every point whose runs' step times differ by more than F gets one more run after the planned
+repeats (off by default). OUT/table.md and OUT/step_time.png summarise the runs
 of this --steps: per (dtype, variant, rate) the median over repeats of the runs' median step times, its spread
 (min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step. The defaults are the settings
 of the published sweep (benchmarks/RESULTS.md).
@@ -71,6 +72,9 @@ VARIANTS = {v.name: v for v in (
     Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
 )}
 RATES = ("25", "50", "200", "1000", "unshaped")
+# Below this rate (Mbit/s) the link's time is most of every step and a point's runs agree within a few percent, so
+# --slow_repeats runs suffice there; the fast end, where compute dominates and runs spread by 10-25%, gets --repeats.
+SLOW_BELOW = 200.0
 
 
 def parse_rate(rate: str) -> float | None:
@@ -146,10 +150,19 @@ def _steady_step_times(csv_path: Path, steady_from: int) -> list[float]:
     return [float(row.split(",")[seconds]) for row in lines[1:] if int(row.split(",")[step]) >= steady_from]
 
 
+def repeats_at(args: argparse.Namespace, rate: str) -> int:
+    """Planned runs per point at this rate: --slow_repeats below SLOW_BELOW Mbit/s, else --repeats."""
+    mbit = parse_rate(rate)
+    return args.slow_repeats if mbit is not None and mbit < SLOW_BELOW else args.repeats
+
+
 def plan(args: argparse.Namespace, repeats: int | None = None) -> Iterator[tuple[int, str, str, Variant]]:
-    """Points in run order: repeats outermost, then rate, dtype and variant, so drifts spread over all variants."""
-    for repeat in range(args.repeats if repeats is None else repeats):
+    """Points in run order: repeats outermost, then rate, dtype and variant, so drifts spread over all variants;
+    each rate has its planned repeats (or `repeats` for all)."""
+    for repeat in range(max(args.repeats, args.slow_repeats) if repeats is None else repeats):
         for rate in args.rates:
+            if repeats is None and repeat >= repeats_at(args, rate):
+                continue
             for dtype in args.dtypes:
                 for name in args.variants:
                     yield repeat, rate, dtype, VARIANTS[name]
@@ -167,10 +180,11 @@ def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Var
         return
     runs = [r for r in load_runs(args.out / "runs.jsonl") if "error" not in r and r["steps"] == args.steps]
     for _, rate, dtype, variant in plan(args, repeats=1):
+        planned = repeats_at(args, rate)
         times = [r["step_s"] for r in runs if (r["variant"], r["dtype"], r["rate"]) == (variant.name, dtype, rate)
-                 and r["repeat"] < args.repeats]
+                 and r["repeat"] < planned]
         if len(times) > 1 and max(times) > (1 + args.rerun_spread) * min(times):
-            yield args.repeats, rate, dtype, variant
+            yield planned, rate, dtype, variant
 
 
 def sweep(args: argparse.Namespace, user: Invoker) -> None:
@@ -348,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="Mbit/s each way, or 'unshaped'")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point")
+    parser.add_argument("--repeats", type=int, default=3, help=f"runs per point at {SLOW_BELOW:g} Mbit/s and faster")
+    parser.add_argument("--slow_repeats", type=int, default=2, help=f"runs per point below {SLOW_BELOW:g} Mbit/s")
     parser.add_argument("--rerun_spread", type=float, default=0.0,
                         help="one more run of a point whose runs' step times differ by more than this fraction "
                              "(0: never)")
@@ -359,8 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rate in args.rates:
         if rate != "unshaped" and not _positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")
-    if args.steps < 4 or args.repeats < 1 or args.rerun_spread < 0:
-        parser.error("--steps must be >= 4 (steady from step 3), --repeats >= 1 and --rerun_spread >= 0")
+    if args.steps < 4 or args.repeats < 1 or args.slow_repeats < 1 or args.rerun_spread < 0:
+        parser.error("--steps must be >= 4 (steady from step 3), --repeats and --slow_repeats >= 1 and "
+                     "--rerun_spread >= 0")
     try:
         user = invoker()
     except TwoNodesError as err:
