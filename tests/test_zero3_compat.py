@@ -111,9 +111,12 @@ def test_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _replacements_in_patches() -> set[str]:
-    """Names of the replacement functions patches.py defines inside its patch_* / refuse_* functions (undo aside)."""
+    """Names of the replacement functions patches.py defines inside its process-wide patch_* functions and inside
+    EnginePatches' per-engine methods (undo aside)."""
     tree = ast.parse(Path(patches.__file__).read_text())
-    outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith(("patch_", "refuse_"))]
+    engine_patches = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "EnginePatches")
+    outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("patch_")]
+    outer += [f for f in engine_patches.body if isinstance(f, ast.FunctionDef)]
     return {inner.name for f in outer for inner in ast.walk(f)
             if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name != "undo"}
 
