@@ -6,11 +6,12 @@ worker's traceback, and a worker that dies without reporting (a crash, a kill) f
 reporting, a worker tears its process group down and leaves with os._exit (0, or 1 after a failure): the parent
 checks every worker's exit code, so a crash or hang in the teardown fails the call too, while the interpreter's
 own finalization, where gloo's worker threads can abort the process on CPU (pytorch/pytorch#190489), is skipped.
-CPU jobs start their ranks from a fork server that imported torch, DeepSpeed and transformers once (each rank then
-starts in a fraction of a second instead of importing them again, seconds each on a 2-core machine) and hand every
-rank the parent's environment of the moment, as a spawned interpreter would inherit it; where a GPU is visible,
-ranks are spawned as fresh interpreters (a process that touched CUDA cannot be forked). Still, batch many cases
-into one call: each job also joins a process group and builds its engines.
+CPU jobs start their ranks from a fork server that imported torch, DeepSpeed and transformers once, with the
+submodules an engine build needs (each rank then starts in a fraction of a second instead of importing them again,
+seconds each on a 2-core machine), and hand every rank the parent's environment of the moment, as a spawned
+interpreter would inherit it; where a GPU is visible, ranks are spawned as fresh interpreters (a process that
+touched CUDA cannot be forked). Still, batch many cases into one call: each job also joins a process group and
+builds its engines.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_PRELOAD = ["torch", "deepspeed", "transformers"]
+# What the fork server imports once: besides the packages, the submodules every engine build imports on first use
+# (GPT-2's modeling, DeepSpeed's engine and its ZeRO optimizer check, which imports torch.compile's inductor), about
+# ten seconds per job of 4 ranks on 2 cores otherwise. deepspeed_sdp4bit is not among them: importing it installs
+# its initialize hook, which a job must do itself.
+_PRELOAD = ["torch", "deepspeed", "transformers", "transformers.models.gpt2.modeling_gpt2", "deepspeed.runtime.engine",
+            "deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx"]
 
 
 def _context(backend: str) -> Any:

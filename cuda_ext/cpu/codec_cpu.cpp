@@ -7,8 +7,11 @@
 // no call allocates memory. The Python adapter (codec/compiled.py) allocates the outputs and validates the
 // arguments; the checks here repeat that validation for direct callers of the bindings.
 
+// ATen's tensor and parallel headers and torch's pybind glue only, not <torch/extension.h> (all of libtorch's C++
+// API, which takes most of the compile time).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstring>
