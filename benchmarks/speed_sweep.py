@@ -2,7 +2,8 @@
 
 Every point is a real two-node job (benchmarks/two_nodes.py: one `deepspeed` launcher per node, 2 CPU ranks each,
 the link between them shaped by tc) training the example GPT (examples/train_gpt.py) with DeepSpeed's comms logger
-off, since it synchronizes after every collective. Per run: the median step time over the steady steps, step 0's
+off, since it synchronizes after every collective; --ranks_per_node 1 runs one rank per node, so that on a 2-core
+machine no two ranks share a core. Per run: the median step time over the steady steps, step 0's
 time, tokens/s, and the bytes that left each node through the link per step (interface counters; TCP/IP headers
 removed: `link_payload`), beside what the accounting says crossed (SDP4Bit's cross-node bytes per kind plus
 DeepSpeed's own collectives from benchmarks/cost_model.py).
@@ -84,7 +85,13 @@ def parse_rate(rate: str) -> float | None:
 
 def point_key(record: dict) -> tuple:
     """What identifies a run: its point (variant, dtype, rate), its repeat and every setting that changes it."""
-    return record["variant"], record["dtype"], record["rate"], record["repeat"], record["steps"]
+    return (record["variant"], record["dtype"], record["rate"], record["repeat"], record["steps"],
+            ranks_per_node(record))
+
+
+def ranks_per_node(record: dict) -> int:
+    """The ranks per node a run had (runs recorded before the setting existed had 2)."""
+    return record.get("ranks_per_node", 2)
 
 
 def load_runs(path: Path) -> list[dict]:
@@ -113,6 +120,7 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     load_before = os.getloadavg()[0]
     job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
     record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
+              "ranks_per_node": nodes.ranks_per_node,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "provenance": provenance(),
               "exit_codes": job["exit_codes"],
               "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"],
@@ -169,9 +177,9 @@ def plan(args: argparse.Namespace, repeats: int | None = None) -> Iterator[tuple
 
 
 def pending(args: argparse.Namespace, points: Iterator[tuple[int, str, str, Variant]]) -> list[tuple]:
-    """The points not yet measured with this --steps (failed runs are run again)."""
+    """The points not yet measured with this --steps and --ranks_per_node (failed runs are run again)."""
     done = {point_key(r) for r in load_runs(args.out / "runs.jsonl") if "error" not in r}
-    return [p for p in points if (p[3].name, p[2], p[1], p[0], args.steps) not in done]
+    return [p for p in points if (p[3].name, p[2], p[1], p[0], args.steps, args.ranks_per_node) not in done]
 
 
 def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:
@@ -189,7 +197,7 @@ def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Var
 
 def sweep(args: argparse.Namespace, user: Invoker) -> None:
     """Run every planned point not yet in runs.jsonl, then one more repeat of the points that spread too much."""
-    with signals_raise(), TwoNodes(ranks_per_node=2, user=user) as nodes:
+    with signals_raise(), TwoNodes(ranks_per_node=args.ranks_per_node, user=user) as nodes:
         run_points(args, nodes, pending(args, plan(args)), "planned")
         run_points(args, nodes, pending(args, spread_points(args)), "spread")
 
@@ -292,7 +300,7 @@ def auto_table(rows: Sequence[dict], runs: Sequence[dict]) -> tuple[str, bool]:
     return "\n".join(lines) + "\n", ok
 
 
-def plot(rows: Sequence[dict], path: Path) -> None:
+def plot(rows: Sequence[dict], path: Path, per_node: int) -> None:
     """Step time vs link rate (one line per variant, one panel per dtype) and link bytes per step."""
     import matplotlib
 
@@ -312,7 +320,7 @@ def plot(rows: Sequence[dict], path: Path) -> None:
                 ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
                             marker="o", capsize=3, label=variant.label)
         ax.set(xscale="log", yscale="log", xlabel="link rate, Mbit/s each way",
-               ylabel="median step time, s", title=f"tiny GPT, 2 nodes x 2 CPU ranks, {dtype}")
+               ylabel="median step time, s", title=f"tiny GPT, 2 nodes x {per_node} CPU ranks, {dtype}")
         ticks = sorted({parse_rate(r["rate"]) or unshaped_x for r in rows})
         ax.set_xticks(ticks, [f"{t:g}" if t != unshaped_x else "unshaped" for t in ticks])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
@@ -341,6 +349,10 @@ def report(out: Path, steps: int) -> None:
     if len(mine) < len(runs):
         print(f"speed_sweep: {len(runs) - len(mine)} runs in {out / 'runs.jsonl'} with another --steps than {steps} "
               f"are left out of the table")
+    layouts = {ranks_per_node(r) for r in mine}
+    if len(layouts) > 1:
+        raise SystemExit(f"speed_sweep: {out / 'runs.jsonl'} mixes runs of {sorted(layouts)} ranks per node; "
+                         "give each --ranks_per_node its own --out")
     rows = aggregate(mine)
     if not rows:
         print(f"speed_sweep: nothing measured with --steps {steps} yet")
@@ -352,7 +364,7 @@ def report(out: Path, steps: int) -> None:
                 f"{checked}"
     text += f"\nIn brief (median step s):\n\n{brief_table(rows)}"
     (out / "table.md").write_text(text)
-    plot(rows, out / "step_time.png")
+    plot(rows, out / "step_time.png", layouts.pop())
     print(text)
     print(f"speed_sweep: wrote {out / 'table.md'} and {out / 'step_time.png'}")
 
@@ -369,11 +381,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(0: never)")
     parser.add_argument("--steps", type=int, default=16, help="training steps per run (steady from step 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "speed_sweep")
+    parser.add_argument("--ranks_per_node", type=int, default=2, choices=[1, 2],
+                        help="CPU ranks per node; 1 gives every rank a core of its own on a 2-core machine")
     parser.add_argument("--report", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
     for rate in args.rates:
         if rate != "unshaped" and not _positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")
+    if args.ranks_per_node == 1 and "hpz" in args.variants:
+        parser.error("--variants hpz needs --ranks_per_node 2 (hpZ's secondary partition spans the ranks of a "
+                     "node); with --ranks_per_node 1 choose among " + " ".join(v for v in VARIANTS if v != "hpz"))
     if args.steps < 4 or args.repeats < 1 or args.slow_repeats < 1 or args.rerun_spread < 0:
         parser.error("--steps must be >= 4 (steady from step 3), --repeats and --slow_repeats >= 1 and "
                      "--rerun_spread >= 0")
