@@ -47,13 +47,15 @@ def scheme_of(variant: str, auto: dict | None = None) -> Scheme:
 
 
 def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
-    """The model's bytes for one run of the CPU sweep (its summary.json gives the shape, layout and auto decision)."""
+    """The model's bytes for one optimizer step of a run of the CPU sweep (its summary.json gives the shape, layout,
+    gradient accumulation and auto decision)."""
     settings = summary["settings"]
     shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"],
                 settings["seq_len"])
     world = summary["world_size"]
-    return zero3_step(shape.tensors(), scheme_of(variant, summary.get("sdp4bit_auto")), Layout(2, world // 2),
+    step = zero3_step(shape.tensors(), scheme_of(variant, summary.get("sdp4bit_auto")), Layout(2, world // 2),
                       DTYPE_BYTES[dtype], backend="gloo")
+    return step.per_optimizer_step(settings["grad_accum"])
 
 
 def accounted_cross_node_bytes(summary: dict, variant: str, dtype: str) -> float:

@@ -10,7 +10,7 @@ accounting does (`engine.sdp4bit.stats()`), bucket padding included, so the two 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 PHASES = ("forward", "backward", "step")
@@ -101,6 +101,15 @@ class StepBytes:
     @property
     def cross_total(self) -> float:
         return sum(t.cross for t in self.transfers)
+
+    def per_optimizer_step(self, grad_accum: int) -> StepBytes:
+        """The transfers of one optimizer step: the forward's and backward's once per micro-batch (`grad_accum`
+        times), the step phase's once."""
+        out = StepBytes()
+        for t in self.transfers:
+            m = 1 if t.phase == "step" else grad_accum
+            out.add(replace(t, wire=m * t.wire, cross=m * t.cross, intra=m * t.intra, codec=m * t.codec))
+        return out
 
 
 def shard(numel: int, world: int) -> int:

@@ -14,7 +14,9 @@ from sdp4bit_cost import paper, plan, shapes, timing, traffic
 from sdp4bit_cost.traffic import Layout, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ROOT / "benchmarks/results/speed_sweep/runs.jsonl"
+# two ranks per node, and one (where each rank accumulates two micro-batches per optimizer step)
+SWEEPS = [ROOT / "benchmarks/results/speed_sweep/runs.jsonl", ROOT / "benchmarks/results/speed_sweep_1rank/runs.jsonl"]
+MICRO_BATCHES = 4  # the sweep's global batch of 32 sequences in micro-batches of 8, over the world
 # the sweep's tiny GPT (examples/gpt_models.py) on its 2048-token corpus
 TINY = shapes.gpt(2, 128, 4, vocab=2048, positions=128)
 SWEEP_VARIANTS = {"zero3": {}, "hpz": {}, "sdp4bit_node": {"quantized_weights": True, "quantized_gradients": True},
@@ -23,7 +25,7 @@ SWEEP_VARIANTS = {"zero3": {}, "hpz": {}, "sdp4bit_node": {"quantized_weights": 
 
 
 def _sweep_runs() -> list[dict]:
-    return [r for r in map(json.loads, SWEEP.read_text().splitlines()) if "error" not in r]
+    return [r for path in SWEEPS for r in map(json.loads, path.read_text().splitlines()) if "error" not in r]
 
 
 def _variant(run: dict) -> dict:
@@ -35,18 +37,20 @@ def _variant(run: dict) -> dict:
 
 
 def _sweep_step(run: dict) -> traffic.StepBytes:
-    """The model's bytes of one sweep run, with the ZeRO-3 sizes read from the CPU config it trained with."""
+    """The model's bytes of one optimizer step of a sweep run, with the ZeRO-3 sizes read from the CPU config it
+    trained with."""
     ds = json.loads((ROOT / "configs/cpu/tiny_sdp4bit.json").read_text())
     scheme = replace(plan._block_scheme(ds), **_variant(run))
     dtype_bytes = {"fp32": 4, "bf16": 2}[run["dtype"]]
-    return traffic.zero3_step(TINY.tensors(), scheme, Layout(2, run["world"] // 2), dtype_bytes, backend="gloo")
+    step = traffic.zero3_step(TINY.tensors(), scheme, Layout(2, run["world"] // 2), dtype_bytes, backend="gloo")
+    return step.per_optimizer_step(MICRO_BATCHES // run["world"])
 
 
 def test_sdp4bit_kinds_equal_the_accounting_of_every_measured_sweep_run() -> None:
     """Wire bytes per rank and cross-node bytes of all ranks, per SDP4Bit kind, exactly as the runs' own accounting
     (engine.sdp4bit.stats(), recorded per step) counted them on two namespaced nodes."""
     runs = [r for r in _sweep_runs() if r["sdp4bit_bytes"]]
-    assert len(runs) >= 60
+    assert len(runs) >= 60 and {r["world"] for r in runs} == {2, 4}
     for run in runs:
         step, counted = _sweep_step(run), run["sdp4bit_bytes"]
         for kind in traffic.SDP4BIT_KINDS:
