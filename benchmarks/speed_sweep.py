@@ -179,7 +179,14 @@ def plan(args: argparse.Namespace, repeats: int | None = None) -> Iterator[tuple
 def pending(args: argparse.Namespace, points: Iterator[tuple[int, str, str, Variant]]) -> list[tuple]:
     """The points not yet measured with this --steps and --ranks_per_node (failed runs are run again)."""
     done = {point_key(r) for r in load_runs(args.out / "runs.jsonl") if "error" not in r}
-    return [p for p in points if (p[3].name, p[2], p[1], p[0], args.steps, args.ranks_per_node) not in done]
+    return [p for p in points if _planned_key(args, p) not in done]
+
+
+def _planned_key(args: argparse.Namespace, point: tuple[int, str, str, Variant]) -> tuple:
+    """The point_key the run of a planned point will have."""
+    repeat, rate, dtype, variant = point
+    return point_key({"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": args.steps,
+                      "ranks_per_node": args.ranks_per_node})
 
 
 def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:

@@ -9,7 +9,7 @@ cd "$root"
 bash scripts/install.sh
 if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
   TORCH_EXTENSIONS_DIR="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-torch-extensions.XXXXXX")"
-  trap 'rm -rf "$TORCH_EXTENSIONS_DIR"' EXIT
+  trap 'wait; rm -rf "$TORCH_EXTENSIONS_DIR"' EXIT
 fi
 export TORCH_EXTENSIONS_DIR
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -26,4 +26,13 @@ venv_bin="${SDP4BIT_VENV:-$root/.venv}/bin"
 export PATH="$venv_bin:$PATH"
 echo "test: TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
   "SDP4BIT_REQUIRE_TOOLKIT=${SDP4BIT_REQUIRE_TOOLKIT:-0} SDP4BIT_HYPOTHESIS_PROFILE=$SDP4BIT_HYPOTHESIS_PROFILE"
-"$venv_bin/python" -m pytest -q -rfEs --durations=20 tests "$@"
+# the JIT ops' compiles run beside the first (single-process) tests; slow tests run last (tests/conftest.py)
+prebuild_log="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-prebuild.XXXXXX")"
+"$venv_bin/python" -m sdp4bit_testing.prebuild > "$prebuild_log" 2>&1 &
+prebuild=$!
+status=0
+"$venv_bin/python" -m pytest -q -rfEs --durations=20 tests "$@" || status=$?
+wait "$prebuild" || true
+grep "^prebuild:" "$prebuild_log" || cat "$prebuild_log"
+rm -f "$prebuild_log"
+exit "$status"

@@ -147,12 +147,11 @@ def phase_comm(transfers: list[Transfer], layout: Layout, tp: int, rates: Rates)
     return ring + intra_level + inter_level - overlapped
 
 
-def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates, per_step: dict[str, int]) -> dict[str, float]:
-    """Seconds per kind (times how often the kind's phase runs per step), for reports."""
+def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates) -> dict[str, float]:
+    """Seconds per kind of one optimizer step's transfers, for reports."""
     out: dict[str, float] = {}
     for t in step.transfers:
-        seconds = max(_seconds(t, layout, tp, rates)) + t.codec / rates.codec_bytes_s
-        out[t.kind] = out.get(t.kind, 0.0) + seconds * per_step[t.phase]
+        out[t.kind] = out.get(t.kind, 0.0) + max(_seconds(t, layout, tp, rates)) + t.codec / rates.codec_bytes_s
     return out
 
 
@@ -169,9 +168,9 @@ def deepspeed_step(work: Workload, layout: Layout, scheme: Scheme, rates: Rates,
         micro += max(busy, comm) if work.overlap else busy + comm
     after = [t for t in step.transfers if t.phase == "step"]
     tail = phase_comm(after, layout, work.tp, rates) + sum(t.codec for t in after) / rates.codec_bytes_s
-    cross = m * sum(t.cross for t in step.transfers if t.phase != "step") + sum(t.cross for t in after)
-    return StepTime(variant, m * micro + tail, m * work.compute_s, work.tp * cross, _tokens(work, layout),
-                    _parts(step, layout, work.tp, rates, {"forward": m, "backward": m, "step": 1}))
+    whole = step.per_optimizer_step(m)
+    return StepTime(variant, m * micro + tail, m * work.compute_s, work.tp * whole.cross_total, _tokens(work, layout),
+                    _parts(whole, layout, work.tp, rates))
 
 
 def megatron_seconds(work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "") -> StepTime:
@@ -183,7 +182,7 @@ def megatron_seconds(work: Workload, layout: Layout, scheme: Scheme, rates: Rate
     comm = phase_comm(step.transfers, layout, work.tp, rates)
     codec = sum(t.codec for t in step.transfers) / rates.codec_bytes_s
     return StepTime(variant, compute + comm + codec, work.grad_accum * work.compute_s, work.tp * step.cross_total,
-                    _tokens(work, layout), _parts(step, layout, work.tp, rates, {"backward": 1, "step": 1}))
+                    _tokens(work, layout), _parts(step, layout, work.tp, rates))
 
 
 def _tokens(work: Workload, layout: Layout) -> float:

@@ -1,5 +1,5 @@
 """Shared test set-up: one torch-extensions cache per checkout, the interpreter's own tools first on PATH, the
-Hypothesis profiles (the harness modules are the installed sdp4bit_testing package).
+Hypothesis profiles, slow tests last (the harness modules are the installed sdp4bit_testing package).
 
 PATH: DeepSpeed's JIT ops (the CPU accelerator's shm op) are built with whatever `ninja` is first on PATH, and a
 different ninja (another log format) makes the shared cache rebuild them; putting the interpreter's bin directory
@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,3 +27,10 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
                           print_blob=True)
 settings.register_profile("local", deadline=None, max_examples=300)
 settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests (multi-process jobs, compiles from scratch) run after the others, each group in collection order:
+    a failure in the fast lane shows first, and the JIT ops that scripts/test.sh builds beside the first tests are
+    ready by the time the engines load them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

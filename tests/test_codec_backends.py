@@ -31,7 +31,8 @@ import torch
 
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
-from deepspeed_sdp4bit.ops import CodecCPUBuilder, load_codec_op
+from deepspeed_sdp4bit.ops import load_codec_op
+from sdp4bit_testing.builders import PortableCPUBuilder
 from sdp4bit_testing.tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,15 +52,6 @@ BACKENDS = [
     pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="no CUDA device")]),
 ]
-
-
-class PortableCPUBuilder(CodecCPUBuilder):
-    """The CPU op's source and flags, compiled for the baseline x86-64 instruction set instead of this CPU's."""
-
-    NAME = "sdp4bit_codec_cpu_x86_64"
-
-    def cxx_args(self) -> list[str]:
-        return ["-march=x86-64" if arg.startswith("-march=") else arg for arg in super().cxx_args()]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

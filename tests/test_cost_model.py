@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sdp4bit_benchmarks import cost_model
 from sdp4bit_cost import paper, plan, shapes, timing, traffic
 from sdp4bit_cost.traffic import Layout, Scheme
 
@@ -200,3 +201,39 @@ def test_code_sizes_are_the_codecs(numel: int, bits: int, group: int) -> None:
     from deepspeed_sdp4bit.codec import codes_nbytes, num_groups
 
     assert traffic.codes_and_scales(numel, bits, group) == codes_nbytes(numel, bits) + 4 * num_groups(numel, group)
+
+
+def _synthetic_runs(efficiency: float, compute: dict[str, float]) -> list[dict]:
+    """Sweep runs whose step times are exactly the testbed model: compute plus the link time at `efficiency`."""
+    runs = []
+    for variant, seconds in compute.items():
+        for rate in ("25", "50", "200", "1000"):
+            cross = {"zero3": 8e6, "sdp4bit_node": 1e6}[variant]
+            step = seconds + cost_model.link_seconds(cross, float(rate), efficiency)
+            runs.append({"variant": variant, "dtype": "bf16", "rate": rate, "step_s": step, "accounted_cross": cross})
+        runs.append({"variant": variant, "dtype": "bf16", "rate": "unshaped", "step_s": 2 * seconds,
+                     "accounted_cross": 0.0})
+    return runs
+
+
+def test_sweep_fit_recovers_the_constants_and_predicts_left_out_points() -> None:
+    """Step times made by the model give back its compute and link efficiency, and every left-out point is
+    predicted exactly; unshaped runs (here twice the compute) do not enter the fit."""
+    compute, efficiency, points = cost_model.fit(_synthetic_runs(0.9, {"zero3": 0.3, "sdp4bit_node": 0.35}))
+    assert efficiency == pytest.approx(0.9)
+    assert compute == pytest.approx({("sdp4bit_node", "bf16"): 0.35, ("zero3", "bf16"): 0.3})
+    assert len(points) == 8 and all(abs(p["error"]) < 1e-9 for p in points)
+
+
+def test_sweep_prediction_of_a_point_does_not_see_that_point() -> None:
+    """The check's prediction of a point comes from a fit without it: a slower measurement of that point changes its
+    error by the full amount, and its in-sample fit by less."""
+    runs = _synthetic_runs(0.9, {"zero3": 0.3, "sdp4bit_node": 0.35})
+    slow = next(r for r in runs if (r["variant"], r["rate"]) == ("zero3", "1000"))
+    base = slow["step_s"]
+    slow["step_s"] = 1.5 * base
+    _, _, points = cost_model.fit(runs)
+    point = next(p for p in points if (p["variant"], p["rate"]) == ("zero3", "1000"))
+    assert point["predicted"] == pytest.approx(base, rel=1e-9)
+    assert point["error"] < -0.3
+    assert point["predicted"] < point["fitted"] < point["measured"]

@@ -1,0 +1,76 @@
+"""Build the JIT ops the test suite loads into TORCH_EXTENSIONS_DIR, two at a time.
+
+    python -m sdp4bit_testing.prebuild            # all of them, two at a time, each in its own interpreter
+    python -m sdp4bit_testing.prebuild codec-cpu  # one
+
+scripts/test.sh starts this beside pytest: the compiles (DeepSpeed's CPU shared-memory op, which every CPU engine
+loads, and the codec's CPU op, native and portable) then run while the first single-process tests do, instead of
+stalling the first test that needs them. A test that loads an op still being built waits for torch's build lock and
+loads the result; a build that fails here is built, and fails, again in the test that needs it.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from deepspeed.accelerator import get_accelerator
+
+from deepspeed_sdp4bit.ops import load_codec_op
+from sdp4bit_testing.builders import PortableCPUBuilder
+
+
+def _deepspeed_shm_op() -> object:
+    """DeepSpeed's CPU shared-memory all-reduce op (None where the accelerator has none)."""
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    return None if builder is None else builder.load()
+
+
+def _codec_native() -> object:
+    return load_codec_op("cpu")
+
+
+def _codec_portable() -> object:
+    return PortableCPUBuilder().load() if platform.machine() == "x86_64" else None
+
+
+# the slowest build first, so that it overlaps the other two
+BUILDS: dict[str, Callable[[], object]] = {"deepspeed-shm": _deepspeed_shm_op, "codec-cpu": _codec_native,
+                                           "codec-cpu-x86-64": _codec_portable}
+
+
+def build(name: str) -> int:
+    """Build one op in this process; print how long it took or why it failed."""
+    start = time.monotonic()
+    try:
+        built = BUILDS[name]()
+    except Exception as err:  # reported here; the test that needs the op builds it again and fails with the cause
+        print(f"prebuild: {name} failed after {time.monotonic() - start:.1f} s: {err}", flush=True)
+        return 1
+    print(f"prebuild: {name} {'ready' if built is not None else 'not available here'} in "
+          f"{time.monotonic() - start:.1f} s", flush=True)
+    return 0
+
+
+def _in_own_process(name: str) -> int:
+    """One build in a fresh interpreter: JIT builds change process-wide state (PATH, the environment) as they go."""
+    return subprocess.run([sys.executable, "-m", __spec__.name, name], check=False).returncode
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        if argv[0] not in BUILDS:
+            print(f"prebuild: unknown op {argv[0]!r}; one of {', '.join(BUILDS)}", file=sys.stderr)
+            return 2
+        return build(argv[0])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        codes = list(pool.map(_in_own_process, BUILDS))
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
