@@ -34,9 +34,12 @@ test_leg() {
   # rebuild in a folder shared by the legs of one torch anyway); all of them are removed on exit
   local extensions="$extensions_root/ds$ds-torch$torch"
   mkdir -p "$extensions"
-  (cd "$root" && PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
-      SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" \
-      "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$venv.test.log" 2>&1)
+  # the two ops its tests load are compiled beside the first tests (sdp4bit_testing/prebuild.py)
+  (cd "$root" && export PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
+      SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" &&
+      { "$venv/bin/python" -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu > "$venv.prebuild.log" 2>&1 &
+        "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$venv.test.log" 2>&1
+        rc=$?; wait; exit $rc; })
   local rc=$?
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
   echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
@@ -52,10 +55,18 @@ mkdir -p "$legs_dir"
 extensions_root="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-leg-extensions.XXXXXX")"
 trap 'rm -rf "$extensions_root"' EXIT
 failed=0
-for leg in "${LEGS[@]}"; do
-  # shellcheck disable=SC2086
-  set -- $leg
-  if [ "$phase" != test ]; then install_leg "$1" "$2" || { failed=1; continue; }; fi
-  if [ "$phase" != install ]; then test_leg "$1" "$2" || failed=1; fi
-done
+if [ "$phase" != test ]; then
+  # two environments at a time (an install keeps one core busy unpacking); xargs exits non-zero if any failed
+  export root legs_dir
+  export -f install_leg
+  printf '%s\n' "${LEGS[@]}" | xargs -P 2 -L 1 bash -c 'install_leg "$0" "$1"' || failed=1
+fi
+if [ "$phase" != install ]; then
+  for leg in "${LEGS[@]}"; do
+    # shellcheck disable=SC2086
+    set -- $leg
+    [ -x "$legs_dir/ds$1-torch$2/bin/python" ] || { echo "compat leg deepspeed $1 torch $2: no environment"; failed=1; continue; }
+    test_leg "$1" "$2" || failed=1
+  done
+fi
 exit $failed

@@ -1,12 +1,13 @@
 """Build the JIT ops the test suite loads into TORCH_EXTENSIONS_DIR, two at a time.
 
-    python -m sdp4bit_testing.prebuild            # all of them, two at a time, each in its own interpreter
-    python -m sdp4bit_testing.prebuild codec-cpu  # one
+    python -m sdp4bit_testing.prebuild                          # all of them
+    python -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu  # these
 
-scripts/test.sh starts this beside pytest: the compiles (DeepSpeed's CPU shared-memory op, which every CPU engine
-loads, and the codec's CPU op, native and portable) then run while the first single-process tests do, instead of
-stalling the first test that needs them. A test that loads an op still being built waits for torch's build lock and
-loads the result; a build that fails here is built, and fails, again in the test that needs it.
+scripts/test.sh (and scripts/compat_legs.sh, for the ops its tests load) starts this beside pytest: the compiles
+(DeepSpeed's CPU shared-memory op, which every CPU engine loads, and the codec's CPU op, native and portable) then
+run while the first single-process tests do, instead of stalling the first test that needs them. A test that loads
+an op still being built waits for torch's build lock and loads the result; a build that fails here is built, and
+fails, again in the test that needs it.
 """
 
 from __future__ import annotations
@@ -58,18 +59,21 @@ def build(name: str) -> int:
 
 def _in_own_process(name: str) -> int:
     """One build in a fresh interpreter: JIT builds change process-wide state (PATH, the environment) as they go."""
-    return subprocess.run([sys.executable, "-m", __spec__.name, name], check=False).returncode
+    return subprocess.run([sys.executable, "-m", __spec__.name, "--one", name], check=False).returncode
 
 
 def main(argv: list[str]) -> int:
-    if argv:
-        if argv[0] not in BUILDS:
-            print(f"prebuild: unknown op {argv[0]!r}; one of {', '.join(BUILDS)}", file=sys.stderr)
-            return 2
-        return build(argv[0])
+    """Build the named ops (all by default) two at a time, each in its own interpreter; `--one NAME` builds one
+    here."""
+    if argv[:1] == ["--one"]:
+        return build(argv[1])
+    unknown = [name for name in argv if name not in BUILDS]
+    if unknown:
+        print(f"prebuild: unknown op {', '.join(unknown)}; choose from {', '.join(BUILDS)}", file=sys.stderr)
+        return 2
     with ThreadPoolExecutor(max_workers=2) as pool:
-        codes = list(pool.map(_in_own_process, BUILDS))
-    return max(codes)
+        codes = list(pool.map(_in_own_process, [name for name in BUILDS if name in argv or not argv]))
+    return max(codes, default=0)
 
 
 if __name__ == "__main__":
