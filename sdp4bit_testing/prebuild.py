@@ -1,4 +1,4 @@
-"""Build the JIT ops the test suite loads into TORCH_EXTENSIONS_DIR, two at a time.
+"""Build the JIT ops the test suite loads into TORCH_EXTENSIONS_DIR: the first alone, then two at a time.
 
     python -m sdp4bit_testing.prebuild                          # all of them
     python -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu  # these
@@ -39,8 +39,9 @@ def _codec_portable() -> object:
     return PortableCPUBuilder().load() if platform.machine() == "x86_64" else None
 
 
-# the slowest build first, so that it overlaps the other two
-BUILDS: dict[str, Callable[[], object]] = {"deepspeed-shm": _deepspeed_shm_op, "codec-cpu": _codec_native,
+# in the order the tests need them; the first is built alone (the suite's first compiled tests wait for it, and a
+# second compile beside it would slow it down), the rest two at a time
+BUILDS: dict[str, Callable[[], object]] = {"codec-cpu": _codec_native, "deepspeed-shm": _deepspeed_shm_op,
                                            "codec-cpu-x86-64": _codec_portable}
 
 
@@ -63,17 +64,18 @@ def _in_own_process(name: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Build the named ops (all by default) two at a time, each in its own interpreter; `--one NAME` builds one
-    here."""
+    """Build the named ops (all by default), each in its own interpreter: the first alone, then two at a time;
+    `--one NAME` builds one here."""
     if argv[:1] == ["--one"]:
         return build(argv[1])
     unknown = [name for name in argv if name not in BUILDS]
     if unknown:
         print(f"prebuild: unknown op {', '.join(unknown)}; choose from {', '.join(BUILDS)}", file=sys.stderr)
         return 2
+    first, *rest = [name for name in BUILDS if name in argv or not argv]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        codes = list(pool.map(_in_own_process, [name for name in BUILDS if name in argv or not argv]))
-    return max(codes, default=0)
+        codes = [_in_own_process(first), *pool.map(_in_own_process, rest)]
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ def _python_for(user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
     pytest.skip(f"no Python {version} with deepspeed that user {user.pw_name} may run")
 
 
+@pytest.mark.slow  # a real launcher job of 4 ranks
 def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) -> None:
     """sudo's SUDO_UID/SUDO_GID name the user (here `nobody`): the ranks run as that user, and the log folder, the
     hostfile, the logs and the job's output, all under a runs/ folder the runner creates, belong to that user."""
