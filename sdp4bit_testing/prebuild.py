@@ -32,10 +32,12 @@ def _deepspeed_shm_op() -> object:
 
 
 def _codec_native() -> object:
+    """The codec's CPU op for this CPU, as the codec dispatch loads it."""
     return load_codec_op("cpu")
 
 
 def _codec_portable() -> object:
+    """The codec's CPU op for baseline x86-64, which tests/test_codec_backends.py checks as a second backend."""
     return PortableCPUBuilder().load() if platform.machine() == "x86_64" else None
 
 

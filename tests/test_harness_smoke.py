@@ -92,3 +92,11 @@ def test_a_shared_run_that_failed_fails_its_readers_at_once() -> None:
         with pytest.raises((TimeoutError, EarlierRunFailed), match="hung"):
             shared(3)
     assert calls == [2, 3]
+
+
+def test_prebuild_refuses_an_unknown_op_naming_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/test.sh's op prebuild stops on a name it does not know, before building anything."""
+    from sdp4bit_testing import prebuild
+
+    assert prebuild.main(["codec-cpu", "codec-gpu"]) == 2
+    assert "unknown op codec-gpu; choose from codec-cpu, deepspeed-shm, codec-cpu-x86-64" in capsys.readouterr().err
