@@ -7,10 +7,10 @@
 own accounting (they must agree exactly) and the accounted cross-node bytes with the link's interface counters; then
 it checks the step times. A step on this testbed is its compute plus the link time of its cross-node bytes (gloo on
 CPU ranks blocks compute during a collective, overlap_comm is off); the link's efficiency (one constant) and each
-variant's compute are fitted on the shaped points, and every point is predicted by a fit that leaves it out.
-`paper` fits two constants per cluster (link efficiency, achieved share of peak) on the paper's reported TFLOP/s
-and prints every row with its error and its leave-one-out error (`sdp4bit_cost.paper`). Each exits 1 when a prediction is outside its bounds. speed_sweep.py imports
-accounted_cross_node_bytes() for its accounting column.
+variant's compute are fitted on the shaped points, and every point is predicted by a fit that leaves it out. `paper`
+fits two constants per cluster (link efficiency, achieved share of peak) on the paper's reported TFLOP/s and prints
+every row with its error and its leave-one-out error (`sdp4bit_cost.paper`). Each exits 1 when a prediction is
+outside its bounds. speed_sweep.py imports accounted_cross_node_bytes() for its accounting column.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def shaped_points(runs: Sequence[dict]) -> list[dict]:
         variant, dtype, rate = key
         if rate == "unshaped" or variant == "auto":
             continue
-        times = [r["step_s"] for r in runs if (r["variant"], r["dtype"], r["rate"]) == key]
-        cross = statistics.median(r["accounted_cross"] for r in runs if (r["variant"], r["dtype"], r["rate"]) == key)
+        same = [r for r in runs if (r["variant"], r["dtype"], r["rate"]) == key]
+        times = [r["step_s"] for r in same]
+        cross = statistics.median(r["accounted_cross"] for r in same)
         points.append({"variant": variant, "dtype": dtype, "rate": rate, "measured": statistics.median(times),
                        "spread": (min(times), max(times)), "cross": cross,
                        "unshaped": _median_by(runs, (variant, dtype, "unshaped"))})
