@@ -2,6 +2,7 @@
 
     python benchmarks/cost_model.py check runs/speed_sweep/runs.jsonl  # bytes vs accounting, fit, predicted/measured
     python benchmarks/cost_model.py paper                              # the paper's Tables 2 and 4, predicted/reported
+                                                                       # and Table 2 read as DeepSpeed ZeRO-1
 
 `check` compares, for every run of `benchmarks/speed_sweep.py`, the model's bytes per SDP4Bit kind with SDP4Bit's
 own accounting (they must agree exactly) and the accounted cross-node bytes with the link's interface counters; then
@@ -9,8 +10,10 @@ it checks the step times. A step on this testbed is its compute plus the link ti
 CPU ranks blocks compute during a collective, overlap_comm is off); the link's efficiency (one constant) and each
 variant's compute are fitted on the shaped points, and every point is predicted by a fit that leaves it out. `paper`
 fits two constants per cluster (link efficiency, achieved share of peak) on the paper's reported TFLOP/s and prints
-every row with its error and its leave-one-out error (`sdp4bit_cost.paper`). Each exits 1 when a prediction is
-outside its bounds. speed_sweep.py imports accounted_cross_node_bytes() for its accounting column.
+every row with its error and its leave-one-out error (`sdp4bit_cost.paper`), then reads Table 2 as DeepSpeed ZeRO-1
+(Megatron-LM's distributed optimizer in DeepSpeed's terms): the speed-up ZeRO-1 + SDP4Bit would give over ZeRO-1
+with the same constants, beside the reported one (a reading, not a new fit, outside the bounds). Each exits 1 when a
+prediction is outside its bounds. speed_sweep.py imports accounted_cross_node_bytes() for its accounting column.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""sdp4bit-plan: will SDP4Bit pay on this cluster? Projected step times of ZeRO-3, ZeRO++ and SDP4Bit's variants.
+"""sdp4bit-plan: will SDP4Bit pay on this cluster? Projected step times of DeepSpeed ZeRO (stage 3 by default, or 1
+or 2 with --stage), ZeRO++ (stage 3 only) and SDP4Bit's variants.
 
 The projection is the cost model of this package (`sdp4bit_cost.timing`), whose Megatron-LM form is checked against
 the SDP4Bit paper's measurements by `benchmarks/cost_model.py paper`. Its inputs are yours: the model, the cluster,
@@ -8,6 +9,9 @@ perfectly where DeepSpeed can overlap it (prefetch and overlap_comm), so the gai
 cluster whose links are the bottleneck; `--no-overlap` shows the other bound.
 
     sdp4bit-plan --model 1.3b --nodes 16 --gpus-per-node 8 --gpu h100 --inter-node-gbps 100
+    sdp4bit-plan --model 13b --nodes 16 --gpus-per-node 8 --gpu h100 --inter-node-gbps 100 --stage 2
+    sdp4bit-plan --model 13b --nodes 16 --gpus-per-node 8 --gpu h100 --inter-node-gbps 100 --stage 2 \
+        --round-robin-gradients
     sdp4bit-plan --model path/to/config.json --nodes 4 --gpus-per-node 8 --gpu a100 --inter-node-gbps 200 --json
 """
 
@@ -25,12 +29,14 @@ from typing import Any, Sequence
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
 from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
 from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
-from .traffic import Layout, Scheme
+from .traffic import STAGES, Layout, Scheme, partition, zero12_step
 
 GAIN_WORTH_IT = 0.05  # below this projected gain the recommendation is to leave SDP4Bit off
 RANK_REPLICA_MEMORY_SHARE = 0.10  # the rank replica is recommended only if its model copy fits in this share
+OWNER_LOAD_NOTE = 2.0  # the table notes TLq's load on a bucket's owners when the busiest node carries this x the mean
 DEEPSPEED_VARIANTS = ("ZeRO-3", "ZeRO++", "SDP4Bit", "SDP4Bit (rank replica)", "qWD", "TLq-HS")
 MEGATRON_VARIANTS = ("Megatron", "ZeRO++", "SDP4Bit", "qWD", "TLq-HS")
+ZERO12_VARIANTS = ("SDP4Bit", "qWD", "TLq-HS")  # after the plain ZeRO-1/2 baseline; ZeRO++ exists on stage 3 only
 PLOT_GBPS = (10, 3200)
 
 
@@ -53,6 +59,22 @@ class Plan:
         return Layout(self.cluster.nodes, per_node)
 
     @property
+    def stage(self) -> int | None:
+        """The DeepSpeed ZeRO stage projected (None for Megatron-LM)."""
+        return None if self.system == "megatron" else self.block.stage
+
+    @property
+    def baseline(self) -> str:
+        """The name of the plain variant the others are compared with."""
+        return "Megatron" if self.stage is None else f"ZeRO-{self.stage}"
+
+    def describe(self) -> str:
+        """The system projected, in words."""
+        if self.stage is None:
+            return "Megatron-LM's distributed optimizer"
+        return f"DeepSpeed ZeRO-{self.stage}{' with round_robin_gradients' if self.block.round_robin else ''}"
+
+    @property
     def rates(self) -> Rates:
         c = self.cluster
         return Rates(c.flops_s, c.inter_bytes_s, c.intra_bytes_s, c.gpu.codec_bytes_s)
@@ -64,6 +86,10 @@ class Plan:
         if self.system == "megatron":
             return {"Megatron": replace(b, quantized_weights=False, quantized_gradients=False),
                     "ZeRO++": replace(sdp4bit, bits_intra=4), "SDP4Bit": sdp4bit,
+                    "qWD": replace(sdp4bit, quantized_gradients=False),
+                    "TLq-HS": replace(sdp4bit, quantized_weights=False)}
+        if self.stage != 3:
+            return {self.baseline: replace(b, quantized_weights=False, quantized_gradients=False), "SDP4Bit": sdp4bit,
                     "qWD": replace(sdp4bit, quantized_gradients=False),
                     "TLq-HS": replace(sdp4bit, quantized_weights=False)}
         return {"ZeRO-3": replace(b, quantized_weights=False, quantized_gradients=False, zeropp=False),
@@ -79,35 +105,43 @@ class Plan:
         return deepspeed_step(work, self.layout, scheme, self.rates, name)
 
     def replica_bytes(self, name: str) -> float:
-        """Bytes of model-weight replica one GPU keeps (SDP4Bit's w~; Megatron keeps its full model anyway)."""
+        """Bytes of model-weight replica one GPU keeps (SDP4Bit's w~; Megatron and ZeRO-1/2 keep their full model
+        anyway, to which qWD on ZeRO-1/2 adds two partitions)."""
         scheme = self.variants()[name]
         if self.system == "megatron" or not scheme.quantized_weights or scheme.zeropp:
             return 0.0
+        if self.stage != 3:
+            tensors = self.job.workload(self.rates).tensors
+            return 2 * partition(tensors, self.layout.world) * self.job.dtype_bytes
         copy = self.job.shape.numel() * self.job.dtype_bytes / self.job.tp
         return copy if scheme.replica == "rank" else copy / self.layout.per_node
 
 
 @dataclass(frozen=True)
 class Row:
-    """One variant's projection."""
+    """One variant's projection, with the ZeRO stage it runs on (None for Megatron-LM)."""
 
     variant: str
     step: StepTime
     speedup: float
     replica_bytes: float
+    stage: int | None = 3
 
     def as_dict(self) -> dict[str, Any]:
-        return {"variant": self.variant, "step_s": self.step.step_s, "speedup": self.speedup,
+        """The row for --json: the gradient bytes both as sent and with an all-reduce counted as a reduce-scatter."""
+        return {"variant": self.variant, "stage": self.stage, "step_s": self.step.step_s, "speedup": self.speedup,
                 "cross_node_bytes": self.step.cross_node_bytes, "tokens_per_s": self.step.tokens_per_s,
                 "compute_s": self.step.compute_s, "exposed_s": self.step.exposed_s,
-                "replica_bytes_per_gpu": self.replica_bytes}
+                "replica_bytes_per_gpu": self.replica_bytes,
+                "grad_cross_node_bytes": self.step.grad_cross_node_bytes,
+                "grad_cross_node_bytes_as_reduce_scatter": self.step.grad_cross_node_bytes_as_reduce_scatter}
 
 
 def project(plan: Plan) -> list[Row]:
     """Every variant's step, with its speed-up over the baseline (the first variant)."""
     steps = {name: plan.step(scheme, name) for name, scheme in plan.variants().items()}
     base = next(iter(steps.values())).step_s
-    return [Row(name, step, base / step.step_s, plan.replica_bytes(name)) for name, step in steps.items()]
+    return [Row(name, step, base / step.step_s, plan.replica_bytes(name), plan.stage) for name, step in steps.items()]
 
 
 def recommend(plan: Plan, rows: Sequence[Row]) -> str:
@@ -120,11 +154,21 @@ def recommend(plan: Plan, rows: Sequence[Row]) -> str:
     exposed = base.step.exposed_s / base.step.step_s
     if best.speedup < 1 + GAIN_WORTH_IT:
         return (f"communication hides behind compute here ({exposed:.0%} of the {base.variant} step is exposed "
-                f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off")
+                f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off"
+                f"{_round_robin_hint(plan, rows)}")
     leaner = [r for r in fits if r.speedup >= best.speedup / (1 + GAIN_WORTH_IT / 2)]
     choice = min(leaner, key=lambda r: (len(_block(plan, r.variant)), -r.speedup))
     return (f"use {choice.variant}: {choice.speedup:.2f}x over {base.variant} ({exposed:.0%} of its step is exposed "
-            f"communication); \"sdp4bit\": {json.dumps(_block(plan, choice.variant))}")
+            f"communication); \"sdp4bit\": {json.dumps(_block(plan, choice.variant))}{_round_robin_hint(plan, rows)}")
+
+
+def _round_robin_hint(plan: Plan, rows: Sequence[Row]) -> str:
+    """A clause for the recommendation where round_robin_gradients would make SDP4Bit faster than every row, or ''."""
+    spread = round_robin_projection(plan, rows)
+    if spread is None or spread[1] <= max(r.speedup for r in rows):
+        return ""
+    return (f"; better: zero_optimization.round_robin_gradients: true, which spreads each bucket's owners over more "
+            f"nodes, with SDP4Bit: {spread[1]:.2f}x over {rows[0].variant}")
 
 
 def _block(plan: Plan, variant: str) -> dict[str, Any]:
@@ -133,7 +177,7 @@ def _block(plan: Plan, variant: str) -> dict[str, Any]:
     block: dict[str, Any] = {}
     if s.quantized_weights:
         block.update(quantized_weights=True, weight_quantization_bits=s.weight_bits, wq_group_size=s.weight_group)
-        if s.replica != "node":
+        if s.replica != "node" and plan.stage == 3:
             block["weight_replica"] = s.replica
     if s.quantized_gradients:
         block.update(quantized_gradients=True, gradient_quantization_bits_intra=s.bits_intra,
@@ -147,14 +191,71 @@ def table(plan: Plan, rows: Sequence[Row]) -> str:
     lines = [f"{plan.cluster.describe()} ({plan.cluster.flops_s / 1e12:.0f} TFLOP/s achieved per GPU, links at "
              f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
              f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
-             f"micro-batch(es) per step, TP {plan.job.tp}, {plan.system}"
+             f"micro-batch(es) per step, TP {plan.job.tp}, {plan.describe()}"
              f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
              "", "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.variant} | {r.step.step_s:.3f} | {r.step.tokens_per_s:,.0f} | {r.step.exposed_s:.3f} | "
                      f"{r.step.cross_node_bytes / 1e9:.2f} | {r.replica_bytes / 1e9:.2f} | {r.speedup:.2f}x |")
+    if plan.stage in (1, 2):
+        lines += ["", _gradient_note(plan, rows), *_owner_load_note(plan, rows),
+                  "ZeRO++ exists on ZeRO-3 only: not compared on stages 1 and 2."]
     return "\n".join(lines)
+
+
+def owner_load(plan: Plan, scheme: Scheme) -> float:
+    """How many times the mean node's share of TLq's inter-node gradient bytes the busiest node of each bucket sends or
+    receives (0 on one node), which says how far the exchange to a bucket's owners concentrates on few nodes."""
+    work = plan.job.workload(plan.rates)
+    step = zero12_step(work.tensors, scheme, plan.layout, work.dtype_bytes, work.comm_bytes)
+    inter = [t for t in step.transfers if t.kind == "grad_inter"]
+    mean = sum(t.cross for t in inter) / plan.layout.nodes
+    return sum(t.peak_cross or 0.0 for t in inter) / mean if mean else 0.0
+
+
+def round_robin_projection(plan: Plan, rows: Sequence[Row]) -> tuple[float, float] | None:
+    """Where SDP4Bit's exchange concentrates on few nodes on stage 1 or 2 without round_robin_gradients: its owner
+    load and its speed-up over the baseline with round_robin_gradients on (one more projection), else None."""
+    scheme = plan.variants()["SDP4Bit"]
+    if plan.stage not in (1, 2) or scheme.round_robin or owner_load(plan, scheme) < OWNER_LOAD_NOTE:
+        return None
+    spread = replace(scheme, round_robin=True)
+    return owner_load(plan, spread), rows[0].step.step_s / plan.step(spread, "SDP4Bit").step_s
+
+
+def _owner_load_note(plan: Plan, rows: Sequence[Row]) -> list[str]:
+    """A line where TLq's exchange to each bucket's owners loads their nodes' links far above the mean (buckets that
+    span few partitions), with what round_robin_gradients would give where it is off, or none."""
+    scheme = plan.variants()["SDP4Bit"]
+    ratio = owner_load(plan, scheme)
+    if ratio < OWNER_LOAD_NOTE:
+        return []
+    own = partition(plan.job.workload(plan.rates).tensors, plan.layout.world)
+    layout = " in round_robin_gradients' layout" if scheme.round_robin else ""
+    line = (f"SDP4Bit's gradients go to each bucket's owners: with reduce_bucket_size {scheme.reduce_bucket:,} over "
+            f"partitions of {own:,} elements{layout}, a bucket's busiest node sends or receives {ratio:.1f}x the mean "
+            "node's share of its inter-node bytes; a larger reduce_bucket_size spreads each bucket over more owners")
+    spread = round_robin_projection(plan, rows)
+    if spread is not None:
+        sdp4bit = next(r.speedup for r in rows if r.variant == "SDP4Bit")
+        line += (f"; so does zero_optimization.round_robin_gradients: true (--round-robin-gradients), which "
+                 f"interleaves the parameters over the partitions: busiest node {spread[0]:.1f}x the mean, SDP4Bit "
+                 f"{spread[1]:.2f}x over {rows[0].variant} with it ({sdp4bit:.2f}x without)")
+    return [line]
+
+
+def _gradient_note(plan: Plan, rows: Sequence[Row]) -> str:
+    """ZeRO-1/2's gradient bytes both ways (its all-reduce, and the reduce-scatter that would do its job) against
+    SDP4Bit's, so that neither ratio is read alone."""
+    base = rows[0].step
+    sdp4bit = next(r.step for r in rows if r.variant == "SDP4Bit").grad_cross_node_bytes
+    sent, halved = base.grad_cross_node_bytes, base.grad_cross_node_bytes_as_reduce_scatter
+    if not sdp4bit:
+        return f"gradients: no bytes cross nodes on one node ({plan.baseline} all-reduces them inside it)"
+    return (f"gradients across nodes per step: {plan.baseline} all-reduces {sent / 1e9:.2f} GB, a reduce-scatter "
+            f"would send {halved / 1e9:.2f} GB, SDP4Bit sends {sdp4bit / 1e9:.2f} GB ({sent / sdp4bit:.1f}x below the "
+            f"all-reduce, {halved / sdp4bit:.1f}x below a reduce-scatter)")
 
 
 def plot(plan: Plan, path: Path) -> None:
@@ -181,7 +282,7 @@ def plot(plan: Plan, path: Path) -> None:
     ax.set_ylabel(f"speed-up over {next(iter(curves))}")
     ax.axvline(plan.cluster.inter_node_gbps, color="grey", linestyle=":", label="this cluster")
     ax.set_title(f"{plan.job.shape.numel() / 1e9:.2f}B on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
-                 f"{plan.cluster.gpu.name.upper()} ({plan.system})", fontsize=10)
+                 f"{plan.cluster.gpu.name.upper()} ({plan.describe()})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -212,12 +313,22 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-batch (default 1, or the config's)")
     job.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1, or the config's)")
     job.add_argument("--system", choices=("deepspeed", "megatron"), default="deepspeed",
-                     help="DeepSpeed ZeRO-3 with this package (default), or Megatron-LM's distributed optimizer with "
+                     help="DeepSpeed ZeRO with this package (default), or Megatron-LM's distributed optimizer with "
                           "the paper's SDP4Bit fork")
-    job.add_argument("--config", type=Path, help="a ds_config.json: its zero_optimization settings, batch sizes, "
-                                                 "communication_data_type and sdp4bit block")
+    job.add_argument("--stage", type=int,
+                     help="DeepSpeed ZeRO stage: 1, 2 or 3 (default 3, or the config's zero_optimization.stage); "
+                          "stages 1 and 2 compare plain ZeRO-1/2, SDP4Bit, qWD and TLq-HS (ZeRO++ runs on stage 3 "
+                          "only)")
+    job.add_argument("--round-robin-gradients", action="store_true",
+                     help="stages 1 and 2: DeepSpeed's zero_optimization.round_robin_gradients, which interleaves the "
+                          "parameters over the partitions so that each gradient bucket goes to many owners (default "
+                          "off, or the config's)")
+    job.add_argument("--config", type=Path, help="a ds_config.json: its zero_optimization settings (overlap_comm "
+                                                 "defaults as in DeepSpeed: on for stage 3, off for 1 and 2; "
+                                                 "round_robin_gradients), batch sizes, communication_data_type and "
+                                                 "sdp4bit block")
     job.add_argument("--no-overlap", action="store_true",
-                     help="collectives block compute (the bound opposite to perfect overlap)")
+                     help="collectives block compute (the bound opposite to the perfect overlap assumed otherwise)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     out.add_argument("--plot", type=Path, help="draw the speed-up against inter-node bandwidth into this image file")
@@ -269,7 +380,38 @@ def _block_scheme(ds: dict[str, Any]) -> Scheme:
     return Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
                   bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
                   bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
-                  pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica, **sizes)
+                  pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica,
+                  refresh_bucket=cfg.refresh_bucket_size, **sizes)
+
+
+def _stage(args: argparse.Namespace, zero: dict[str, Any]) -> int:
+    """The ZeRO stage: --stage, or the config's zero_optimization.stage, or 3 (PlanError naming the flag and the
+    allowed values otherwise)."""
+    allowed = ", ".join(map(str, STAGES))
+    if args.stage is not None and args.stage not in STAGES:
+        raise PlanError(f"--stage {args.stage}: allowed: {allowed}")
+    if args.system == "megatron":
+        if args.stage is not None:
+            raise PlanError(f"--stage {args.stage}: applies to --system deepspeed only (Megatron-LM has no ZeRO stage)")
+        return 3  # unused: Megatron-LM's schemes have no stage
+    stage = args.stage if args.stage is not None else zero.get("stage", 3)
+    if stage not in STAGES:
+        raise PlanError(f"--config: zero_optimization.stage = {stage!r}: allowed: {allowed} (or give --stage)")
+    return stage
+
+
+def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> bool:
+    """round_robin_gradients: --round-robin-gradients, or the config's zero_optimization.round_robin_gradients, read on
+    stages 1 and 2 only as DeepSpeed does (PlanError naming the flag or key where it cannot apply)."""
+    value = zero.get("round_robin_gradients", False)
+    if not isinstance(value, bool):
+        raise PlanError(f"--config: zero_optimization.round_robin_gradients = {value!r}: allowed: true, false")
+    zero12 = args.system == "deepspeed" and stage in (1, 2)
+    if args.round_robin_gradients and not zero12:
+        got = "--system megatron" if args.system == "megatron" else f"ZeRO stage {stage}"
+        raise PlanError(f"--round-robin-gradients with {got}: allowed with --system deepspeed on --stage 1 or 2 only "
+                        "(DeepSpeed reads round_robin_gradients on ZeRO stages 1 and 2)")
+    return zero12 and (args.round_robin_gradients or value)
 
 
 def build(args: argparse.Namespace) -> Plan:
@@ -288,12 +430,15 @@ def build(args: argparse.Namespace) -> Plan:
     live = min(int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
                int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)))
     megatron = args.system == "megatron"
+    stage = _stage(args, zero)
+    overlap_comm = zero.get("overlap_comm", stage == 3 or not zero)  # DeepSpeed's default: on for stage 3 only
     job = Job(_shape(args), seq=args.seq, micro_batch=args.micro_batch or int(ds.get(
                   "train_micro_batch_size_per_gpu", 1)),
               grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp,
               comm_bytes=4 if megatron else comm, live_parameters=live,
-              overlap=not (args.no_overlap or megatron or zero.get("overlap_comm") is False))
-    return Plan(job, cluster, args.system, _block_scheme(ds))
+              overlap=not (args.no_overlap or megatron or overlap_comm is False))
+    return Plan(job, cluster, args.system, replace(_block_scheme(ds), stage=stage,
+                                                   round_robin=_round_robin(args, zero, stage)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,9 @@ Two systems:
   the backward for those DeepSpeed released) and reduces the gradients; with `overlap` (prefetch and
   `overlap_comm` on GPUs) a phase takes the longer of its compute and its communication, without it (gloo on CPU
   ranks, which blocks) the sum. What runs after the optimizer step (SDP4Bit's weight refresh, the persistent
-  parameters' gather) is exposed.
+  parameters' gather) is exposed. DeepSpeed ZeRO-1/2 (`Scheme.stage`) gathers nothing in the forward or backward;
+  stage 2 reduces every micro-batch's gradients in its backward, stage 1 the accumulated ones in the last
+  micro-batch's backward; the weights' all-gather (or SDP4Bit's refresh) after the step is exposed.
 - Megatron-LM's distributed optimizer as the paper ran it (its speed scripts set no overlap flags): one micro-batch
   of one sequence per step, tensor and pipeline parallelism, the gradient reduce-scatter and the weight all-gather
   once per step, everything in sequence.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .shapes import ModelShape
-from .traffic import Layout, Scheme, StepBytes, Transfer, megatron_step, zero3_step
+from .traffic import Layout, Scheme, StepBytes, Transfer, megatron_step, zero3_step, zero12_step
 
 DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters and stage3_max_reuse_distance defaults
 
@@ -103,7 +105,8 @@ class Job:
 @dataclass(frozen=True)
 class StepTime:
     """One optimizer step of one variant: seconds in all, of compute, and what communication and codec add; the bytes
-    that cross node boundaries (all nodes together) and seconds per kind of transfer."""
+    that cross node boundaries (all nodes together) and seconds per kind of transfer; the gradient reduction's
+    cross-node bytes as sent, and with ZeRO-1/2's all-reduce counted as a reduce-scatter (half its bytes)."""
 
     variant: str
     step_s: float
@@ -111,6 +114,8 @@ class StepTime:
     cross_node_bytes: float
     tokens_per_step: float
     parts: dict[str, float] = field(default_factory=dict)
+    grad_cross_node_bytes: float = 0.0
+    grad_cross_node_bytes_as_reduce_scatter: float = 0.0
 
     @property
     def exposed_s(self) -> float:
@@ -124,9 +129,12 @@ class StepTime:
 
 def _seconds(transfer: Transfer, layout: Layout, tp: int, rates: Rates) -> tuple[float, float]:
     """(inter-node, intra-node) seconds of one transfer: a node sends `tp` data-parallel groups' share of the
-    cross-node bytes; each GPU its own intra-node bytes."""
-    inter = tp * transfer.cross / layout.nodes / rates.inter_bytes_s if transfer.cross else 0.0
-    intra = transfer.intra / rates.intra_bytes_s if transfer.intra else 0.0
+    cross-node bytes (or the busiest node's bytes, where the load is uneven); each GPU its own intra-node bytes (or
+    the busiest GPU's)."""
+    node = transfer.cross / layout.nodes if transfer.peak_cross is None else transfer.peak_cross
+    gpu = transfer.intra if transfer.peak_intra is None else transfer.peak_intra
+    inter = tp * node / rates.inter_bytes_s if node else 0.0
+    intra = gpu / rates.intra_bytes_s if gpu else 0.0
     return inter, intra
 
 
@@ -157,8 +165,12 @@ def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates) -> dict[str, 
 
 def deepspeed_step(work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "",
                    backend: str = "nccl") -> StepTime:
-    """One optimizer step of DeepSpeed ZeRO-3 (with or without SDP4Bit, or ZeRO++) on `layout` data-parallel ranks."""
-    step = zero3_step(work.tensors, scheme, layout, work.dtype_bytes, work.comm_bytes, work.second_pass, backend)
+    """One optimizer step of DeepSpeed ZeRO-3 (with or without SDP4Bit, or ZeRO++), or of ZeRO-1/2 (with or without
+    SDP4Bit) where `scheme.stage` says so, on `layout` data-parallel ranks."""
+    if scheme.stage == 3:
+        step = zero3_step(work.tensors, scheme, layout, work.dtype_bytes, work.comm_bytes, work.second_pass, backend)
+    else:
+        step = zero12_step(work.tensors, scheme, layout, work.dtype_bytes, work.comm_bytes)
     m = work.grad_accum
     micro = 0.0
     for phase, share in (("forward", 1 / 3), ("backward", 2 / 3)):
@@ -167,22 +179,44 @@ def deepspeed_step(work: Workload, layout: Layout, scheme: Scheme, rates: Rates,
         comm = phase_comm(transfers, layout, work.tp, rates)
         micro += max(busy, comm) if work.overlap else busy + comm
     after = [t for t in step.transfers if t.phase == "step"]
-    tail = phase_comm(after, layout, work.tp, rates) + sum(t.codec for t in after) / rates.codec_bytes_s
+    tail = (phase_comm(after, layout, work.tp, rates) + sum(t.codec for t in after) / rates.codec_bytes_s
+            + _boundary_s(step, work, layout, rates))
     whole = step.per_optimizer_step(m)
     return StepTime(variant, m * micro + tail, m * work.compute_s, work.tp * whole.cross_total, _tokens(work, layout),
-                    _parts(whole, layout, work.tp, rates))
+                    _parts(whole, layout, work.tp, rates), work.tp * whole.grad_cross,
+                    work.tp * whole.grad_cross_as_reduce_scatter)
+
+
+def _boundary_s(step: StepBytes, work: Workload, layout: Layout, rates: Rates) -> float:
+    """Seconds ZeRO-1's once-per-step gradient reduction adds to the last micro-batch's backward, which it overlaps
+    with `overlap` (its codec kernels on the compute side)."""
+    once = [t for t in step.transfers if t.phase == "boundary"]
+    if not once:
+        return 0.0
+    backward = 2 / 3 * work.compute_s
+    codec = sum(t.codec for t in once) / rates.codec_bytes_s
+    comm = phase_comm(once, layout, work.tp, rates)
+    return max(backward + codec, comm) - backward if work.overlap else codec + comm
 
 
 def megatron_seconds(work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "") -> StepTime:
     """One step of Megatron-LM's distributed optimizer (or the paper's fork with SDP4Bit), everything in sequence:
     the pipeline's micro-batches (idling (p - 1) stage times), then the data-parallel collectives and the codec."""
     step = megatron_step(list(work.tensors), scheme, layout, work.dtype_bytes, work.comm_bytes or 4)
+    return sequential_seconds(work, layout, step, rates, variant)
+
+
+def sequential_seconds(work: Workload, layout: Layout, step: StepBytes, rates: Rates, variant: str = "") -> StepTime:
+    """One step with everything in sequence and each of `step`'s transfers once (Megatron-LM as the paper ran it, or
+    DeepSpeed ZeRO-1 in the same setting): the pipeline's micro-batches (idling (p - 1) stage times), then the
+    data-parallel collectives and the codec."""
     compute = ((work.grad_accum + work.pp - 1) * work.compute_s
                + work.grad_accum * work.pipeline_send_bytes / rates.inter_bytes_s)
     comm = phase_comm(step.transfers, layout, work.tp, rates)
     codec = sum(t.codec for t in step.transfers) / rates.codec_bytes_s
     return StepTime(variant, compute + comm + codec, work.grad_accum * work.compute_s, work.tp * step.cross_total,
-                    _tokens(work, layout), _parts(step, layout, work.tp, rates))
+                    _tokens(work, layout), _parts(step, layout, work.tp, rates), work.tp * step.grad_cross,
+                    work.tp * step.grad_cross_as_reduce_scatter)
 
 
 def _tokens(work: Workload, layout: Layout) -> float:

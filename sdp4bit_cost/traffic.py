@@ -1,29 +1,38 @@
 """Bytes per training step: what each collective passes, what crosses node boundaries and what the codec touches.
 
 One `Transfer` per collective kind and phase. Cross-node bytes follow the algorithms the collectives use: a ring in
-rank order for all-gathers and reduce-scatters (gloo, and NCCL's rings, which cross each node boundary once per
-ring), direct sends for all-to-alls; gloo's reduce-scatter moves twice a ring's bytes (measured on 2 nodes x 2
-ranks: 3 x the input, like a ring all-reduce). The ZeRO-3 builder counts SDP4Bit's kinds exactly as SDP4Bit's own
-accounting does (`engine.sdp4bit.stats()`), bucket padding included, so the two can be compared byte for byte.
+rank order for all-gathers, reduce-scatters and all-reduces (gloo, and NCCL's rings, which cross each node boundary
+once per ring), direct sends for all-to-alls; gloo's reduce-scatter moves twice a ring's bytes (measured on 2 nodes x
+2 ranks: 3 x the input, like a ring all-reduce). The ZeRO-3 builder counts SDP4Bit's kinds exactly as SDP4Bit's own
+accounting does (`engine.sdp4bit.stats()`), bucket padding included, so the two can be compared byte for byte; the
+ZeRO-1/2 builder counts them as SDP4Bit's ZeRO-1/2 exchange defines them, per rank.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
-PHASES = ("forward", "backward", "step")
+# "boundary": the backward of the last micro-batch of an optimizer step, where ZeRO-1 reduces the accumulated gradients
+PHASES = ("forward", "backward", "boundary", "step")
 SDP4BIT_KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter")
 SCALE_BYTES = 4  # one fp32 scale per quantization group
+STAGES = (1, 2, 3)
+ALL_REDUCE = "grad_all_reduce"  # ZeRO-1/2's gradient all-reduce: twice the bytes of a reduce-scatter doing its job
+ZERO12_ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 flat buffer to a multiple of 2 x W elements
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """What a run communicates: ZeRO-3's settings and the SDP4Bit block's (defaults: the paper's SDP4Bit block).
+    """What a run communicates: the ZeRO stage and its settings, and the SDP4Bit block's (defaults: ZeRO-3 and the
+    paper's SDP4Bit block).
 
     `zeropp` stands for DeepSpeed's ZeRO++ (qwZ 8-bit weights, hpZ secondary partition in the node, qgZ 4-bit
-    gradients), which replaces the weight and gradient paths and ignores the SDP4Bit fields.
+    gradients), which replaces the weight and gradient paths and ignores the SDP4Bit fields; it exists on stage 3 only.
+    `replica`, `persistence_threshold` and `zeropp` are ZeRO-3's; `refresh_bucket` (elements of one weight refresh
+    over all ranks) and `round_robin` (DeepSpeed's zero_optimization.round_robin_gradients, which lays the parameters
+    out across the partitions so that a bucket's gradients go to many owners) are read on stages 1 and 2.
     """
 
     quantized_weights: bool = False
@@ -39,6 +48,18 @@ class Scheme:
     persistence_threshold: int = 100_000
     reduce_bucket: int = 500_000_000
     zeropp: bool = False
+    stage: int = 3
+    refresh_bucket: int = 200_000_000
+    round_robin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"ZeRO stage {self.stage!r}: allowed: {', '.join(map(str, STAGES))}")
+        if self.zeropp and self.stage != 3:
+            raise ValueError(f"ZeRO++ with ZeRO stage {self.stage}: ZeRO++ exists on stage 3 only")
+        if self.round_robin and self.stage == 3:
+            raise ValueError("round_robin (zero_optimization.round_robin_gradients) with ZeRO stage 3: allowed on "
+                             "stages 1 and 2 only")
 
 
 @dataclass(frozen=True)
@@ -61,7 +82,9 @@ class Transfer:
     cross: bytes all ranks together send to other nodes; intra: bytes one rank receives from ranks of its node;
     codec: bytes one rank's codec kernels read and write; levels: None where the inter- and intra-node links carry
     the collective at once (a ring), else the number of slices in which an intra-node level and then an inter-node
-    level run (TLq's pipeline).
+    level run (TLq's pipeline); peak_cross, peak_intra: bytes the busiest node sends or receives across node boundaries
+    and the busiest rank sends or receives inside its node, where an exchange to a bucket's owners loads them unevenly
+    (None: the load is even, cross / nodes per node and `intra` per rank).
     """
 
     kind: str
@@ -71,6 +94,15 @@ class Transfer:
     intra: float = 0.0
     codec: float = 0.0
     levels: int | None = None
+    peak_cross: float | None = None
+    peak_intra: float | None = None
+
+    def times(self, m: int) -> Transfer:
+        """The same transfer run `m` times."""
+        peaks = {name: None if getattr(self, name) is None else m * getattr(self, name)
+                 for name in ("peak_cross", "peak_intra")}
+        return replace(self, wire=m * self.wire, cross=m * self.cross, intra=m * self.intra, codec=m * self.codec,
+                       **peaks)
 
 
 @dataclass
@@ -102,13 +134,25 @@ class StepBytes:
     def cross_total(self) -> float:
         return sum(t.cross for t in self.transfers)
 
+    @property
+    def grad_cross(self) -> float:
+        """Cross-node bytes of the gradient reduction, as its collectives send them."""
+        return sum(t.cross for t in self.transfers if t.kind.startswith("grad_"))
+
+    @property
+    def grad_cross_as_reduce_scatter(self) -> float:
+        """Cross-node bytes of the gradient reduction with ZeRO-1/2's all-reduce counted as the reduce-scatter that
+        would do its job (half its bytes), so that a ratio against it is not twice what a reduce-scatter gives."""
+        return sum(t.cross / 2 if t.kind == ALL_REDUCE else t.cross for t in self.transfers
+                   if t.kind.startswith("grad_"))
+
     def per_optimizer_step(self, grad_accum: int) -> StepBytes:
         """The transfers of one optimizer step: the forward's and backward's once per micro-batch (`grad_accum`
-        times), the step phase's once."""
+        times), the accumulation boundary's and the step phase's once."""
         out = StepBytes()
         for t in self.transfers:
             m = 1 if t.phase == "step" else grad_accum
-            out.add(replace(t, wire=m * t.wire, cross=m * t.cross, intra=m * t.intra, codec=m * t.codec))
+            out.add(t.times(1 if t.phase == "boundary" else m))
         return out
 
 
@@ -205,15 +249,17 @@ def _gathers(out: StepBytes, kind: str, wire: float, cross: float, intra: float,
         out.add(Transfer(kind, "backward", wire * second_pass, cross * second_pass, intra=intra * second_pass))
 
 
-def _weights_qwd(out: StepBytes, own: int, dtype_bytes: int, second_pass: float, s: Scheme, layout: Layout) -> None:
-    """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters), all-gathered among the
-    ranks with its local index (one ring per local index); the rank replica then gathers what arrived inside the
-    node; the node replica's forward/backward gathers stay inside the node.
+def _weights_qwd(out: StepBytes, own: int, dtype_bytes: int, second_pass: float, s: Scheme, layout: Layout,
+                 codes: float | None = None) -> None:
+    """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters, or `codes` bytes where
+    the caller counts them), all-gathered among the ranks with its local index (one ring per local index); the rank
+    replica then gathers what arrived inside the node; the node replica's forward/backward gathers stay inside the
+    node.
 
     Codec: the sender reads its ds_tensor and w~ shards and writes codes; every holder reads the codes of what it
     holds (its slice of each node's shards, or everything with the rank replica) and updates w~ in place."""
     n, d = layout.nodes, layout.per_node
-    codes = codes_and_scales(own, s.weight_bits, s.weight_group)
+    codes = codes_and_scales(own, s.weight_bits, s.weight_group) if codes is None else codes
     holders = n if s.replica == "node" else layout.world
     codec = own * 2 * dtype_bytes + codes + holders * (own * 2 * dtype_bytes + codes)
     if n > 1:
@@ -275,6 +321,163 @@ def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass:
         wire = (n if d > 1 else w) * part * 0.5
         out.add(Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec,
                          levels=1))
+
+
+def partition(tensors: Sequence[int], world: int) -> int:
+    """Elements of one rank's ZeRO-1/2 partition: the flat buffer of the (one) param group, padded to a multiple of
+    2 x W, over W."""
+    return -(-sum(tensors) // (ZERO12_ALIGNMENT * world)) * ZERO12_ALIGNMENT
+
+
+def round_robin_order(count: int, world: int) -> list[int]:
+    """The indices of `count` tensors in the order DeepSpeed's round_robin_gradients lays them in the flat buffer:
+    tensor i joins list i % W, and the lists follow one another, so that consecutive gradients land far apart."""
+    return [i for j in range(min(count, world)) for i in range(j, count, world)]
+
+
+def flat_offsets(tensors: Sequence[int], world: int, round_robin: bool = False) -> list[int]:
+    """Where each tensor (by its index in the model's order) starts in the ZeRO-1/2 flat buffer: in the model's order,
+    or in round_robin_gradients' order."""
+    order = round_robin_order(len(tensors), world) if round_robin else range(len(tensors))
+    offsets = [0] * len(tensors)
+    position = 0
+    for i in order:
+        offsets[i] = position
+        position += tensors[i]
+    return offsets
+
+
+def zero12_owned(tensors: Sequence[int], bucket: int, world: int, round_robin: bool = False) -> list[list[int]]:
+    """L_r of each ZeRO-1/2 gradient bucket, in the order they are reduced: how many of the bucket's elements lie in
+    rank r's partition of the flat buffer.
+
+    The hooks are taken to fire in reverse parameter order (DeepSpeed fills its bucket in the order autograd produces
+    the gradients, about the reverse of the model's), so a bucket holds consecutive tensors of the model: one
+    contiguous run of the buffer in the model's layout, runs scattered over many partitions with round robin."""
+    own = partition(tensors, world)
+    offsets = flat_offsets(tensors, world, round_robin)
+    out: list[list[int]] = []
+    end = len(tensors)
+    for numels in gradient_buckets(tensors, bucket):
+        lengths = [0] * world
+        for i in range(end - len(numels), end):
+            _add_overlaps(lengths, offsets[i], tensors[i], own)
+        out.append(lengths)
+        end -= len(numels)
+    return out
+
+
+def _add_overlaps(lengths: list[int], start: int, numel: int, own: int) -> None:
+    """Add to lengths[r] the elements of [start, start + numel) that lie in partition r (partitions of `own`)."""
+    end = start + numel
+    for r in range(start // own, -(-end // own)):
+        lengths[r] += min(end, (r + 1) * own) - max(start, r * own)
+
+
+def zero12_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int,
+                comm_bytes: int | None = None, rank: int | None = None) -> StepBytes:
+    """The transfers of one DeepSpeed ZeRO-1 or ZeRO-2 micro-batch (`scheme.stage`), plus its optimizer step's, for
+    one param group of parameter tensors of these element counts (all trainable, in the model's order).
+
+    Every rank holds the whole 16-bit model; rank r owns partition r of the padded flat buffer (the parameters in the
+    model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each bucket is
+    all-reduced in `comm_bytes` per element (default the dtype's), or with SDP4Bit's TLq exchanged to its owners; stage
+    2 per micro-batch ("backward"), stage 1 once per step at the accumulation boundary ("boundary"). After the step
+    the partitions are all-gathered in 16 bits, or with qWD refreshed as 4-bit differences. Where ranks differ
+    (TLq's pieces go to a bucket's owners), wire, intra and codec are `rank`'s, or without it the mean over the ranks;
+    cross counts every rank's, and the peaks the busiest node's and rank's.
+    """
+    if scheme.stage == 3:
+        raise ValueError("zero12_step: ZeRO stage 3; allowed: 1, 2 (zero3_step builds stage 3)")
+    comm_bytes = comm_bytes or dtype_bytes
+    phase = "backward" if scheme.stage == 2 else "boundary"
+    own = partition(tensors, layout.world)
+    out = StepBytes()
+    if scheme.quantized_gradients:
+        for lengths in zero12_owned(tensors, scheme.reduce_bucket, layout.world, scheme.round_robin):
+            _grads_to_owners(out, _owner_pieces(lengths, scheme), comm_bytes, scheme, layout, phase, rank)
+    else:
+        wire = sum(tensors) * comm_bytes
+        out.add(Transfer(ALL_REDUCE, phase, wire, all_reduce_cross(wire, layout),
+                         intra=2 * _ring_intra(wire / layout.world, layout)))
+    if scheme.quantized_weights:
+        codes = refresh_codes(own, scheme, layout.world)
+        _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes)
+    else:
+        wire = own * dtype_bytes
+        out.add(Transfer("param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
+    return out
+
+
+def all_reduce_cross(wire: float, layout: Layout) -> float:
+    """Cross-node bytes of a ring all-reduce of `wire` bytes per rank over the world: a reduce-scatter's and an
+    all-gather's, 2 (W - 1) / W of the input per rank."""
+    return 2 * reduce_scatter_cross(wire, layout, "nccl")
+
+
+def refresh_codes(own: int, s: Scheme, world: int) -> float:
+    """Bytes of the 4-bit difference codes and scales of one ZeRO-1/2 partition of `own` elements, refreshed in units
+    of max(1, refresh_bucket // W) elements, each with its own groups."""
+    unit = max(1, s.refresh_bucket // world)
+    whole, rest = divmod(own, unit)
+    return sum(n * codes_and_scales(size, s.weight_bits, s.weight_group) for n, size in ((whole, unit), (1, rest)))
+
+
+def _owner_pieces(lengths: Sequence[int], s: Scheme) -> list[int]:
+    """Elements TLq sends to each rank for one bucket: the L_r elements the rank owns, padded to lcm(groups, 32) x
+    pipeline (nothing for a rank that owns none of it)."""
+    unit = math.lcm(s.group_intra, s.group_inter, 32) * s.pipeline
+    return [-(-n // unit) * unit for n in lengths]
+
+
+def _grads_to_owners(out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: Layout, phase: str,
+                     rank: int | None) -> None:
+    """TLq on ZeRO-1/2 for one bucket: the intra-node all-to-all of every rank's pieces, then the inter-node one of
+    the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces)."""
+    n, d = layout.nodes, layout.per_node
+    total = sum(pieces)
+    column = [sum(pieces[local::d]) for local in range(d)]
+    row = [sum(pieces[node * d:(node + 1) * d]) for node in range(n)]
+    codec = _per_rank(layout, rank, lambda node, local: _owner_codec(total, column[local], pieces[node * d + local],
+                                                                     grad_bytes, s, layout))
+    if d > 1:
+        whole = _intra_codes(total, s)
+        out.add(Transfer("grad_intra", phase, whole, 0.0,
+                         intra=_per_rank(layout, rank, lambda node, local: (d - 1) * _intra_codes(column[local], s)),
+                         codec=codec, levels=s.pipeline,
+                         peak_intra=max(max(whole - _intra_codes(c, s), (d - 1) * _intra_codes(c, s)) for c in column)))
+    if n > 1:
+        whole = _inter_codes(total, s)
+        wire = whole if d == 1 else _per_rank(layout, rank, lambda node, local: _inter_codes(column[local], s))
+        out.add(Transfer("grad_inter", phase, wire, (n - 1) * whole, codec=0.0 if d > 1 else codec, levels=s.pipeline,
+                         peak_cross=max(max(whole - _inter_codes(r, s), (n - 1) * _inter_codes(r, s)) for r in row)))
+
+
+def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme, layout: Layout) -> float:
+    """Bytes one rank's TLq kernels read and write for one bucket on ZeRO-1/2: quantize its `total` elements of
+    pieces, dequantize-reduce-requantize its column's pieces from D peers, and dequantize-reduce its own piece."""
+    n, d = layout.nodes, layout.per_node
+    first = _intra_codes(total, s) if d > 1 else _inter_codes(total, s)
+    middle = d * _intra_codes(column, s) + _inter_codes(column, s) if d > 1 and n > 1 else 0.0
+    last = (n * _inter_codes(mine, s) if n > 1 else d * _intra_codes(mine, s)) + 4 * mine
+    return total * grad_bytes + first + middle + last
+
+
+def _intra_codes(numel: int, s: Scheme) -> float:
+    """Bytes of TLq's intra-node codes and scales of `numel` elements."""
+    return codes_and_scales(numel, s.bits_intra, s.group_intra)
+
+
+def _inter_codes(numel: int, s: Scheme) -> float:
+    """Bytes of TLq's inter-node codes and scales of `numel` elements."""
+    return codes_and_scales(numel, s.bits_inter, s.group_inter)
+
+
+def _per_rank(layout: Layout, rank: int | None, value: Callable[[int, int], float]) -> float:
+    """`value(node, local index)` of `rank`, or its mean over the ranks (numbered node by node)."""
+    if rank is not None:
+        return value(*divmod(rank, layout.per_node))
+    return sum(value(node, local) for node in range(layout.nodes) for local in range(layout.per_node)) / layout.world
 
 
 def megatron_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int = 2,

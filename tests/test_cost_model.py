@@ -237,3 +237,216 @@ def test_sweep_prediction_of_a_point_does_not_see_that_point() -> None:
     assert point["predicted"] == pytest.approx(base, rel=1e-9)
     assert point["error"] < -0.3
     assert point["predicted"] < point["fitted"] < point["measured"]
+
+
+# --------------------------------------------------------------------------------------------- DeepSpeed ZeRO-1/2
+# Two tensors, 138 elements: padded to 144 on 4 ranks, partitions of 36 (rank 3 holds 30 elements and 6 of padding).
+# A 50-element bucket makes two buckets in backward order: [100, 138) (ranks 2 and 3 own 8 and 30 of it, ranks 0 and
+# 1 nothing) and [0, 100) (36, 36, 28, 0). Groups of 32 make every piece a multiple of 32: [0, 0, 32, 32] and
+# [64, 64, 32, 0]; codes and scales are 1.125 bytes per element at 8 bits and 0.625 at 4 bits.
+SMALL = [100, 38]
+SMALL_TLQ = Scheme(quantized_gradients=True, group_intra=32, group_inter=32, reduce_bucket=50, stage=2)
+
+
+def _rows(step: traffic.StepBytes) -> list[tuple]:
+    return [(t.kind, t.wire, t.cross, t.intra, t.peak_cross, t.peak_intra) for t in step.transfers]
+
+
+def test_zero12_partitions_and_buckets_follow_deepspeeds_flat_buffer() -> None:
+    """The flat buffer is padded to a multiple of 2 x W; buckets cover contiguous runs, last parameters first."""
+    assert traffic.partition(SMALL, 4) == 36
+    assert traffic.partition([160], 4) == 40
+    assert traffic.zero12_owned(SMALL, 50, 4) == [[0, 0, 8, 30], [36, 36, 28, 0]]
+    # 335 elements padded to 336 on 2 ranks: the runs [330, 335), [30, 330) and [0, 30) over partitions of 168
+    assert traffic.zero12_owned([10, 20, 300, 5], 50, 2) == [[0, 5], [138, 162], [30, 0]]
+
+
+# Six tensors, 210 elements, on 2 ranks: padded to 212, partitions of 106. A 110-element bucket makes two buckets in
+# backward order: tensors 5 and 4, then 3, 2, 1 and 0. In the model's layout they are the runs [100, 210) (ranks 0
+# and 1 own 6 and 104 of it) and [0, 100) (100 and 0). round_robin_gradients puts tensors 0, 2, 4 in list 0 and
+# 1, 3, 5 in list 1, so the buffer holds 0 [0, 10), 2 [10, 40), 4 [40, 90), 1 [90, 110), 3 [110, 150), 5 [150, 210):
+# the first bucket owns 50 (tensor 4) and 60 (tensor 5), the second 10 + 30 + 16 = 56 and 4 + 40 = 44.
+SIX = [10, 20, 30, 40, 50, 60]
+
+
+def test_zero12_owners_of_a_bucket_with_and_without_round_robin_by_hand() -> None:
+    """L_r of each bucket in the model's layout and in round_robin_gradients' (see SIX above)."""
+    assert traffic.round_robin_order(6, 2) == [0, 2, 4, 1, 3, 5]
+    assert traffic.round_robin_order(3, 4) == [0, 1, 2]
+    assert traffic.flat_offsets(SIX, 2) == [0, 10, 30, 60, 100, 150]
+    assert traffic.flat_offsets(SIX, 2, round_robin=True) == [0, 90, 10, 110, 40, 150]
+    assert traffic.zero12_owned(SIX, 110, 2) == [[6, 104], [100, 0]]
+    assert traffic.zero12_owned(SIX, 110, 2, round_robin=True) == [[50, 60], [56, 44]]
+
+
+def test_zero12_round_robin_halves_the_busiest_nodes_load_by_hand() -> None:
+    """2 nodes x 1 rank, groups of 32 (0.625 bytes per element at 4 bits): pieces [32, 128] and [128, 0] in the
+    model's layout, [64, 64] twice with round robin. Across nodes go the codes of the other node's pieces; the busiest
+    node receives all of a bucket's 80 bytes of codes without round robin, 40 with it (the first bucket's padding
+    also drops from 160 to 128 elements)."""
+    scheme = replace(SMALL_TLQ, reduce_bucket=110)
+    rows = [[(t.wire, t.cross, t.peak_cross) for t in traffic.zero12_step(SIX, s, Layout(2, 1), 2).transfers[:2]]
+            for s in (scheme, replace(scheme, round_robin=True))]
+    assert rows == [[(100, 100, 80), (80, 80, 80)], [(80, 80, 40), (80, 80, 40)]]
+
+
+def test_zero12_round_robin_follows_deepspeeds_reorder() -> None:
+    """round_robin_order is DeepSpeed's own _round_robin_reorder (the installed version's), for any count and W."""
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    reorder = stage_1_and_2.DeepSpeedZeroOptimizer._round_robin_reorder
+    for count in range(20):
+        for world in range(1, 9):
+            tensors, _ = reorder(None, list(range(count)), world)
+            assert tensors == traffic.round_robin_order(count, world)
+
+
+def test_round_robin_spreads_a_13b_models_buckets_and_pays_on_16_nodes() -> None:
+    """GPT-13B on 16 x 8 H100 at 100 Gbit/s, DeepSpeed's 5e8-element bucket over partitions of 1e8: in the model's
+    layout a bucket's owners sit on one or two nodes, whose links carry 13.8x the mean node's share of its
+    inter-node bytes and make SDP4Bit slower than ZeRO-1/2; with round_robin_gradients they sit on two to four
+    (8.2x) and SDP4Bit is faster. The all-reduce and qWD, which send no bucket to owners, stay as they are."""
+    flags = ["--model", "13b", "--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100", "--inter-node-gbps", "100"]
+    for stage in (1, 2):
+        contiguous = plan.build(plan.parser().parse_args([*flags, "--stage", str(stage)]))
+        spread = plan.build(plan.parser().parse_args([*flags, "--stage", str(stage), "--round-robin-gradients"]))
+        loads = [plan.owner_load(p, p.variants()["SDP4Bit"]) for p in (contiguous, spread)]
+        assert loads == [pytest.approx(13.8, abs=0.05), pytest.approx(8.2, abs=0.05)]
+        before, after = ({r.variant: r for r in plan.project(p)} for p in (contiguous, spread))
+        for same in (f"ZeRO-{stage}", "qWD"):
+            assert before[same].step.step_s == after[same].step.step_s
+        assert before["SDP4Bit"].speedup < 1 < after["SDP4Bit"].speedup
+        assert before["TLq-HS"].speedup < after["TLq-HS"].speedup
+        assert after["SDP4Bit"].step.cross_node_bytes == pytest.approx(before["SDP4Bit"].step.cross_node_bytes,
+                                                                       rel=1e-3)
+
+
+def test_zero12_tlq_two_level_bytes_by_hand() -> None:
+    """2 nodes x 2 ranks: grad_intra sends every piece at 8 bits, grad_inter the pieces of the rank's column (ranks 0
+    and 2, or 1 and 3) at 4 bits; each rank receives its column's pieces from its one node peer; cross-node bytes
+    are (N - 1) x all pieces; a bucket's busiest node sends or receives more than the mean."""
+    layout = Layout(2, 2)
+    expected = {0: [("grad_intra", 72, 0, 36, None, 36), ("grad_inter", 20, 40, 0, 40, None),
+                    ("grad_intra", 180, 0, 108, None, 108), ("grad_inter", 60, 100, 0, 80, None)],
+                1: [("grad_intra", 72, 0, 36, None, 36), ("grad_inter", 20, 40, 0, 40, None),
+                    ("grad_intra", 180, 0, 72, None, 108), ("grad_inter", 40, 100, 0, 80, None)]}
+    for rank, rows in expected.items():
+        assert _rows(traffic.zero12_step(SMALL, SMALL_TLQ, layout, 2, rank=rank))[:4] == rows
+    mean = traffic.zero12_step(SMALL, SMALL_TLQ, layout, 2)
+    assert mean.wire["grad_inter"] == 70 and mean.wire["grad_intra"] == 252 and mean.cross["grad_inter"] == 140
+    assert {t.phase for t in mean.transfers if t.kind.startswith("grad_")} == {"backward"}
+    # rank 0's codec, first bucket: quantize 64 elements read in 2 bytes (128) to 72 bytes of codes, requantize its
+    # column (2 x 36 read, 20 written), nothing of its own to dequantize
+    assert traffic.zero12_step(SMALL, SMALL_TLQ, layout, 2, rank=0).transfers[0].codec == 128 + 72 + 2 * 36 + 20
+
+
+def test_zero12_tlq_on_one_node_and_one_rank_per_node() -> None:
+    """One node: grad_intra only, each rank receiving its own pieces from 3 peers (an owner of nothing receives
+    nothing). One rank per node: grad_inter only, all pieces at 4 bits, each rank sending all but its own."""
+    one_node = [_rows(traffic.zero12_step(SMALL, SMALL_TLQ, Layout(1, 4), 2, rank=r)) for r in (0, 3)]
+    assert one_node[0][:2] == [("grad_intra", 72, 0, 0, None, 108), ("grad_intra", 180, 0, 216, None, 216)]
+    assert one_node[1][:2] == [("grad_intra", 72, 0, 108, None, 108), ("grad_intra", 180, 0, 0, None, 216)]
+    per_node = _rows(traffic.zero12_step(SMALL, SMALL_TLQ, Layout(4, 1), 2, rank=0))
+    assert per_node[:2] == [("grad_inter", 40, 120, 0, 60, None), ("grad_inter", 100, 300, 0, 120, None)]
+
+
+def test_zero12_plain_all_reduce_and_all_gather_by_hand() -> None:
+    """Plain ZeRO-2 on 2 x 2 ranks: a ring all-reduce of the 138 gradients (twice a reduce-scatter's cross-node
+    bytes), the 16-bit all-gather of the padded partitions of 36."""
+    step = traffic.zero12_step(SMALL, Scheme(stage=2), Layout(2, 2), 2)
+    assert _rows(step) == [("grad_all_reduce", 276, 2 * 2 * 3 / 4 * 276, 2 * 3 * 276 / 4, None, None),
+                           ("param_gather", 72, 2 * 3 * 72, 3 * 72, None, None)]
+    assert step.grad_cross == 828 and step.grad_cross_as_reduce_scatter == 414
+    tlq = traffic.zero12_step(SMALL, SMALL_TLQ, Layout(2, 2), 2)
+    assert tlq.grad_cross == tlq.grad_cross_as_reduce_scatter == 140
+
+
+def test_zero12_stage1_reduces_once_per_step_and_stage2_per_micro_batch() -> None:
+    """With 4 micro-batches per step stage 2 sends 4 x the gradient bytes of stage 1; the weights once in both."""
+    for scheme in (Scheme(), SMALL_TLQ):
+        stage2 = traffic.zero12_step(SMALL, replace(scheme, stage=2), Layout(2, 2), 2).per_optimizer_step(4)
+        stage1 = traffic.zero12_step(SMALL, replace(scheme, stage=1), Layout(2, 2), 2).per_optimizer_step(4)
+        assert stage2.grad_cross == 4 * stage1.grad_cross > 0
+        grads = [k for k in stage1.wire if k.startswith("grad_")]
+        assert all(stage2.wire[k] == 4 * stage1.wire[k] for k in grads)
+        assert stage2.wire["param_gather"] == stage1.wire["param_gather"] == 72
+        peaks = [t.peak_cross for t in stage2.transfers if t.peak_cross is not None]
+        assert peaks == [4 * t.peak_cross for t in stage1.transfers if t.peak_cross is not None]
+
+
+def test_zero12_weight_refresh_is_below_the_all_gather_by_the_code_ratio() -> None:
+    """qWD on ZeRO-1/2: each partition's 4-bit differences and one fp32 scale per 2048 in refresh units, gathered
+    across nodes per local index, then inside the node; every rank receives (W - 1) partitions of codes instead of
+    16-bit weights: 16 / (4 + 32 / 2048) fewer bytes, and (W - 1) / (D (N - 1)) times that fewer across nodes."""
+    ratio = 16 / (4 + 32 / 2048)
+    tensors = [8 * 3 * 8192]  # partitions of 3 refresh units of 8192 elements on 8 ranks
+    qwd = Scheme(quantized_weights=True, stage=1, refresh_bucket=8 * 8192)
+    one_node = [traffic.zero12_step(tensors, s, Layout(1, 8), 2) for s in (Scheme(stage=1), qwd)]
+    assert one_node[0].transfers[-1].intra / one_node[1].transfers[-1].intra == pytest.approx(ratio, rel=1e-12)
+    layout = Layout(4, 2)
+    qwd = replace(qwd, refresh_bucket=layout.world * 8192)
+    base, ours = (traffic.zero12_step(tensors, s, layout, 2) for s in (Scheme(stage=1), qwd))
+    assert base.cross["param_gather"] / ours.cross["weight_refresh"] == pytest.approx(7 / (2 * 3) * ratio, rel=1e-12)
+    assert ours.wire["weight_refresh"] == 5 * 3 * traffic.codes_and_scales(8192, 4, 2048)
+
+
+def test_zero12_refresh_units_each_carry_their_scales() -> None:
+    """A partition of 42 elements in units of 40 // 4 = 10: four units of 10 and one of 2, each with its own groups
+    of 8 (5 bytes of codes + 2 scales, then 1 byte + 1 scale)."""
+    scheme = Scheme(quantized_weights=True, weight_group=8, refresh_bucket=40, stage=2)
+    assert traffic.refresh_codes(42, scheme, 4) == 4 * (5 + 8) + (1 + 4)
+    step = traffic.zero12_step([161], scheme, Layout(2, 2), 2)
+    assert [(t.kind, t.wire, t.cross, t.intra) for t in step.transfers][1:] == [
+        ("weight_refresh", 57, 2 * 2 * 1 * 57, 0), ("weight_refresh", 2 * 57, 0, 2 * 57)]
+
+
+def test_scheme_stage_is_validated() -> None:
+    """A stage other than 1, 2 or 3 names the value and the allowed ones; ZeRO++ exists on stage 3 only, round robin
+    on stages 1 and 2 only."""
+    with pytest.raises(ValueError, match=r"ZeRO stage 4: allowed: 1, 2, 3"):
+        Scheme(stage=4)
+    with pytest.raises(ValueError, match=r"ZeRO\+\+ with ZeRO stage 2"):
+        Scheme(zeropp=True, stage=2)
+    with pytest.raises(ValueError, match="allowed: 1, 2"):
+        traffic.zero12_step(SMALL, Scheme(), Layout(2, 2), 2)
+    with pytest.raises(ValueError, match=r"round_robin \(zero_optimization.round_robin_gradients\) with ZeRO stage 3"):
+        Scheme(round_robin=True)
+
+
+def test_zero12_timing_stage1_reduces_in_the_last_backward_only() -> None:
+    """Without overlap, stage 2 spends (m - 1) gradient reductions more than stage 1 over m micro-batches; with it,
+    stage 1's reduction hides behind the last backward up to its length."""
+    rates, layout = _rates(100), Layout(4, 8)
+    work = timing.Job(shapes.CARDS["1.3b"], grad_accum=4, overlap=False).workload(rates)
+    stage1, stage2 = (timing.deepspeed_step(work, layout, Scheme(stage=s), rates) for s in (1, 2))
+    reduce = traffic.zero12_step(work.tensors, Scheme(stage=2), layout, 2).transfers[0]
+    assert stage2.step_s - stage1.step_s == pytest.approx(3 * timing.phase_comm([reduce], layout, 1, rates))
+    assert stage2.grad_cross_node_bytes == 4 * stage1.grad_cross_node_bytes
+    overlapped = timing.deepspeed_step(replace(work, overlap=True), layout, Scheme(stage=1), rates)
+    hidden = min(2 / 3 * work.compute_s, timing.phase_comm([reduce], layout, 1, rates))
+    assert overlapped.step_s == pytest.approx(stage1.step_s - hidden)
+
+
+def test_an_uneven_exchange_takes_the_busiest_nodes_time() -> None:
+    """A transfer with peaks is timed by the busiest node's and GPU's bytes, not the mean."""
+    rates, layout = _rates(10), Layout(4, 2)
+    even = traffic.Transfer("grad_inter", "backward", 1e6, cross=4e6, intra=1e6)
+    uneven = replace(even, peak_cross=3e6, peak_intra=2e6)
+    assert timing.phase_comm([even], layout, 1, rates) == pytest.approx(1e6 / rates.inter_bytes_s)
+    assert timing.phase_comm([uneven], layout, 1, rates) == pytest.approx(3e6 / rates.inter_bytes_s)
+    assert timing.phase_comm([replace(uneven, cross=0.0, peak_cross=None)], layout, 1, rates) == pytest.approx(
+        2e6 / rates.intra_bytes_s)
+
+
+def test_the_paper_check_prints_the_zero1_reading(capsys: pytest.CaptureFixture) -> None:
+    """`cost_model.py paper` prints, after the check, every Table-2 row's ZeRO-1 + SDP4Bit speed-up beside the
+    reported one and the Megatron model's, as a reading with the fitted constants."""
+    assert cost_model.main(["paper"]) == 0
+    out = capsys.readouterr().out
+    reading = out[out.index("DeepSpeed ZeRO-1 reading of Table 2"):]
+    assert "A reading, not a new fit" in reading
+    rows = [line for line in reading.splitlines() if line.startswith("| Table 2 ")]
+    assert len(rows) == 10
+    constants, checks = paper.check()
+    for (group, reported, megatron, zero1), line in zip(paper.zero1_reading(constants, checks), rows):
+        assert line == f"| {group} | {reported:.2f}x | {megatron:.2f}x | {zero1:.2f}x | {zero1 / reported - 1:+.1%} |"
+        assert zero1 > 1 and zero1 != pytest.approx(megatron, rel=1e-3)

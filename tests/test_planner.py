@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from sdp4bit_cost import plan
+from sdp4bit_cost import plan, shapes, traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100"]
@@ -119,3 +120,117 @@ def test_plot_draws_one_line_per_variant(tmp_path: Path, capsys: pytest.CaptureF
     code, out, _ = _run(capsys, "--model", "6.7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100",
                         "--inter-node-gbps", "200", "--plot", str(target))
     assert code == 0 and target.stat().st_size > 10_000 and f"plot: {target}" in out
+
+
+def test_stage_1_and_2_compare_plain_zero_sdp4bit_qwd_and_tlq(capsys: pytest.CaptureFixture) -> None:
+    """--stage 2: the rows are plain ZeRO-2 and SDP4Bit's three variants (no ZeRO++), each saying its stage; the
+    baseline's gradient bytes come both as its all-reduce sends them and as a reduce-scatter would (half)."""
+    code, out, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--stage", "2", "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["variant"] for r in rows] == ["ZeRO-2", *plan.ZERO12_VARIANTS]
+    assert {r["stage"] for r in rows} == {2}
+    base, sdp4bit = rows[0], rows[1]
+    assert base["grad_cross_node_bytes"] == 2 * base["grad_cross_node_bytes_as_reduce_scatter"] > 0
+    assert sdp4bit["grad_cross_node_bytes"] == sdp4bit["grad_cross_node_bytes_as_reduce_scatter"] > 0
+    assert sdp4bit["replica_bytes_per_gpu"] == 2 * traffic.partition(shapes.CARDS["1.3b"].tensors(), 128) * 2
+    code, out, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json")
+    assert {r["stage"] for r in json.loads(out)} == {3}
+
+
+def test_stage_table_names_the_stage_and_both_gradient_counts(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "100", "--stage", "1")
+    assert code == 0 and "TP 1, DeepSpeed ZeRO-1" in out and "| ZeRO-1 |" in out and "ZeRO++ |" not in out
+    assert "ZeRO-1 all-reduces" in out and "a reduce-scatter would send" in out
+    assert "ZeRO++ exists on ZeRO-3 only" in out and "over ZeRO-1" in out
+    assert "SDP4Bit's gradients go to each bucket's owners" in out  # 5e8-element buckets over 1e8-element partitions
+
+
+def test_stage_comes_from_the_config_unless_the_flag_says(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The config's zero_optimization.stage is used without --stage, with DeepSpeed's overlap_comm default for it
+    (off on stages 1 and 2); --stage wins over it."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    flags = ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--config", str(path)]
+    built = plan.build(plan.parser().parse_args(flags))
+    assert built.block.stage == 2 and not built.job.overlap
+    assert plan.build(plan.parser().parse_args([*flags, "--stage", "1"])).block.stage == 1
+    assert plan.build(plan.parser().parse_args(flags[:-2] + ["--stage", "2"])).job.overlap
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    code, _, err = _run(capsys, *flags)
+    assert code == 2 and "--config: zero_optimization.stage = 0: allowed: 1, 2, 3" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--stage", "4"], "--stage 4: allowed: 1, 2, 3"),
+    (["--stage", "0"], "--stage 0: allowed: 1, 2, 3"),
+    (["--stage", "2", "--system", "megatron"], "--stage 2: applies to --system deepspeed only"),
+])
+def test_a_bad_stage_names_the_flag_and_the_allowed_values(capsys: pytest.CaptureFixture, argv: list[str],
+                                                           message: str) -> None:
+    code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
+    assert code == 2 and out == ""
+    assert message in err
+
+
+def test_round_robin_gradients_comes_from_the_flag_or_the_config(tmp_path: Path) -> None:
+    """--round-robin-gradients, or the config's zero_optimization.round_robin_gradients, sets round robin on stages 1
+    and 2; on stage 3 DeepSpeed does not read the key, and neither does the planner."""
+    flags = ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100"]
+    assert plan.build(plan.parser().parse_args([*flags, "--stage", "2", "--round-robin-gradients"])).block.round_robin
+    assert not plan.build(plan.parser().parse_args([*flags, "--stage", "2"])).block.round_robin
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "round_robin_gradients": True}}))
+    built = plan.build(plan.parser().parse_args([*flags, "--config", str(path)]))
+    assert built.block.round_robin and built.describe() == "DeepSpeed ZeRO-1 with round_robin_gradients"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "round_robin_gradients": True}}))
+    assert not plan.build(plan.parser().parse_args([*flags, "--config", str(path)])).block.round_robin
+
+
+@pytest.mark.parametrize(("argv", "config", "message"), [
+    (["--round-robin-gradients"], None, "--round-robin-gradients with ZeRO stage 3: allowed with --system deepspeed "
+                                        "on --stage 1 or 2 only"),
+    (["--round-robin-gradients", "--stage", "3"], None, "--round-robin-gradients with ZeRO stage 3"),
+    (["--round-robin-gradients", "--system", "megatron"], None, "--round-robin-gradients with --system megatron"),
+    ([], {"stage": 2, "round_robin_gradients": "yes"},
+     "--config: zero_optimization.round_robin_gradients = 'yes': allowed: true, false"),
+])
+def test_a_misplaced_round_robin_names_the_flag_or_key(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                       argv: list[str], config: dict | None, message: str) -> None:
+    if config is not None:
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps({"zero_optimization": config}))
+        argv = [*argv, "--config", str(path)]
+    code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
+    assert code == 2 and out == ""
+    assert message in err
+
+
+def test_the_owner_line_projects_round_robin_where_buckets_concentrate(capsys: pytest.CaptureFixture) -> None:
+    """GPT-13B on 16 nodes, stage 2: the owner line names round_robin_gradients with SDP4Bit's projection with it
+    and without; the same job with --round-robin-gradients shows that projection in its table and no longer
+    suggests the setting."""
+    flags = ["--model", "13b", *CLUSTER, "--inter-node-gbps", "100", "--stage", "2"]
+    code, out, _ = _run(capsys, *flags)
+    line = next(x for x in out.splitlines() if x.startswith("SDP4Bit's gradients go to each bucket's owners"))
+    assert code == 0 and "round_robin_gradients: true (--round-robin-gradients)" in line
+    with_it, without = re.search(r"SDP4Bit (\d\.\d\d)x over ZeRO-2 with it \((\d\.\d\d)x without\)", line).groups()
+    assert next(x for x in out.splitlines() if x.startswith("| SDP4Bit |")).endswith(f"| {without}x |")
+    code, out, _ = _run(capsys, *flags, "--round-robin-gradients")
+    assert code == 0 and "DeepSpeed ZeRO-2 with round_robin_gradients" in out
+    sdp4bit = next(x for x in out.splitlines() if x.startswith("| SDP4Bit |"))
+    assert sdp4bit.endswith(f"| {with_it}x |") and float(with_it) > 1 > float(without)
+    assert "round_robin_gradients' layout" in out and "(--round-robin-gradients)" not in out
+
+
+def test_the_recommendation_names_round_robin_where_it_beats_every_row(capsys: pytest.CaptureFixture) -> None:
+    """GPT-13B on 16 x 4 GPUs, stage 2: qWD is the fastest row, SDP4Bit with round_robin_gradients faster still, which
+    the recommendation adds; on 16 x 8 SDP4Bit with it stays behind qWD and the recommendation says nothing of it."""
+    flags = ["--model", "13b", "--nodes", "16", "--gpu", "h100", "--inter-node-gbps", "100", "--stage", "2"]
+    code, out, _ = _run(capsys, *flags, "--gpus-per-node", "4")
+    advice = out.strip().splitlines()[-1]
+    assert code == 0 and advice.startswith("use qWD")
+    speedup = re.search(r"better: zero_optimization\.round_robin_gradients: true, which spreads each bucket's owners "
+                        r"over more nodes, with SDP4Bit: (\d\.\d\d)x over ZeRO-2$", advice).group(1)
+    assert float(speedup) > float(re.search(r"use qWD: (\d\.\d\d)x", advice).group(1))
+    code, out, _ = _run(capsys, *flags, "--gpus-per-node", "8")
+    assert code == 0 and "better:" not in out.strip().splitlines()[-1]

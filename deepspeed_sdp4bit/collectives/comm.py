@@ -6,6 +6,9 @@ quantized collective separately and its byte counts add up to the wire bytes in 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
@@ -18,10 +21,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per_node: int | None) -> int:
+def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per_node: int | None,
+                     splits: Sequence[int] | None = None) -> int:
     """Bytes this rank sends to other nodes when it passes `nbytes` to collective `op` over `group`.
 
-    all_to_all: equal splits go straight to each member, so the splits for members on other nodes leave the node.
+    all_to_all: each split goes straight to its member (equal splits, or `splits`: the bytes for each member in
+    group-rank order), so the splits for members on other nodes leave the node.
     all_gather: a ring in group-rank order (gloo's algorithm, and NCCL's rings, which cross each node boundary
     once): each rank forwards the other G - 1 inputs to the next member, so all of them leave the node when that
     member is on another node, none otherwise.
@@ -32,7 +37,9 @@ def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per
     rank = dist.get_rank()
     node = rank // ranks_per_node
     if op == "all_to_all":
-        return nbytes * sum(member // ranks_per_node != node for member in members) // len(members)
+        if splits is None:
+            return nbytes * sum(member // ranks_per_node != node for member in members) // len(members)
+        return sum(size for member, size in zip(members, splits, strict=True) if member // ranks_per_node != node)
     if op == "all_gather":
         following = members[(members.index(rank) + 1) % len(members)]
         return nbytes * (len(members) - 1) if following // ranks_per_node != node else 0
@@ -40,11 +47,19 @@ def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None, stats: CommStats,
-                      kind: str, part: str, async_op: bool = False) -> dist.Work | None:
-    """Equal-split all-to-all of `tensor` into `output` over `group`; the work handle when async_op."""
+                      kind: str, part: str, async_op: bool = False, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None) -> dist.Work | None:
+    """All-to-all of `tensor` into `output` over `group`, in equal splits or in the given split sizes (rows of the
+    first dimension per member, in group-rank order); the work handle when async_op."""
     nbytes = _nbytes(tensor)
-    stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node))
-    return ds_comm.all_to_all_single(output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}")
+    splits = None
+    if input_split_sizes is not None:
+        row = tensor.element_size() * math.prod(tensor.shape[1:])
+        splits = [size * row for size in input_split_sizes]
+    stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node, splits))
+    return ds_comm.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                                     input_split_sizes=input_split_sizes, group=group, async_op=async_op,
+                                     log_name=f"sdp4bit_{kind}_{part}")
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,

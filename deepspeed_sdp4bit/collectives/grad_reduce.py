@@ -22,8 +22,8 @@ Streams (NCCL): every codec kernel runs on the current stream. An async collecti
 group's own stream after waiting on the current stream, so it sees the buffers the kernels wrote; `Work.wait()`
 makes the current stream wait on that collective before the next kernel reads its output. The intra and inter
 groups are separate communicators with separate streams, which is what lets their exchanges overlap. Send and
-receive buffers stay referenced by `_Exchange` until it is waited on. On gloo each group has its own worker
-threads, so the same issue order overlaps there too.
+receive buffers stay referenced by the exchange (`levels.Exchange`) until it is waited on. On gloo each group has
+its own worker threads, so the same issue order overlaps there too.
 """
 
 from __future__ import annotations
@@ -36,20 +36,14 @@ import torch
 import torch.distributed as dist
 
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK, check_group_size, codes_nbytes, num_groups, qmax_for
+from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK
 from ..topology import Topology
-from . import comm
 from .accounting import CommStats
+from .levels import Exchange as _Exchange
+from .levels import Level, check_level, check_pipeline
+from .levels import codes_slice as _slice
 from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
 from .sharding import shard_numel, valid_numel
-
-
-@dataclass(frozen=True)
-class Level:
-    """One quantization level: bits per code and elements per scale."""
-
-    bits: int
-    group: int
 
 
 @dataclass(frozen=True)
@@ -121,42 +115,6 @@ def partitions(part: torch.Tensor, layout: Layout, rank: int) -> list[torch.Tens
     return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]
 
 
-def _slice(codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int,
-           index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of the `index`-th run of `numel` elements in a buffer quantized at `level`."""
-    nbytes, nscales = codes_nbytes(numel, level.bits), num_groups(numel, level.group)
-    return codes[index * nbytes:(index + 1) * nbytes], scales[index * nscales:(index + 1) * nscales]
-
-
-class _Exchange:
-    """An async all-to-all of codes and scales over `group`; `wait()` returns what this rank received."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, stats: CommStats,
-                 kind: str) -> None:
-        """Issue both all-to-alls now (async); the send buffers stay referenced until `wait`."""
-        self._sent = (codes, scales)
-        self.codes, self.scales = torch.empty_like(codes), torch.empty_like(scales)
-        self._works = [comm.all_to_all_single(self.codes, codes, group, stats, kind, "codes", async_op=True),
-                       comm.all_to_all_single(self.scales, scales, group, stats, kind, "scales", async_op=True)]
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for both all-to-alls and return the received codes and scales."""
-        for work in self._works:
-            work.wait()
-        self._sent = None
-        return self.codes, self.scales
-
-
-def _check_level(name: str, bits: int, group: int) -> Level:
-    """Validate one level's constructor arguments, naming them in the error."""
-    try:
-        qmax_for(bits)
-        check_group_size(group)
-    except ValueError as exc:
-        raise ValueError(f"TLqReducer: bits_{name} = {bits}, group_{name} = {group}: {exc}") from None
-    return Level(bits, group)
-
-
 def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     """All tensors share one float dtype and one device; returns the dtype."""
     dtypes = {t.dtype for t in tensors}
@@ -188,13 +146,11 @@ class TLqReducer:
     def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
                  hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
         """Validate the settings and derive the padding unit and the two rounding streams."""
-        if type(pipeline) is not int or pipeline < 1:
-            raise ValueError(f"TLqReducer: pipeline must be an integer >= 1, got {pipeline!r}")
         self.topo = topo
-        self.intra = _check_level("intra", bits_intra, group_intra)
-        self.inter = _check_level("inter", bits_inter, group_inter)
+        self.intra = check_level("TLqReducer", "intra", bits_intra, group_intra)
+        self.inter = check_level("TLqReducer", "inter", bits_inter, group_inter)
         self.hadamard = bool(hadamard)
-        self.pipeline = pipeline
+        self.pipeline = check_pipeline("TLqReducer", pipeline)
         self.stochastic = bool(stochastic)
         self.stats = stats
         self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)

@@ -11,7 +11,9 @@ resumes the exact same draws. Every quantizer that rounds stochastically has its
 | `0x6752_0001` | `STAGE_QUANTIZE`       | TLq step 1, the intra-node gradient quantization      |
 | `0x6752_0002` | `STAGE_REQUANTIZE`     | TLq step 3, the inter-node re-quantization            |
 
-Stage ids must be distinct; they are all defined here so a new quantizer can pick an unused one.
+Stage ids must be distinct; they are all defined here so a new quantizer can pick an unused one. The two TLq stages
+serve both gradient reducers, ZeRO-3's `grad_reduce.TLqReducer` and ZeRO-1/2's `owner_reduce.OwnerReducer`: a job
+reduces its gradients with one of them (its ZeRO stage decides which).
 """
 
 from __future__ import annotations

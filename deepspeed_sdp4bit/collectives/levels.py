@@ -1,0 +1,101 @@
+"""What the quantized gradient collectives share: a quantization level and its checks, and the asynchronous
+all-to-all of codes and scales, with equal or per-member split sizes.
+
+Codes and fp32 scales travel in two separate all-to-alls over the same group. With split sizes, every split is a
+whole number of the level's groups (and so of nibble pairs at 4 bits), so the byte and scale counts of a split
+follow from its element count alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..codec.spec import check_group_size, codes_nbytes, num_groups, qmax_for
+from . import comm
+from .accounting import CommStats
+
+
+@dataclass(frozen=True)
+class Level:
+    """One quantization level: bits per code and elements per scale."""
+
+    bits: int
+    group: int
+
+
+def check_level(owner: str, name: str, bits: int, group: int) -> Level:
+    """Validate one level's constructor arguments (`bits_<name>`, `group_<name>` of `owner`), naming them in the
+    error."""
+    try:
+        qmax_for(bits)
+        check_group_size(group)
+    except ValueError as exc:
+        raise ValueError(f"{owner}: bits_{name} = {bits}, group_{name} = {group}: {exc}") from None
+    return Level(bits, group)
+
+
+def check_pipeline(owner: str, pipeline: object) -> int:
+    """The number of pipeline slices of `owner`: an integer >= 1."""
+    if type(pipeline) is not int or pipeline < 1:
+        raise ValueError(f"{owner}: pipeline must be an integer >= 1, got {pipeline!r}")
+    return pipeline
+
+
+def codes_slice(codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int,
+                index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of the `index`-th run of `numel` elements in a buffer quantized at `level`."""
+    nbytes, nscales = codes_nbytes(numel, level.bits), num_groups(numel, level.group)
+    return codes[index * nbytes:(index + 1) * nbytes], scales[index * nscales:(index + 1) * nscales]
+
+
+@dataclass(frozen=True)
+class Splits:
+    """Elements this rank sends to and receives from each member of a group (in group-rank order) at `level`;
+    every count is a whole number of the level's groups."""
+
+    level: Level
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+
+    def code_bytes(self, counts: Sequence[int]) -> list[int]:
+        """Code bytes of each count of elements."""
+        return [codes_nbytes(n, self.level.bits) for n in counts]
+
+    def scale_counts(self, counts: Sequence[int]) -> list[int]:
+        """Scales of each count of elements."""
+        return [num_groups(n, self.level.group) for n in counts]
+
+
+class Exchange:
+    """An async all-to-all of codes and scales over `group` (equal splits, or `splits`); `wait()` returns what this
+    rank received."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, stats: CommStats,
+                 kind: str, splits: Splits | None = None) -> None:
+        """Issue both all-to-alls now (async); the send buffers stay referenced until `wait`."""
+        self._sent = (codes, scales)
+        if splits is None:
+            self.codes, self.scales = torch.empty_like(codes), torch.empty_like(scales)
+            code_splits = scale_splits = (None, None)
+        else:
+            code_splits = (splits.code_bytes(splits.recv), splits.code_bytes(splits.send))
+            scale_splits = (splits.scale_counts(splits.recv), splits.scale_counts(splits.send))
+            self.codes = codes.new_empty(sum(code_splits[0]))
+            self.scales = scales.new_empty(sum(scale_splits[0]))
+        self._works = [
+            comm.all_to_all_single(self.codes, codes, group, stats, kind, "codes", async_op=True,
+                                   output_split_sizes=code_splits[0], input_split_sizes=code_splits[1]),
+            comm.all_to_all_single(self.scales, scales, group, stats, kind, "scales", async_op=True,
+                                   output_split_sizes=scale_splits[0], input_split_sizes=scale_splits[1]),
+        ]
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for both all-to-alls and return the received codes and scales."""
+        for work in self._works:
+            work.wait()
+        self._sent = None
+        return self.codes, self.scales

@@ -1,0 +1,364 @@
+"""TLq for ZeRO stages 1 and 2: the two-level quantized reduction of a gradient bucket onto the ranks owning its runs.
+
+In ZeRO-1/2 DeepSpeed divides a gradient bucket (one flat tensor) by the world size W, all-reduces all of it, and
+each rank keeps the runs of it that it owns. `OwnerReducer.reduce` replaces that all-reduce: each rank receives the
+sum over all ranks of exactly the runs it owns, concatenated in bucket order, in the bucket's dtype (an empty tensor
+when it owns none), and nothing else.
+
+A bucket is described on every rank by runs (owner rank, start, numel). Adjacent runs of one owner are merged first,
+so ranks may split them differently; the merged layout must be the same on every rank, which a small all-reduce
+checks before any exchange. With W = N nodes x D ranks per node (rank r = (node r // D, local r % D)):
+
+1. Rank r's piece is its runs, concatenated in bucket order (L_r elements), zero-padded to
+   P_r = ceil(L_r / U) x U elements, U = lcm(group_intra, group_inter, 32) x pipeline, so each of the `pipeline`
+   slices of a piece is a whole number of groups of both levels and of 32-blocks. The padding is quantized as data
+   (a Hadamard block may mix real values and zeros; the inverse transform restores the real positions) and dropped
+   at the end. A rank that owns nothing has P_r = 0: no piece, so nobody sends it padding and it receives nothing. A
+   bucket usually covers only a few owners, and ranks own different amounts of it, so the all-to-alls use uneven
+   splits sized to each owner's piece; equal splits would make every rank send and receive as much as the largest
+   owner, mostly padding.
+2. Every rank lays its pieces out as [slice y][destination local l'][destination node n'] and quantizes that buffer
+   once (intra bits and group, fused Hadamard smoothing when asked).
+3. Per slice: an all-to-all inside the node sends local peer l' the run [y][l'][*] (the slices of the pieces of the
+   ranks with local index l', one per node); each rank sums the D runs it received in fp32 and requantizes the sum
+   (inter bits and group); an all-to-all among the ranks with its local index sends node n' its piece's slice; the
+   owner sums the N received copies in fp32, undoes the Hadamard transform and rounds once to the bucket's dtype.
+   The result is a sum, not a mean: the bucket was divided by W before.
+
+One node (N = 1) runs only the intra level, one rank per node (D = 1) only the inter level (inter bits and group),
+both with the layout [slice][destination rank]; W = 1 copies the runs. Slices overlap as in TLq (grad_reduce.py):
+slice y+1's first exchange is in flight while slice y is requantized and exchanged again. Every member of a group
+sends the same number of elements (inside a node: every piece's slice; across nodes: the slices of one local
+index's pieces), so when that number is zero every member knows it and all of them skip the exchange.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from deepspeed.comm import ReduceOp
+
+from .. import codec
+from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK
+from ..topology import Topology
+from . import comm
+from .accounting import CommStats
+from .levels import Exchange, Level, Splits, check_level, check_pipeline, codes_slice
+from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
+
+_SHOWN_RUNS = 8  # runs listed in a layout summary
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a bucket, owned by one rank: elements [start, start + numel) are reduced onto rank `owner`."""
+
+    owner: int
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """A bucket's merged runs and each rank's piece: `lengths[r]` real elements padded to `padded[r]` (a multiple of
+    `unit`), sent in `slices` equal slices."""
+
+    numel: int
+    runs: tuple[Run, ...]
+    lengths: tuple[int, ...]
+    padded: tuple[int, ...]
+    unit: int
+    nodes: int
+    ranks_per_node: int
+    slices: int
+
+    def slice_len(self, rank: int) -> int:
+        """Elements of one slice of `rank`'s piece."""
+        return self.padded[rank] // self.slices
+
+    @property
+    def slice_total(self) -> int:
+        """Elements of one slice of the send buffer: one slice of every piece."""
+        return sum(self.padded) // self.slices
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The destination ranks in the order of a slice of the send buffer: [local][node]."""
+        return tuple(n * self.ranks_per_node + local for local in range(self.ranks_per_node)
+                     for n in range(self.nodes))
+
+    def column(self, local: int) -> int:
+        """Elements of one slice of the pieces of the ranks with local index `local`, one per node."""
+        return sum(self.slice_len(n * self.ranks_per_node + local) for n in range(self.nodes))
+
+    def owned(self, rank: int) -> list[Run]:
+        """The runs `rank` owns, in bucket order."""
+        return [run for run in self.runs if run.owner == rank]
+
+    def fingerprint(self, dtype: torch.dtype) -> int:
+        """A 63-bit digest of the layout and the bucket's dtype, equal on ranks that agree."""
+        text = repr((self.numel, [(r.owner, r.start, r.numel) for r in self.runs], self.padded, str(dtype)))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+    def describe(self, dtype: torch.dtype) -> str:
+        """The layout in words, for errors."""
+        shown = ", ".join(f"({r.owner}, {r.start}, {r.numel})" for r in self.runs[:_SHOWN_RUNS])
+        more = f", ... ({len(self.runs)} in all)" if len(self.runs) > _SHOWN_RUNS else ""
+        return (f"a {str(dtype).removeprefix('torch.')} bucket of {self.numel} elements with the merged runs "
+                f"(owner, start, numel) [{shown}{more}], pieces padded to multiples of {self.unit}")
+
+
+def _check_runs(runs: Sequence[Run], numel: int, world: int) -> None:
+    """Each run is a Run of integers with numel >= 1, inside the bucket, owned by a rank in [0, world)."""
+    for i, run in enumerate(runs):
+        if not isinstance(run, Run) or not all(type(v) is int for v in (run.owner, run.start, run.numel)):
+            raise TypeError(f"OwnerReducer.reduce: runs[{i}] must be a Run of integers, got {run!r}")
+        if run.numel < 1:
+            raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: numel must be >= 1")
+        if run.start < 0 or run.start + run.numel > numel:
+            raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: elements [start, start + numel) must lie "
+                             f"in the bucket's [0, {numel})")
+        if not 0 <= run.owner < world:
+            raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: owner must be a rank in [0, {world})")
+
+
+def merge_runs(runs: Sequence[Run]) -> tuple[Run, ...]:
+    """The runs in bucket order with adjacent runs of one owner joined; overlapping runs raise a ValueError."""
+    merged: list[Run] = []
+    for run in sorted(runs, key=lambda r: r.start):
+        last = merged[-1] if merged else None
+        if last is not None and run.start < last.start + last.numel:
+            raise ValueError(f"OwnerReducer.reduce: runs must not overlap; {run} overlaps the elements "
+                             f"[{last.start}, {last.start + last.numel}) of owner {last.owner}")
+        if last is not None and last.owner == run.owner and last.start + last.numel == run.start:
+            merged[-1] = Run(last.owner, last.start, last.numel + run.numel)
+        else:
+            merged.append(run)
+    return tuple(merged)
+
+
+def plan_bucket(numel: int, runs: Sequence[Run], topo: Topology, unit: int, slices: int) -> BucketLayout:
+    """Check and merge the runs, then size every rank's piece: its owned elements padded to whole `unit`s."""
+    runs = tuple(runs)
+    _check_runs(runs, numel, topo.world)
+    merged = merge_runs(runs)
+    lengths = [0] * topo.world
+    for run in merged:
+        lengths[run.owner] += run.numel
+    padded = tuple(-(-length // unit) * unit for length in lengths)
+    return BucketLayout(numel=numel, runs=merged, lengths=tuple(lengths), padded=padded, unit=unit,
+                        nodes=topo.nodes, ranks_per_node=topo.ranks_per_node, slices=slices)
+
+
+def _check_bucket(bucket: torch.Tensor) -> torch.dtype:
+    """The bucket is a 1-D contiguous float32, bfloat16 or float16 tensor; returns its dtype."""
+    if (not isinstance(bucket, torch.Tensor) or bucket.dim() != 1 or not bucket.is_contiguous()
+            or bucket.dtype not in FLOAT_DTYPES):
+        got = (f"shape {tuple(bucket.shape)}, {bucket.dtype}, contiguous={bucket.is_contiguous()}"
+               if isinstance(bucket, torch.Tensor) else type(bucket).__name__)
+        raise TypeError(f"OwnerReducer.reduce: bucket must be a 1-D contiguous tensor of float32, bfloat16 or "
+                        f"float16; got {got}")
+    return bucket.dtype
+
+
+def _segments(bucket: torch.Tensor, runs: Sequence[Run], lo: int, hi: int,
+              zeros: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Elements [lo, hi) of a piece made of `runs`' values in bucket order followed by zeros."""
+    pos = 0
+    for run in runs:
+        first, last = max(lo, pos), min(hi, pos + run.numel)
+        if first < last:
+            yield bucket.narrow(0, run.start + first - pos, last - first)
+        pos += run.numel
+    pad_from = max(lo, pos)
+    if pad_from < hi:
+        yield zeros[:hi - pad_from]
+
+
+def send_buffer(bucket: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    """Every rank's piece (padding as zeros) in the send order [slice][destination local][destination node]."""
+    world = len(layout.padded)
+    zeros = bucket.new_zeros(max(layout.slice_len(r) for r in range(world)))
+    owned = [layout.owned(r) for r in range(world)]
+    segments: list[torch.Tensor] = []
+    for y in range(layout.slices):
+        for r in layout.order:
+            size = layout.slice_len(r)
+            segments += _segments(bucket, owned[r], y * size, (y + 1) * size, zeros)
+    return torch.cat(segments)
+
+
+class _Idle:
+    """An exchange that no member of its group takes part in: it receives nothing."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Empty codes and scales on the devices of the would-be send buffers."""
+        self.codes, self.scales = codes.new_empty(0), scales.new_empty(0)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The empty codes and scales."""
+        return self.codes, self.scales
+
+
+class OwnerReducer:
+    """Quantized sum of a ZeRO-1/2 gradient bucket onto the owners of its runs, over the world group on `topo`'s
+    nodes, with exact-resume rounding streams."""
+
+    def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
+                 hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
+        """Validate the settings and derive the padding unit and the two rounding streams."""
+        self.topo = topo
+        self.intra = check_level("OwnerReducer", "intra", bits_intra, group_intra)
+        self.inter = check_level("OwnerReducer", "inter", bits_inter, group_inter)
+        self.hadamard = bool(hadamard)
+        self.pipeline = check_pipeline("OwnerReducer", pipeline)
+        self.stochastic = bool(stochastic)
+        self.stats = stats
+        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline
+        self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
+        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
+
+    def reduce(self, bucket: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
+        """The SUM over all ranks of the runs this rank owns, concatenated in bucket order, in the bucket's dtype
+        (an empty tensor when it owns none). Collective over the world; a bucket without runs exchanges nothing
+        but the layout check."""
+        dtype = _check_bucket(bucket)
+        layout = plan_bucket(bucket.numel(), runs, self.topo, self.unit, self.pipeline)
+        rank = self.topo.rank
+        if self.topo.world == 1:
+            owned = [bucket.narrow(0, run.start, run.numel) for run in layout.owned(rank)]
+            return torch.cat(owned) if owned else bucket.new_empty(0)
+        self._check_agreement(layout, dtype, bucket.device)
+        if not layout.runs:
+            return bucket.new_empty(0)
+        self._account(layout, bucket.element_size())
+        slices = self._reduce(send_buffer(bucket, layout), layout, dtype)
+        piece = slices[0] if len(slices) == 1 else torch.cat(slices)
+        return piece[:layout.lengths[rank]]
+
+    def _check_agreement(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise a RuntimeError on every rank when the ranks' merged layouts differ, before the uneven all-to-alls
+        would wait forever: one all-reduce (MAX) of (fingerprint, -fingerprint) gives its maximum and minimum."""
+        fingerprint = layout.fingerprint(dtype)
+        device = torch.device("cpu") if self.topo.flags is not None else device
+        extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+        comm.all_reduce(extremes, self.topo.flags, ReduceOp.MAX, "sdp4bit_owner_layout")
+        highest, negated_lowest = extremes.tolist()
+        if highest != -negated_lowest:
+            raise RuntimeError(f"OwnerReducer.reduce: the ranks passed different bucket layouts (the exchanges "
+                               f"would hang); rank {self.topo.rank} has {layout.describe(dtype)}")
+
+    def _account(self, layout: BucketLayout, elem_size: int) -> None:
+        """Logical bytes: the unquantized exchanges of the real (unpadded) elements at each level."""
+        topo = self.topo
+        whole = sum(layout.lengths) * elem_size
+        if topo.nodes > 1 and topo.ranks_per_node > 1:
+            column = sum(layout.lengths[topo.global_rank(n, topo.local)] for n in range(topo.nodes))
+            self.stats.add_logical("grad_intra", whole)
+            self.stats.add_logical("grad_inter", column * elem_size)
+        else:
+            self.stats.add_logical("grad_intra" if topo.nodes == 1 else "grad_inter", whole)
+
+    def _reduce(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's padded piece, one tensor per slice, on the path the topology takes."""
+        topo = self.topo
+        if topo.nodes > 1 and topo.ranks_per_node > 1:
+            return self._two_level(send, layout, dtype)
+        if topo.nodes == 1:
+            return self._one_level(send, layout, dtype, self.intra, topo.intra, "grad_intra")
+        return self._one_level(send, layout, dtype, self.inter, topo.inter, "grad_inter")
+
+    def _quantize(self, send: torch.Tensor, level: Level) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2: the whole send buffer at the first level."""
+        seed, offset = self.quant_stream.take(send.numel())
+        return codec.quantize(send, bits=level.bits, group_size=level.group, stochastic=self.stochastic, seed=seed,
+                              offset=offset, hadamard=self.hadamard)
+
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor,
+                    numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the D intra-node runs of `numel` elements in fp32 and quantize the sum at the inter level (nothing
+        arrived when `numel` is 0: the empty codes and scales pass through)."""
+        seed, offset = self.requant_stream.take(numel)
+        if not numel:
+            return codes, scales
+        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,
+                                                in_bits=self.intra.bits, in_group=self.intra.group,
+                                                out_bits=self.inter.bits, out_group=self.inter.group,
+                                                stochastic=self.stochastic, seed=seed, offset=offset)
+
+    def _exchange(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str,
+                  splits: Splits) -> Exchange | _Idle:
+        """Start an exchange, or skip it when this rank sends nothing: every member then sends nothing."""
+        if not any(splits.send):
+            return _Idle(codes, scales)
+        return Exchange(codes, scales, group, self.stats, kind, splits)
+
+    def _finish(self, exchange: Exchange | _Idle, level: Level, pieces: int, dtype: torch.dtype,
+                numel: int) -> torch.Tensor:
+        """Sum the received pieces of `numel` elements in fp32, undo the Hadamard transform, cast."""
+        codes, scales = exchange.wait()
+        if not numel:
+            return torch.empty(0, dtype=dtype, device=codes.device)
+        return codec.dequantize_reduce(codes, scales, pieces=pieces, bits=level.bits, group_size=level.group,
+                                       dtype=dtype, hadamard=self.hadamard, mul=1.0)
+
+    def _one_level(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype, level: Level,
+                   group: dist.ProcessGroup, kind: str) -> list[torch.Tensor]:
+        """One exchange per slice over the world; slice y+1's exchange is in flight while slice y is reduced."""
+        codes, scales = self._quantize(send, level)
+        world, own = self.topo.world, layout.slice_len(self.topo.rank)
+        splits = Splits(level, tuple(layout.slice_len(r) for r in range(world)), (own,) * world)
+
+        def issue(y: int) -> Exchange | _Idle:
+            """Start slice y's exchange."""
+            return self._exchange(*codes_slice(codes, scales, level, layout.slice_total, y), group, kind, splits)
+
+        pending, out = issue(0), []
+        for y in range(layout.slices):
+            following = issue(y + 1) if y + 1 < layout.slices else None
+            out.append(self._finish(pending, level, world, dtype, own))
+            pending = following
+        return out
+
+    def _two_level(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
+        topo = self.topo
+        codes, scales = self._quantize(send, self.intra)
+        column, own = layout.column(topo.local), layout.slice_len(topo.rank)
+        intra = Splits(self.intra, tuple(layout.column(local) for local in range(topo.ranks_per_node)),
+                       (column,) * topo.ranks_per_node)
+        inter = Splits(self.inter, tuple(layout.slice_len(topo.global_rank(n, topo.local)) for n in range(topo.nodes)),
+                       (own,) * topo.nodes)
+
+        def issue_intra(y: int) -> Exchange | _Idle:
+            """Start slice y's intra-node exchange."""
+            sliced = codes_slice(codes, scales, self.intra, layout.slice_total, y)
+            return self._exchange(*sliced, topo.intra, "grad_intra", intra)
+
+        intra_pending, inter_pending, out = issue_intra(0), None, []
+        for y in range(layout.slices):
+            following = issue_intra(y + 1) if y + 1 < layout.slices else None
+            requantized = self._requantize(*intra_pending.wait(), column)
+            previous, inter_pending = inter_pending, self._exchange(*requantized, topo.inter, "grad_inter", inter)
+            if previous is not None:
+                out.append(self._finish(previous, self.inter, topo.nodes, dtype, own))
+            intra_pending = following
+        out.append(self._finish(inter_pending, self.inter, topo.nodes, dtype, own))
+        return out
+
+    def state_dict(self) -> dict:
+        """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
+        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters written by `state_dict` (same seed and rank required)."""
+        missing = {"quantize", "requantize"} - set(state)
+        if missing:
+            raise KeyError(f"OwnerReducer.load_state_dict: state lacks {sorted(missing)}; it has {sorted(state)}")
+        self.quant_stream.load_state_dict(state["quantize"])
+        self.requant_stream.load_state_dict(state["requantize"])
