@@ -58,10 +58,14 @@ REF = "deepspeed_sdp4bit/codec/reference.py"
 SPEC = "deepspeed_sdp4bit/codec/spec.py"
 GRAD = "deepspeed_sdp4bit/collectives/grad_reduce.py"
 STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
-RUNTIME = "deepspeed_sdp4bit/zero3/runtime.py"
+RUNTIME = "deepspeed_sdp4bit/core/runtime.py"
+BUILD = "deepspeed_sdp4bit/core/build.py"
+SERVING3 = "deepspeed_sdp4bit/zero3/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
 TIMING = "sdp4bit_cost/timing.py"
-AUTO = "deepspeed_sdp4bit/zero3/auto.py"
+AUTO = "deepspeed_sdp4bit/core/auto.py"
+RUNTIME_TESTS = ("tests/test_zero3_training.py", "-k",
+                 "every_replica_mode or verify_finds or paper_setting_trains and float32")
 COST_TESTS = ("tests/test_cost_model.py", "tests/test_planner.py", "-k", "not console_script")
 
 TARGETS = {
@@ -71,8 +75,9 @@ TARGETS = {
                                   "tests/test_codec_backends.py", "-k", "not cuda")),
     "grad_reduce": Target("grad_reduce", GRAD, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
-    "runtime": Target("runtime", RUNTIME, ("tests/test_zero3_training.py", "-k",
-                                           "every_replica_mode or verify_finds or paper_setting_trains and float32")),
+    "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
+    "build": Target("build", BUILD, RUNTIME_TESTS),
+    "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
@@ -208,7 +213,8 @@ MUTANTS = [
     Mutant("W02", STORE, "        block = torch.searchsorted(first, cols, right=True) - 1",
            "        block = torch.searchsorted(first, cols, right=False) - 1",
            "checksum: first column of each block counted in the previous one"),
-    Mutant("W03", STORE, "        self._total += per_shard", "        self._total += per_shard + 1", "storage one column too wide per param"),
+    Mutant("W03", STORE, "        self._totals[segment] += per_shard", "        self._totals[segment] += per_shard + 1",
+           "storage one column too wide per param"),
     Mutant("W04", STORE, "        return rank if self._replica == \"rank\" else rank // self._topo.ranks_per_node",
            "        return rank if self._replica == \"rank\" else rank % self._topo.nodes", "node replica: wrong slot"),
     Mutant("W05", STORE, "        return slot if self._replica == \"rank\" else self._topo.global_rank(slot, self._topo.local)",
@@ -219,8 +225,8 @@ MUTANTS = [
     Mutant("W07", STORE, "                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel):",
            "                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > 2 * self._bucket_numel):",
            "buckets twice as large as configured"),
-    Mutant("W08", STORE, "            if run and (p.index != run[-1].index + 1\n",
-           "            if run and (False\n", "non-adjacent parameters share a bucket"),
+    Mutant("W08", STORE, "            if run and (p.index != run[-1].index + 1 or p.segment != run[0].segment\n",
+           "            if run and (p.segment != run[0].segment\n", "non-adjacent parameters share a bucket"),
     Mutant("W09", STORE, "        self._stats.add_logical(kind, self._logical(bucket))\n",
            "", "inter-node logical bytes not counted"),
     Mutant("W10", STORE, "            rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])",
@@ -258,29 +264,29 @@ MUTANTS = [
     Mutant("Z01", RUNTIME, "        return self.engine.global_steps >= self.config.start_step",
            "        return self.engine.global_steps > self.config.start_step",
            "quantization starts one step late"),
-    Mutant("Z02", RUNTIME, "        self._write_ds_tensors(self.weights.refresh(self.shards(), quantize=self.quantizing()))",
-           "        self._write_ds_tensors(self.weights.refresh(self.shards(), quantize=True))",
+    Mutant("Z02", RUNTIME, "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
+           "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=True))",
            "weights quantized before the start step"),
-    Mutant("Z03", RUNTIME, "        if self.reducer is None or not self.quantizing() or self.measuring():",
-           "        if self.reducer is None or self.measuring():",
+    Mutant("Z03", SERVING3, "        if runtime.reducer is None or not runtime.quantizing() or runtime.measuring():",
+           "        if runtime.reducer is None or runtime.measuring():",
            "gradients quantized before the start step"),
-    Mutant("Z04", RUNTIME, "                          group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,\n                          group_inter=cfg.gq_group_size_inter,",
-           "                          group_intra=cfg.gq_group_size_inter, bits_inter=cfg.gradient_quantization_bits_inter,\n                          group_inter=cfg.gq_group_size_intra,",
+    Mutant("Z04", BUILD, "                group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,\n                group_inter=cfg.gq_group_size_inter,",
+           "                group_intra=cfg.gq_group_size_inter, bits_inter=cfg.gradient_quantization_bits_inter,\n                group_inter=cfg.gq_group_size_intra,",
            "gradient group sizes swapped"),
-    Mutant("Z05", RUNTIME, "                          group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,",
-           "                          group_inter=cfg.gq_group_size_inter, hadamard=False,", "Hadamard setting ignored"),
-    Mutant("Z06", RUNTIME, "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
-           "                          pipeline=1, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
+    Mutant("Z05", BUILD, "                group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,",
+           "                group_inter=cfg.gq_group_size_inter, hadamard=False,", "Hadamard setting ignored"),
+    Mutant("Z06", BUILD, "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
+           "                pipeline=1, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
            "pipeline setting ignored"),
-    Mutant("Z07", RUNTIME, "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed,",
-           "                          pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=0,",
+    Mutant("Z07", BUILD, "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
+           "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=0)",
            "gradient seed ignored"),
-    Mutant("Z08", RUNTIME, "        return TLqReducer(self.topology, bits_intra=cfg.gradient_quantization_bits_intra,",
-           "        return TLqReducer(self.topology, bits_intra=8,", "intra-node gradient bits fixed at 8"),
-    Mutant("Z09", RUNTIME, "                            group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,\n                            stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size,",
-           "                            group_size=cfg.wq_group_size, stochastic=not cfg.stochastic_rounding, seed=cfg.seed,\n                            stats=self.comm_stats, bucket_numel=cfg.refresh_bucket_size,",
+    Mutant("Z08", BUILD, "    return dict(bits_intra=cfg.gradient_quantization_bits_intra,",
+           "    return dict(bits_intra=8,", "intra-node gradient bits fixed at 8"),
+    Mutant("Z09", BUILD, "                       group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,\n                       stats=stats, bucket_numel=cfg.refresh_bucket_size,",
+           "                       group_size=cfg.wq_group_size, stochastic=not cfg.stochastic_rounding, seed=cfg.seed,\n                       stats=stats, bucket_numel=cfg.refresh_bucket_size,",
            "weight rounding mode inverted"),
-    Mutant("Z10", RUNTIME, "        self._write_ds_tensors(self.weights.refresh(self.shards(), quantize=self.quantizing()))",
+    Mutant("Z10", RUNTIME, "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
            "        self.weights.refresh(self.shards(), quantize=self.quantizing())", "ds_tensor not set to w~ after a refresh"),
     Mutant("Z11", RUNTIME, "        if not report.ok:\n            self.checksum_mismatches += 1",
            "        if False:\n            self.checksum_mismatches += 1", "verify never repairs"),
@@ -316,7 +322,7 @@ MUTANTS = [
     Mutant("M05", TIMING, "    return max(0.0, 1.0 - live_parameters / (2 * numel)) if numel else 0.0",
            "    return max(0.0, 1.0 - live_parameters / numel) if numel else 0.0",
            "the backward keeps all live parameters, not half"),
-    # zero3/auto.py
+    # core/auto.py
     Mutant("A01", AUTO, "        weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))",
            "        weights, gradients = min(good, key=lambda o: predicted[o])", "the fastest, not the fewest parts"),
     Mutant("A02", AUTO, "    dist.all_reduce(values, op=dist.ReduceOp.MAX)", "    dist.all_reduce(values, op=dist.ReduceOp.MIN)",

@@ -13,6 +13,7 @@ import importlib
 import inspect
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -43,7 +44,19 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self", )),
     ("deepspeed.comm", "init_distributed", ("dist_backend", "distributed_port", "dist_init_required")),
+    ("deepspeed.runtime.zero.stage_1_and_2", "all_gather_dp_groups",
+     ("groups_flat", "partitioned_param_groups", "dp_process_group", "start_alignment_factor",
+      "allgather_bucket_size")),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.allreduce_and_scatter",
+     ("self", "bucket", "communication_data_type", "numel_per_bucket", "log", "divide", "process_group")),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step", ("self", "closure")),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", ("self", )),
 )
+
+# What the ZeRO-1/2 integration reads of a built DeepSpeedZeroOptimizer (checked on the engine at initialize).
+ZERO12_ATTRIBUTES = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups", "partition_size",
+                     "real_dp_process_group", "dp_process_group", "cpu_offload", "overlap_comm", "reduce_bucket_size",
+                     "has_moe_layers", "sequence_parallel_size")
 
 # DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
 # _convert_to_deepspeed_param); patches.EnginePatches replaces it per parameter, so it is checked on a parameter.
@@ -205,6 +218,43 @@ class MultipleHandles:
         """Wait on every handle, passing DeepSpeed's handle_dependency on."""
         for handle in self.handles:
             handle.wait(handle_dependency=handle_dependency)
+
+
+# ----- ZeRO-1/2's gradient buckets, whose entries changed shape across releases
+@dataclass(frozen=True)
+class BucketEntry:
+    """One entry of a bucket `DeepSpeedZeroOptimizer.allreduce_and_scatter` receives: the gradient slice `tensor`
+    (a view of the averaged bucket) that rank `owner` keeps, and where DeepSpeed adds the reduced values besides
+    (`output`, a slice of a compact fp32 gradient partition, or None)."""
+
+    owner: int
+    tensor: Any
+    output: Any = None
+
+
+def bucket_entries(bucket: Sequence[tuple]) -> list[BucketEntry]:
+    """The entries in DeepSpeed's forms: `(rank, slice)` up to 0.19.3, `(frozenset ranks, slice)` from 0.19.4
+    (several ranks only for Muon's split matrices, which the checks refuse), `(ranks, slice, output)` from 0.19.8
+    where gradients accumulate in an fp32 partition of another dtype than the model's."""
+    entries = []
+    for entry in bucket:
+        owners, tensor, *rest = entry
+        if isinstance(owners, frozenset):
+            if len(owners) != 1:
+                raise SDP4BitCompatError(f"deepspeed_sdp4bit: a ZeRO-1/2 gradient bucket entry is kept by ranks "
+                                         f"{sorted(owners)}; sdp4bit delivers each run to one owner (Muon's split "
+                                         "matrices are not supported)")
+            (owners,) = owners
+        entries.append(BucketEntry(int(owners), tensor, rest[0] if rest else None))
+    return entries
+
+
+def deliver(entry: BucketEntry, reduced: Any) -> None:
+    """What DeepSpeed does with an owned entry's reduced values: add them to its fp32 partition slice when it has one
+    (0.19.8), and write them back into the gradient slice."""
+    if entry.output is not None:
+        entry.output.add_(reduced.to(entry.output.dtype))
+    entry.tensor.copy_(reduced)
 
 
 # ----- behaviours that differ between releases, one entry each

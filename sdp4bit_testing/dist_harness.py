@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from deepspeed_sdp4bit.zero3.shm import SEGMENT_PREFIX, SHM_DIR
+from deepspeed_sdp4bit.core.shm import SEGMENT_PREFIX, SHM_DIR
 
 
 def free_port() -> int:
@@ -131,7 +131,7 @@ def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, An
 
 def shm_segments(port: int | str) -> list[Path]:
     """The shared-memory segments DeepSpeed's CPU all-reduce made for the job on `port` that are still in /dev/shm
-    (named as deepspeed_sdp4bit.zero3.shm describes)."""
+    (named as deepspeed_sdp4bit.core.shm describes)."""
     return sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}_*_{port}_*"))
 
 

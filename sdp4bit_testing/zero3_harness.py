@@ -53,23 +53,28 @@ def batch(step: int, rank: int, micro: int, micro_batch: int = MICRO_BATCH) -> t
     return tokens[index[:, None] + torch.arange(SEQ)]
 
 
-def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1,
-              **zero: Any) -> dict[str, Any]:
-    """A ZeRO-3 config for the tiny model; persistence threshold 0 so every parameter is gathered."""
+def base_config(zero: dict[str, Any], dtype: torch.dtype, sdp4bit: dict | None, grad_accum: int) -> dict[str, Any]:
+    """A DeepSpeed config for the tiny model with this zero_optimization section, dtype, block and accumulation."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 20000,
-                              "stage3_prefetch_bucket_size": 20000, **zero},
+        "zero_optimization": zero,
     }
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     if sdp4bit is not None:
         config["sdp4bit"] = copy.deepcopy(sdp4bit)
     return config
+
+
+def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1,
+              **zero: Any) -> dict[str, Any]:
+    """A ZeRO-3 config for the tiny model; persistence threshold 0 so every parameter is gathered."""
+    return base_config({"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 20000,
+                        "stage3_prefetch_bucket_size": 20000, **zero}, dtype, sdp4bit, grad_accum)
 
 
 def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 2e-3, model: torch.nn.Module | None = None) -> Any:

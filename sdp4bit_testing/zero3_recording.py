@@ -20,7 +20,7 @@ and by how much. `wire_bytes` derives each kind's wire bytes from the recorded s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,7 @@ def _wrap_reducer(engine: Any, params: list[torch.nn.Parameter], log: list[dict[
         if entry is not None and "returned" in entry:
             returned = entry.pop("returned")
             entry["delivered"] = len(returned) == len(grad_partitions) and all(
-                torch.equal(_bits(g), _bits(r.to(g.dtype))) for g, r in zip(grad_partitions, returned, strict=True))
+                torch.equal(raw_bits(g), raw_bits(r.to(g.dtype))) for g, r in zip(grad_partitions, returned, strict=True))
             if "inputs" in entry:
                 entry["outputs"] = returned
         return partition_inner(params_to_release, grad_partitions)
@@ -103,7 +103,7 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
         state = store.state_dict()["rounding"]
         entry: dict[str, Any] = {"step": engine.global_steps, "quantize": quantize, "seed": state["seed"],
                                  "counter": state["counter"], "elem": store.own_shard(keys[0]).element_size(),
-                                 "numel": [engine.sdp4bit.params[k].ds_numel for k in keys],
+                                 "numel": [engine.sdp4bit.units.params[k].ds_numel for k in keys],
                                  "shard": [store.shard_numel(k) for k in keys],
                                  "valid": [store.valid_numel(k, rank) for k in keys]}
         if entry["step"] == step:
@@ -119,8 +119,8 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
 
 
 @dataclass(frozen=True)
-class Expected:
-    """What the config says the engine runs: its block, world, steps and micro-steps per step."""
+class RunExpectations:
+    """What the config says any recorded engine runs: its block, world, steps and micro-steps per step."""
 
     cfg: SDP4BitConfig
     world: int
@@ -136,6 +136,11 @@ class Expected:
     def start(self) -> int:
         """The first optimizer step that quantizes."""
         return self.cfg.quantization_start_step
+
+
+@dataclass(frozen=True)
+class Expected(RunExpectations):
+    """What the config says a ZeRO-3 engine runs."""
 
     @property
     def refreshes(self) -> bool:
@@ -167,16 +172,16 @@ def settings(e: Expected) -> Settings:
                     pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bits, so -0.0, NaN payloads and every rounding difference count."""
     return t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def _difference(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
+def difference(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
     """[] when got equals want bit for bit, else one line with how many and which elements differ, and by how much."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return [f"{what}: got {got.dtype}{tuple(got.shape)}, expected {want.dtype}{tuple(want.shape)}"]
-    differ = (_bits(got) != _bits(want)).nonzero().flatten()
+    differ = (raw_bits(got) != raw_bits(want)).nonzero().flatten()
     if differ.numel() == 0:
         return []
     i = int(differ[0])
@@ -240,7 +245,7 @@ def check_gradients(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
             compared += 1
             for rank, entry in enumerate(entries):
                 for i, (got, want) in enumerate(zip(entry["outputs"], emulated.outputs[rank], strict=True)):
-                    problems += _difference(f"step {entry['step']} call {index} rank {rank} tensor {i}", got, want)
+                    problems += difference(f"step {entry['step']} call {index} rank {rank} tensor {i}", got, want)
         _, part, _ = part_length(entries[0]["numels"], s)
         two_level = s.nodes > 1 and s.ranks_per_node > 1
         counters = [(q + e.world * part, r + (s.nodes * part if two_level else 0)) for q, r in counters]
@@ -278,13 +283,15 @@ def _emulate_refresh(entry: dict[str, Any], e: Expected, rank: int) -> torch.Ten
     return run
 
 
-def _refresh_schedule(logs: list[dict[str, Any]], e: Expected) -> list[str]:
-    """One refresh per optimizer step when qWD runs (none otherwise), quantized from the start step on, with the
-    config's seed and counters that follow the refreshes before."""
+def refresh_schedule(logs: list[dict[str, Any]], e: RunExpectations, refreshes: bool,
+                     numel: Callable[[dict[str, Any], dict[str, Any]], int]) -> list[str]:
+    """One refresh per optimizer step when the weight store runs (`refreshes`; none otherwise), quantized from the
+    start step on, with the config's seed and counters that follow the refreshes before: a quantized refresh
+    advances the counter by `numel(log, entry)`."""
     problems = []
     for rank, log in enumerate(logs):
         steps = [entry["step"] for entry in log["refresh"]]
-        want = list(range(e.steps)) if e.refreshes else []
+        want = list(range(e.steps)) if refreshes else []
         if steps != want:
             problems.append(f"rank {rank}: refreshes at steps {steps}, expected {want}")
         counter = 0
@@ -296,14 +303,14 @@ def _refresh_schedule(logs: list[dict[str, Any]], e: Expected) -> list[str]:
                 problems.append(f"{where}: rounding seed {entry['seed']} is not derived from seed {e.cfg.seed}")
             if entry["counter"] != counter:
                 problems.append(f"{where}: rounding counter {entry['counter']}, expected {counter}")
-            counter = entry["counter"] + (sum(entry["shard"]) if entry["quantize"] else 0)
+            counter = entry["counter"] + (numel(log, entry) if entry["quantize"] else 0)
     return problems
 
 
 def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str], int]:
     """The refresh schedule, and at the recorded step the full weights every rank serves against the reference
     codec's refresh of every rank's shard. Returns (differences, number of refreshes compared)."""
-    problems = _refresh_schedule(logs, e)
+    problems = refresh_schedule(logs, e, e.refreshes, lambda log, entry: sum(entry["shard"]))
     recorded = [[entry for entry in log["refresh"] if "new" in entry] for log in logs]
     if problems or not any(recorded):
         return problems, 0
@@ -313,7 +320,7 @@ def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
         want = torch.cat([run[offset:offset + ps] for run in runs])[:numel]
         offset += ps
         for rank, entries in enumerate(recorded):
-            problems += _difference(f"rank {rank} serves parameter {index} after the refresh at step "
+            problems += difference(f"rank {rank} serves parameter {index} after the refresh at step "
                                     f"{entry['step']} (quantize={entry['quantize']})", entries[0]["served"][index],
                                     want)
     return problems, len(runs)

@@ -72,7 +72,7 @@ def own_engine(group: Any) -> Any:
 
 def asymmetric(rank: int) -> dict[str, Any]:
     """Rank 0 builds its engine and then messages rank 1, which builds its own only after the message."""
-    from deepspeed_sdp4bit.zero3.shm import segment_path
+    from deepspeed_sdp4bit.core.shm import segment_path
 
     groups = [torch.distributed.new_group([r]) for r in range(2)]
     events = []
@@ -96,7 +96,7 @@ def symmetric(rank: int, world: int) -> dict[str, Any]:
     import deepspeed.comm.comm as ds_comm
 
     import deepspeed_sdp4bit  # noqa: F401  (installs the engine hooks)
-    from deepspeed_sdp4bit.zero3.shm import segment_path
+    from deepspeed_sdp4bit.core.shm import segment_path
 
     seen = {"before_engine": segment_path(rank).exists()}
     engine = H.make_engine(H.ds_config())

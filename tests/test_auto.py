@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepspeed_sdp4bit.config import AUTO_START_STEP, SDP4BitConfigError, parse_config
-from deepspeed_sdp4bit.zero3 import auto
+from deepspeed_sdp4bit.core import auto
 from sdp4bit_cost.shapes import gpt
 from sdp4bit_cost.traffic import Layout, Scheme
 from sdp4bit_testing import zero3_harness as H

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_sdp4bit.zero3 import state
+from deepspeed_sdp4bit.core import checkpoint as state
 
 
 class RunsCodeWhenUnpickled:

@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 
 from deepspeed_sdp4bit.config import SDP4BitConfig, SDP4BitConfigError, parse_config
-from deepspeed_sdp4bit.zero3.activate import checked_block
+from deepspeed_sdp4bit.activate import checked_block
 
 KEYS = list(SDP4BitConfig.model_fields)
 EXAMPLES = 600

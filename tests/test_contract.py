@@ -1,5 +1,5 @@
-"""The contract between collectives/ and zero3/ (collectives/contract.py): every collective offers each method with
-the contract's parameters, and the runtime reaches its collectives through nothing else."""
+"""The contract between collectives/ and the layers above (collectives/contract.py): every collective offers each
+method with the contract's parameters, and the core runtime reaches its collectives through nothing else."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import pytest
 
 from deepspeed_sdp4bit.collectives import contract
 from deepspeed_sdp4bit.collectives.grad_reduce import TLqReducer
+from deepspeed_sdp4bit.collectives.owner_reduce import OwnerReducer
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import GatherHandle, WeightStore
 
-RUNTIME = Path(__file__).resolve().parents[1] / "deepspeed_sdp4bit" / "zero3" / "runtime.py"
+RUNTIME = Path(__file__).resolve().parents[1] / "deepspeed_sdp4bit" / "core" / "runtime.py"
 
 
 def _methods(protocol: type) -> list[str]:
-    """The methods a protocol declares."""
-    return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
+    """The methods a protocol declares, its base protocols' included."""
+    return [name for klass in protocol.__mro__ if klass.__module__ == contract.__name__
+            for name, value in vars(klass).items() if inspect.isfunction(value) and not name.startswith("_")]
 
 
 def _parameters(func: object) -> list[str]:
@@ -30,6 +32,7 @@ def _parameters(func: object) -> list[str]:
     (WeightStore, contract.WeightCollective),
     (DirectQuantGather, contract.WeightCollective),
     (TLqReducer, contract.GradientCollective),
+    (OwnerReducer, contract.OwnerGradientCollective),
     (GatherHandle, contract.InFlightGather),
 ])
 def test_each_collective_has_the_contracts_methods_and_parameters(implementation: type, protocol: type) -> None:
@@ -52,9 +55,10 @@ def _calls_on(attribute: str) -> set[str]:
 
 
 def test_the_runtime_uses_its_collectives_only_through_the_contract() -> None:
-    """`self.weights` and `self.reducer` are typed by the contract; the replica-only parts (verify, checkpoints) go
-    through `self.store`, which names the qWD store."""
+    """`self.weights` and `self.reducer` are typed by the contract (the core runtime only refreshes and resyncs the
+    weights and saves the reducer's state: the stages' integrations run the gathers and reductions); the replica-only
+    parts (verify, checkpoints) go through `self.store`, which names the qWD store."""
     weights, gradients = _calls_on("weights"), _calls_on("reducer")
     assert weights and gradients
     assert weights <= set(_methods(contract.WeightCollective)), weights
-    assert gradients <= set(_methods(contract.GradientCollective)), gradients
+    assert gradients <= set(_methods(contract.GradientState)), gradients

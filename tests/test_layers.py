@@ -51,13 +51,23 @@ def test_no_codec_backend_imports_another() -> None:
     assert not {n for n in imports(PACKAGE / "codec/compiled.py") if n.startswith(codec + "reference")}
 
 
+INTEGRATIONS = ("deepspeed_sdp4bit.zero3", "deepspeed_sdp4bit.zero12")
+
+
 @pytest.mark.parametrize(("folder", "forbidden"), [
-    ("deepspeed_sdp4bit/codec", ("deepspeed_sdp4bit.collectives", "deepspeed_sdp4bit.zero3",
+    ("deepspeed_sdp4bit/codec", ("deepspeed_sdp4bit.collectives", "deepspeed_sdp4bit.core", *INTEGRATIONS,
                                  "deepspeed_sdp4bit.topology", "torch.distributed", "deepspeed.comm")),
-    ("deepspeed_sdp4bit/collectives", ("deepspeed_sdp4bit.zero3", "deepspeed.runtime")),
+    ("deepspeed_sdp4bit/collectives", ("deepspeed_sdp4bit.core", *INTEGRATIONS, "deepspeed.runtime")),
+    ("deepspeed_sdp4bit/core", (*INTEGRATIONS, "deepspeed.runtime.zero", "deepspeed_sdp4bit.activate")),
+    ("deepspeed_sdp4bit/zero3", ("deepspeed_sdp4bit.zero12", "deepspeed.runtime.zero.stage_1_and_2",
+                                 "deepspeed_sdp4bit.activate")),
+    ("deepspeed_sdp4bit/zero12", ("deepspeed_sdp4bit.zero3", "deepspeed.runtime.zero.stage3",
+                                  "deepspeed_sdp4bit.activate")),
 ])
 def test_no_layer_imports_one_below_it(folder: str, forbidden: tuple[str, ...]) -> None:
-    """codec is tensor math (no processes); collectives know torch.distributed, not DeepSpeed's engine."""
+    """codec is tensor math (no processes); collectives know torch.distributed, not DeepSpeed's engine; the core
+    every stage shares knows no ZeRO internals and neither integration; each integration knows its own stage's
+    internals and not the other integration."""
     assert _violations(folder, forbidden) == []
 
 

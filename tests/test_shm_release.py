@@ -61,7 +61,7 @@ def test_another_deepspeed_keeps_its_segments(monkeypatch: pytest.MonkeyPatch) -
     release neither counts in the store nor unlinks anything."""
     import deepspeed
 
-    from deepspeed_sdp4bit.zero3 import shm
+    from deepspeed_sdp4bit.core import shm
 
     def no_store() -> None:
         raise AssertionError("release_workspace used the store on an untested DeepSpeed")

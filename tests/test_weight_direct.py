@@ -146,7 +146,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _weights_seen() -> dict[str, Any]:
     """Per step, every weight tensor the forward saved for backward and the backward read back, by ds_id."""
     engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=QW, grad_accum=GRAD_ACCUM), lr=0.0)
-    served = set(engine.sdp4bit.params)
+    served = set(engine.sdp4bit.units.params)
     seen: list[dict[str, dict[int, list[torch.Tensor]]]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -159,23 +159,23 @@ def _weights_seen() -> dict[str, Any]:
             seen[-1]["backward"].setdefault(t.ds_id, []).append(_bits(t.data))
         return t
 
-    shards_before = {key: _bits(p.ds_tensor) for key, p in engine.sdp4bit.params.items()}
+    shards_before = {key: _bits(p.ds_tensor) for key, p in engine.sdp4bit.units.params.items()}
     for step in range(STEPS):
         seen.append({"forward": {}, "backward": {}})
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             H.train_steps(engine, step, step + 1)
     # the weight matrices autograd saved: every one but the position embedding, which is only indexed
-    matrices = sorted(key for key in seen[0]["forward"] if len(engine.sdp4bit.params[key].ds_shape) == 2)
-    all_matrices = sum(len(p.ds_shape) == 2 for p in engine.sdp4bit.params.values())
+    matrices = sorted(key for key in seen[0]["forward"] if len(engine.sdp4bit.units.params[key].ds_shape) == 2)
+    all_matrices = sum(len(p.ds_shape) == 2 for p in engine.sdp4bit.units.params.values())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     own_exact = {}
     for key in matrices:
-        param = engine.sdp4bit.params[key]
+        param = engine.sdp4bit.units.params[key]
         ps = param.ds_tensor.numel()
         valid = max(0, min(ps, param.ds_numel - rank * ps))
         used = seen[0]["forward"][key][0].view(-1)[rank * ps:rank * ps + valid]
         own_exact[key] = torch.equal(used, _bits(param.ds_tensor).view(-1)[:valid])
-    unchanged = all(torch.equal(shards_before[k], _bits(p.ds_tensor)) for k, p in engine.sdp4bit.params.items())
+    unchanged = all(torch.equal(shards_before[k], _bits(p.ds_tensor)) for k, p in engine.sdp4bit.units.params.items())
     try:
         engine.sdp4bit.verify()
         verify_error = ""
@@ -183,7 +183,7 @@ def _weights_seen() -> dict[str, Any]:
         verify_error = str(error)
     return {"verify_error": verify_error, "seen": seen, "matrices": matrices, "all_matrices": all_matrices, "world": world,
             "weights_unchanged": unchanged, "forward_used_exact_weights": own_exact,
-            "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.params[matrices[-1]])}
+            "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.units.params[matrices[-1]])}
 
 
 def _zeroed_within_a_step(param: torch.nn.Parameter) -> tuple[int, int]:

@@ -20,8 +20,10 @@ from deepspeed_sdp4bit.adapter import (
     check_deepspeed,
     check_param_gather,
 )
+from deepspeed_sdp4bit.core import engine_patches
 from deepspeed_sdp4bit.zero3 import patches
-from deepspeed_sdp4bit.zero3.activate import checked_block
+from deepspeed_sdp4bit.zero12 import patches as zero12_patches
+from deepspeed_sdp4bit.activate import checked_block
 
 pytestmark = pytest.mark.compat  # depends on the DeepSpeed release: run on every tested pair
 
@@ -110,23 +112,31 @@ def test_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         check_deepspeed()
 
 
+HELPERS = {"undo", "gather"}  # inner functions of the patches that replace nothing: an undo, DeepSpeed's own call
+
+
 def _replacements_in_patches() -> set[str]:
-    """Names of the replacement functions patches.py defines inside its process-wide patch_* functions and inside
-    EnginePatches' per-engine methods (undo aside)."""
-    tree = ast.parse(Path(patches.__file__).read_text())
-    engine_patches = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "EnginePatches")
-    outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("patch_")]
-    outer += [f for f in engine_patches.body if isinstance(f, ast.FunctionDef)]
-    return {inner.name for f in outer for inner in ast.walk(f)
-            if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name != "undo"}
+    """Names of the replacement functions the patch modules (core/engine_patches.py, zero3/patches.py,
+    zero12/patches.py) define inside their process-wide patch_* functions and inside their patch sets' per-engine
+    methods (helpers aside)."""
+    found = set()
+    for module in (engine_patches, patches, zero12_patches):
+        tree = ast.parse(Path(module.__file__).read_text())
+        sets = [c for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("EnginePatches", "PatchSet")]
+        outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("patch_")]
+        outer += [f for c in sets for f in c.body if isinstance(f, ast.FunctionDef)]
+        found |= {inner.name for f in outer for inner in ast.walk(f)
+                  if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name not in HELPERS}
+    return found
 
 
 def test_every_patched_symbol_is_checked() -> None:
-    """Every function patches.py installs replaces a symbol that check_deepspeed checks, or the per-parameter gather
-    that check_param_gather checks (a new patch must be added to one of them)."""
+    """Every function the patch modules install replaces a symbol that check_deepspeed checks, or the per-parameter
+    gather that check_param_gather checks (a new patch must be added to one of them)."""
     checked = {path.rsplit(".", 1)[-1].replace("_DeepSpeedZeroOptimizer_Stage3__", "") for _, path, _ in PATCHED_SYMBOLS}
     replacements = _replacements_in_patches()
-    assert "all_gather_coalesced" in replacements and len(replacements) >= 10
+    assert {"all_gather_coalesced", "allreduce_and_scatter", "all_gather_dp_groups"} <= replacements
+    assert len(replacements) >= 14
     assert replacements - {"all_gather_coalesced"} <= checked, replacements - checked
 
 

@@ -144,7 +144,7 @@ def _damaged_state(directory: str) -> dict[str, Any]:
     fresh = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=BLOCK))
     with H.LogCapture() as logged:
         fresh.load_checkpoint(directory, tag="t")
-    largest = max(H.fetch(p).abs().max().item() for p in fresh.sdp4bit.params.values())
+    largest = max(H.fetch(p).abs().max().item() for p in fresh.sdp4bit.units.params.values())
     return {"warnings": logged, "path": path, "largest": largest,
             "checksum_mismatches": fresh.sdp4bit.store.checksum().mismatches,
             "served_unlike_ds_tensor": _served_unlike_ds_tensor(fresh.module), "losses": H.train_steps(fresh, 3, 5)}

@@ -30,7 +30,7 @@ def _needs_cuda() -> None:
 def _bf16_run() -> dict[str, Any]:
     engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=SDP4BIT))
     losses = H.train_steps(engine, 0, 20)
-    return {"losses": losses, "device": str(next(iter(engine.sdp4bit.params.values())).ds_tensor.device),
+    return {"losses": losses, "device": str(next(iter(engine.sdp4bit.units.params.values())).ds_tensor.device),
             "checksum_mismatches": engine.sdp4bit.store.checksum().mismatches, "stats": engine.sdp4bit.stats()}
 
 
@@ -44,7 +44,7 @@ def test_bf16_trains_on_gpu() -> None:
 
 def _weights(engine: Any) -> list[torch.Tensor]:
     runtime = engine.sdp4bit
-    return [runtime.params[k].ds_tensor.detach().clone() for k in sorted(runtime.params)] + \
+    return [runtime.units.params[k].ds_tensor.detach().clone() for k in sorted(runtime.units.params)] + \
         [t.detach().clone() for t in runtime.store.gather(runtime.shards()).wait()]
 
 

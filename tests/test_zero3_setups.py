@@ -46,7 +46,7 @@ def _sent_refresh_bytes(runtime: Any) -> int:
 
     world = torch.distributed.get_world_size()
     return sum(shard_numel(p.ds_numel, world) * torch.empty(0, dtype=getattr(p, "comm_dtype", p.dtype)).element_size()
-               for p in runtime.params.values())
+               for p in runtime.units.params.values())
 
 
 def _lora_model() -> torch.nn.Module:

@@ -48,9 +48,9 @@ def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> li
     runtime, store = engine.sdp4bit, engine.sdp4bit.store
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     slots = world if runtime.config.weight_replica == "rank" else world // runtime.topology.ranks_per_node
-    assert slots * sum(store.shard_numel(k) for k in runtime.params) <= runtime.config.refresh_bucket_size
+    assert slots * sum(store.shard_numel(k) for k in runtime.units.params) <= runtime.config.refresh_bucket_size
     masters, deltas, ws = [], [], []
-    for key, param in runtime.params.items():
+    for key, param in runtime.units.params.items():
         valid, pad = store.valid_numel(key, rank), store.shard_numel(key) - store.valid_numel(key, rank)
         master = safe_get_local_fp32_param(param).detach().reshape(-1)[:valid].float()
         masters.append(torch.nn.functional.pad(master, (0, pad)))
@@ -74,13 +74,13 @@ def _ds_tensors_vs_replicas(runtime: Any) -> tuple[list[str], list[torch.Tensor]
     """Where DeepSpeed's ds_tensor differs from the gathered replica on this rank's shard, per parameter (empty when
     nowhere), and the gathered weights."""
     rank = torch.distributed.get_rank()
-    keys = sorted(runtime.params)
+    keys = sorted(runtime.units.params)
     full = runtime.store.gather(runtime.shards(keys)).wait()
     problems = []
     for key, tensor in zip(keys, full, strict=True):
         shard = runtime.store.shard_numel(key)
         valid = runtime.store.valid_numel(key, rank)
-        own = runtime.params[key].ds_tensor.reshape(-1)[:valid]
+        own = runtime.units.params[key].ds_tensor.reshape(-1)[:valid]
         problems += H.first_difference(runtime.name(key), own, tensor.reshape(-1)[rank * shard:rank * shard + valid],
                                       "ds_tensor vs the gathered replica")
     return problems, full
@@ -108,7 +108,7 @@ def _paper_run(dtype_name: str) -> dict[str, Any]:
     engine = H.make_engine(config)
     log = recording.record(engine, -1)
     losses = H.train_steps(engine, 0, 39)
-    before = {k: engine.sdp4bit.store.own_shard(k).clone() for k in engine.sdp4bit.params}
+    before = {k: engine.sdp4bit.store.own_shard(k).clone() for k in engine.sdp4bit.units.params}
     losses += H.train_steps(engine, 39, 40)
     return {"baseline": baseline, "sdp4bit": losses, "config": config, "log": log, **_invariants(engine, before)}
 
@@ -176,7 +176,7 @@ def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
     engine.load_checkpoint(directory, tag="step20", **options)
     runtime, rank = engine.sdp4bit, torch.distributed.get_rank()
     problems = H.checksum_problems(runtime) + _ds_tensors_vs_replicas(runtime)[0]
-    for key, param in runtime.params.items():
+    for key, param in runtime.units.params.items():
         valid = runtime.store.valid_numel(key, rank)
         master = safe_get_local_fp32_param(param).reshape(-1)[:valid].to(torch.bfloat16)
         problems += H.first_difference(runtime.name(key), master, param.ds_tensor.reshape(-1)[:valid],
@@ -361,7 +361,7 @@ def _corrupt_then_step(replica: str) -> dict[str, Any]:
     H.train_steps(engine, 0, 2)
     store = engine.sdp4bit.store
     if torch.distributed.get_rank() == 1:
-        store._storage.view(-1)[7] += 1.0  # fault injection into private storage: one holder's copy drifts
+        store._storages[0].view(-1)[7] += 1.0  # fault injection into private storage: one holder's copy drifts
     detected = not store.checksum().ok
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)

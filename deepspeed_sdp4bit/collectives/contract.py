@@ -1,8 +1,10 @@
-"""The contract between the quantized collectives and the ZeRO-3 integration: all `zero3/` asks of them.
+"""The contract between the quantized collectives and the layers above them: all the core runtime and the stage
+integrations (`core/`, `zero3/`, `zero12/`) ask of them.
 
-Parameters are named by an integer key (ZeRO-3's `ds_id`), registered on every rank in the same order, and each rank
-holds one shard of every parameter: `sharding.shard_numel(n, world)` contiguous elements of a float dtype (DeepSpeed's
-`ds_tensor`). Everything else (quantization, replicas, rounding streams, byte counts) stays behind these methods.
+Weights are units named by an integer key, registered on every rank in the same order, and each rank holds one shard
+of every unit: `sharding.shard_numel(n, world)` contiguous elements of a float dtype (ZeRO-3: a parameter's
+`ds_tensor`; ZeRO-1/2: a run of this rank's partition of the flat 16-bit buffer, whose other ranks' runs every rank
+holds too). Everything else (quantization, replicas, rounding streams, byte counts) stays behind these methods.
 
 Weights (qWD's `WeightStore`, the qW ablation's `DirectQuantGather`), in the order of a training step:
 - `gather(shards)`: before forward/backward use, start gathering these parameters' full weights; `wait()` on what it
@@ -13,8 +15,9 @@ Weights (qWD's `WeightStore`, the qW ablation's `DirectQuantGather`), in the ord
 `refresh` and `resync` return the values some shards must hold from then on (qWD's w~, which the model computes with);
 the caller writes them into its shards. Both are collective when the collective keeps replicas.
 
-Gradients (TLq's `TLqReducer`): `reduce_scatter_coalesced(tensors, group)` is ZeRO-3's reduce-scatter of one bucket,
-returning this rank's partition of each tensor's mean.
+Gradients: `TLqReducer.reduce_scatter_coalesced(tensors, group)` is ZeRO-3's reduce-scatter of one bucket, returning
+this rank's partition of each tensor's mean; `OwnerReducer.reduce(bucket, runs)` replaces ZeRO-1/2's all-reduce of one
+bucket, returning the sum of the runs this rank owns. The core runtime itself only saves and restores their state.
 
 Both carry their rounding counters through `state_dict` / `load_state_dict`, so a resumed run draws the same numbers.
 """
@@ -63,15 +66,30 @@ class WeightCollective(Protocol):
 
 
 @runtime_checkable
-class GradientCollective(Protocol):
-    """Replaces ZeRO-3's gradient reduce-scatter."""
-
-    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
-                                 group: ProcessGroup | None = None) -> list[torch.Tensor]:
-        """This rank's partition of each tensor's mean over all ranks, in the input dtype."""
+class GradientState(Protocol):
+    """What the core runtime asks of a gradient collective: its rounding counters, for checkpoints."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs (the rounding counters)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` wrote."""
+
+
+@runtime_checkable
+class GradientCollective(GradientState, Protocol):
+    """Replaces ZeRO-3's gradient reduce-scatter."""
+
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
+                                 group: ProcessGroup | None = None) -> list[torch.Tensor]:
+        """This rank's partition of each tensor's mean over all ranks, in the input dtype."""
+
+
+@runtime_checkable
+class OwnerGradientCollective(GradientState, Protocol):
+    """Replaces ZeRO-1/2's gradient all-reduce of one bucket: each rank receives the runs it owns."""
+
+    def reduce(self, bucket: torch.Tensor, runs: Sequence[Any], logical_element_size: int | None = None
+               ) -> torch.Tensor:
+        """The sum over all ranks of the runs (owner, start, numel) this rank owns, concatenated in bucket order, in
+        the bucket's dtype; logical bytes counted at `logical_element_size` per element (default: the bucket's)."""

@@ -223,10 +223,12 @@ class OwnerReducer:
         self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
         self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
 
-    def reduce(self, bucket: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
+    def reduce(self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
+               ) -> torch.Tensor:
         """The SUM over all ranks of the runs this rank owns, concatenated in bucket order, in the bucket's dtype
         (an empty tensor when it owns none). Collective over the world; a bucket without runs exchanges nothing
-        but the layout check."""
+        but the layout check. Logical bytes are counted at `logical_element_size` bytes per element (default: the
+        bucket's dtype), the dtype the unquantized exchange would send (DeepSpeed's communication_data_type)."""
         dtype = _check_bucket(bucket)
         layout = plan_bucket(bucket.numel(), runs, self.topo, self.unit, self.pipeline)
         rank = self.topo.rank
@@ -236,7 +238,7 @@ class OwnerReducer:
         self._check_agreement(layout, dtype, bucket.device)
         if not layout.runs:
             return bucket.new_empty(0)
-        self._account(layout, bucket.element_size())
+        self._account(layout, logical_element_size or bucket.element_size())
         slices = self._reduce(send_buffer(bucket, layout), layout, dtype)
         piece = slices[0] if len(slices) == 1 else torch.cat(slices)
         return piece[:layout.lengths[rank]]

@@ -8,7 +8,10 @@ partly padding). Replica modes (rank r = (node, local) with D ranks per node and
   forward/backward gather it inside the node in full precision.
 
 The storage is slot-major, [slots, total]: slot s holds the shards of one source rank of every parameter, each
-parameter at the same column offset in every slot. A refresh quantizes a bucket (parameters adjacent in the
+parameter at the same column offset in every slot. It may be cut into segments (`begin_segment`), separate tensors
+that no bucket spans, and it is either allocated by the store (`finalize`) or the caller's own (`attach`: ZeRO-1/2's
+flat 16-bit buffers, [W, partition], which every rank holds whole and whose own slot the optimizer overwrites with
+the new weights before each refresh; the store then keeps w~ of its own slot in a snapshot). A refresh quantizes a bucket (parameters adjacent in the
 storage) as one contiguous run, so the quantization groups tile the run across parameter boundaries, as in the
 original. Every holder of a shard, its owner included, changes it only by applying the same received bytes with
 the codec's deterministic `dequantize_add_`, so all copies stay bit-identical. The inputs' padding is never read;
@@ -82,8 +85,8 @@ class ChecksumReport:
 
 @dataclass(frozen=True)
 class _Param:
-    """One registered parameter: its size, shard size, registration order, column offset in every slot, and the
-    bytes per element its logical (unquantized) traffic is counted in."""
+    """One registered parameter: its size, shard size, registration order, column offset in every slot of its
+    storage segment, the bytes per element its logical (unquantized) traffic is counted in, and the segment."""
 
     key: int
     numel: int
@@ -91,6 +94,7 @@ class _Param:
     index: int
     offset: int
     logical_size: int
+    segment: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,11 @@ class _Bucket:
     """Parameters adjacent in the storage, refreshed together: columns [start, stop) of every slot."""
 
     params: tuple[_Param, ...]
+
+    @property
+    def segment(self) -> int:
+        """The storage segment the bucket lies in."""
+        return self.params[0].segment
 
     @property
     def start(self) -> int:
@@ -180,8 +189,9 @@ class WeightStore:
         self._own_slot = topo.rank if replica == "rank" else topo.node
         self._stream = RoundingStream(seed, topo.rank, STAGE_WEIGHT_REFRESH)
         self._params: dict[int, _Param] = {}
-        self._total = 0
-        self._storage: torch.Tensor | None = None
+        self._totals = [0]
+        self._storages: list[torch.Tensor] | None = None
+        self._snapshots: list[torch.Tensor] | None = None  # w~ of the own slot, when the caller writes that slot
 
     # -- registration ---------------------------------------------------------------------------------------
 
@@ -189,28 +199,63 @@ class WeightStore:
         """Register a parameter (same keys, same order, on every rank) before `finalize`. Its logical bytes are
         counted at `logical_element_size` bytes per element (default: the store's dtype), the size the unquantized
         gather it replaces would send (DeepSpeed sends some fp32 parameters in 16 bits under torch_autocast)."""
-        if self._storage is not None:
+        if self._storages is not None:
             raise RuntimeError(f"add(key={key}): the store is already finalized")
         if key in self._params:
             raise ValueError(f"add: key {key} is already registered")
         check_registration(key, numel, logical_element_size)
         size = self._elem if logical_element_size is None else logical_element_size
         per_shard = shard_numel(numel, self._topo.world)
-        self._params[key] = _Param(key, numel, per_shard, len(self._params), self._total, size)
-        self._total += per_shard
+        segment = len(self._totals) - 1
+        self._params[key] = _Param(key, numel, per_shard, len(self._params), self._totals[segment], size, segment)
+        self._totals[segment] += per_shard
+
+    def begin_segment(self) -> None:
+        """Parameters added from now on live in a new storage segment: a tensor of its own, which no bucket spans."""
+        if self._storages is not None:
+            raise RuntimeError("begin_segment: the store is already finalized")
+        if self._totals[-1] == 0:
+            raise RuntimeError("begin_segment: the current segment holds no parameter yet")
+        self._totals.append(0)
 
     def finalize(self) -> None:
-        """Allocate the zeroed [slots, total] replica storage once every parameter is registered."""
-        if self._storage is not None:
+        """Allocate the zeroed [slots, total] replica storage of every segment once every parameter is registered."""
+        if self._storages is not None:
             raise RuntimeError("finalize: the store is already finalized")
-        self._storage = torch.zeros(self._slots, self._total, dtype=self._dtype, device=self._device)
+        self._storages = [torch.zeros(self._slots, total, dtype=self._dtype, device=self._device)
+                          for total in self._totals]
+
+    def attach(self, storages: Sequence[torch.Tensor]) -> None:
+        """Take the caller's tensors as the replica storage, one [slots, total] tensor per segment, instead of
+        allocating it (`finalize`'s alternative, with rank replicas only): every rank holds them whole, as ZeRO-1/2
+        holds its flat 16-bit buffers.
+
+        The caller writes the new weights into this rank's own slot before each refresh (ZeRO-1/2's optimizer step
+        does), so the store keeps w~ of its own slot in a snapshot (one slot of memory), takes the differences
+        against it and writes w~ back into the own slot when it applies them. Between refreshes the own slot must
+        hold w~ again, as every other holder's copy of it does.
+        """
+        if self._storages is not None:
+            raise RuntimeError("attach: the store is already finalized")
+        if self._replica != "rank":
+            raise ValueError(f"attach: the caller's storage holds every rank's slot (rank replicas); this store "
+                             f"has {self._replica!r} replicas")
+        want = [(self._slots, total) for total in self._totals]
+        got = [tuple(t.shape) for t in storages]
+        if got != want or any(t.dtype != self._dtype or t.device.type != self._device.type or not t.is_contiguous()
+                              for t in storages):
+            raise ValueError(f"attach: storages must be contiguous {self._dtype} tensors on {self._device.type} of "
+                             f"shapes {want} (slots x columns per segment); got "
+                             f"{[(tuple(t.shape), t.dtype, t.device.type) for t in storages]}")
+        self._storages = list(storages)
+        self._snapshots = [t[self._own_slot].clone() for t in storages]
 
     # -- sizes and views --------------------------------------------------------------------------------------
 
     def _param(self, key: int) -> _Param:
         """The registered parameter `key`, once the store is finalized."""
-        if self._storage is None:
-            raise RuntimeError("the weight store is used before finalize()")
+        if self._storages is None:
+            raise RuntimeError("the weight store is used before finalize() or attach()")
         try:
             return self._params[key]
         except KeyError:
@@ -228,13 +273,20 @@ class WeightStore:
 
     def _columns(self, p: _Param) -> torch.Tensor:
         """This rank's replica region of `p` as a [slots, shard_numel] view; slot s holds the shard of rank `_source(s)`."""
-        assert self._storage is not None
-        return self._storage[:, p.offset:p.offset + p.shard_numel]
+        assert self._storages is not None
+        return self._storages[p.segment][:, p.offset:p.offset + p.shard_numel]
 
     def _run(self, slot: int, bucket: _Bucket) -> torch.Tensor:
         """The contiguous view of `bucket`'s columns in `slot`."""
-        assert self._storage is not None
-        return self._storage[slot, bucket.start:bucket.stop]
+        assert self._storages is not None
+        return self._storages[bucket.segment][slot, bucket.start:bucket.stop]
+
+    def _reference(self, bucket: _Bucket) -> torch.Tensor:
+        """w~ of this rank's own slot over `bucket`: the own slot itself, or its snapshot where the caller writes the
+        own slot (`attach`)."""
+        if self._snapshots is None:
+            return self._run(self._own_slot, bucket)
+        return self._snapshots[bucket.segment][bucket.start:bucket.stop]
 
     def _slot_of(self, rank: int) -> int:
         """The slot where the shard of world rank `rank` lives on this rank (it must be a holder)."""
@@ -250,8 +302,9 @@ class WeightStore:
         return self._columns(p)[self._own_slot]
 
     def memory_bytes(self) -> int:
-        """Bytes of the persistent replica storage on this rank."""
-        return self._slots * self._total * self._elem
+        """Bytes this store keeps allocated on this rank: the replica storage it allocated, or the snapshots of the
+        own slot of a caller's storage."""
+        return (1 if self._snapshots is not None else self._slots) * sum(self._totals) * self._elem
 
     # -- refresh and resync --------------------------------------------------------------------------------------
 
@@ -300,7 +353,7 @@ class WeightStore:
         """
         run: list[_Param] = []
         for p in params:
-            if run and (p.index != run[-1].index + 1
+            if run and (p.index != run[-1].index + 1 or p.segment != run[0].segment
                         or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel):
                 yield _Bucket(tuple(run))
                 run = []
@@ -373,16 +426,23 @@ class WeightStore:
         Padding is zero in both the run and the own slot, so its differences are exactly 0 and cost no range.
         """
         seed, offset = self._stream.take(bucket.numel)
-        codes, scales = codec.diff_quantize(self._own_values(bucket, new), self._run(self._own_slot, bucket),
+        codes, scales = codec.diff_quantize(self._own_values(bucket, new), self._reference(bucket),
                                             bits=self._bits, group_size=self._group_size,
                                             stochastic=self._stochastic, seed=seed, offset=offset)
         return [codes, scales]
 
     def _apply_deltas(self, bucket: _Bucket, rows: Rows) -> None:
-        """w~ += dequant(delta) over the bucket's run of every received slot (the owner's own slot included)."""
+        """w~ += dequant(delta) over the bucket's run of every received slot (the owner's own slot included: from
+        its snapshot where the caller wrote the new weights there)."""
         for source, (codes, scales) in rows:
+            target = self._run(self._slot_of(source), bucket)
+            own = self._snapshots is not None and source == self._topo.rank
+            if own:
+                target.copy_(self._reference(bucket))
             codec.dequantize_add_(self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits,
                                   group_size=self._group_size)
+            if own:
+                self._reference(bucket).copy_(target)
 
     def _encode_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
         """This rank's own shards of `bucket` in the weight dtype, padding zeroed: [values]."""
@@ -392,6 +452,8 @@ class WeightStore:
         """Overwrite the bucket's run of every received slot with the owner's exact values (padding zero again)."""
         for source, (values,) in rows:
             self._run(self._slot_of(source), bucket).copy_(values)
+            if self._snapshots is not None and source == self._topo.rank:
+                self._reference(bucket).copy_(values)
 
     # -- gather -------------------------------------------------------------------------------------------------
 
@@ -433,7 +495,9 @@ class WeightStore:
         if not params:
             return ChecksumReport(ok=True)
         holders = None if self._replica == "rank" else topo.inter
-        local = column_hashes(self._storage, [p.offset for p in params])
+        assert self._storages is not None
+        local = torch.cat([column_hashes(storage, [p.offset for p in params if p.segment == segment])
+                           for segment, storage in enumerate(self._storages)])
         low, high = local.clone(), local.clone()
         comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")
         comm.all_reduce(high, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")

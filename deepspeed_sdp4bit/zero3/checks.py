@@ -1,8 +1,9 @@
-"""DeepSpeed settings an enabled "sdp4bit" block cannot work with, reported together at initialize.
+"""ZeRO-3 settings an enabled "sdp4bit" block cannot work with, reported together at initialize.
 
-`check_ds_config` reads the DeepSpeed config (with DeepSpeed's own config models, so defaults and DeepSpeed's own
-errors match) before DeepSpeed builds anything; `check_engine` checks what only the built engine shows;
-`check_replica_memory` checks that the weight replicas fit before they are allocated.
+`zero_problems` reads the zero_optimization section (DeepSpeed's own config model, so defaults match) before
+DeepSpeed builds anything (`activate.py` adds what every stage refuses and raises them together); `check_engine`
+checks what only the built engine shows; `check_replica_memory` checks that the weight replicas fit before they are
+allocated.
 """
 
 from __future__ import annotations
@@ -15,33 +16,21 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
-from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from .. import adapter
 from ..collectives import comm
 from ..config import SDP4BitConfig, SDP4BitConfigError
+from ..core.checks import dtype_problems, offload_device, raise_problems
 from ..topology import Topology
 
 
-def _offload_device(offload: object) -> str:
-    """The device name of an offload section ('none' when absent)."""
-    device = getattr(offload, "device", OffloadDeviceEnum.none) if offload is not None else OffloadDeviceEnum.none
-    return getattr(device, "value", str(device))
-
-
-def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
-    """Conflicts with zero_optimization settings."""
-    if zero.stage != 3:
-        return [f"zero_optimization.stage = {zero.stage}: sdp4bit works with ZeRO stage 3 only"]
+def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict[str, Any]) -> list[str]:
+    """Conflicts with ZeRO-3's zero_optimization settings (all of them are there: the rest of `ds_config`, which the
+    stage-1/2 integration reads too, is not)."""
     problems = []
     if cfg.quantized_gradients and not zero.reduce_scatter:
         problems.append("zero_optimization.reduce_scatter = false: sdp4bit.quantized_gradients replaces ZeRO-3's "
                         "reduce-scatter; set reduce_scatter to true")
-    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
-        if getattr(zero, key, False):
-            problems.append(f"zero_optimization.{key} = true: DeepSpeed's ZeRO++ quantization and sdp4bit both "
-                            "replace the same collectives; turn one of them off")
     if cfg.quantized_weights and zero.zero_hpz_partition_size > 1:
         problems.append(f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size}: with "
                         "sdp4bit.quantized_weights the weight replica (sdp4bit.weight_replica) takes hpZ's place; "
@@ -49,56 +38,15 @@ def _zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig) -> list[str]:
     if getattr(zero, "mics_shard_size", -1) > 0:
         problems.append(f"zero_optimization.mics_shard_size = {zero.mics_shard_size}: MiCS shards the parameters "
                         "in its own groups, which sdp4bit's replicas and reductions do not follow; remove it")
-    if _offload_device(zero.offload_param) != "none":
-        problems.append(f"zero_optimization.offload_param.device = {_offload_device(zero.offload_param)!r}: "
+    if offload_device(zero.offload_param) != "none":
+        problems.append(f"zero_optimization.offload_param.device = {offload_device(zero.offload_param)!r}: "
                         "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)")
-    if getattr(zero, "zenflow", None) is not None:
-        problems.append("zero_optimization.zenflow is set: ZenFlow's selective optimizer writes ds_tensor outside "
-                        "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block")
-    if _offload_device(zero.offload_optimizer) == "nvme":
-        problems.append("zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
-                        "supported by sdp4bit; use 'cpu' or 'none'")
     if getattr(zero.offload_optimizer, "super_offload", False):
         problems.append("zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds "
                         "SuperOffloadOptimizer_Stage3 instead of its standard ZeRO-3 optimizer "
                         "DeepSpeedZeroOptimizer_Stage3, the one sdp4bit works with; remove super_offload or the "
                         "sdp4bit block")
     return problems
-
-
-def _section(ds_config: dict[str, Any], key: str) -> None:
-    """A DeepSpeed section that is not an object (null included) would fail deep inside DeepSpeed; name it instead.
-
-    zero_optimization may also be a boolean (DeepSpeed's deprecated form)."""
-    allowed = (dict, bool) if key == "zero_optimization" else (dict,)
-    if key in ds_config and not isinstance(ds_config[key], allowed):
-        raise SDP4BitConfigError(f"{key} = {ds_config[key]!r}: DeepSpeed expects a JSON object of settings here")
-
-
-def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
-    """Raise SDP4BitConfigError for DeepSpeed settings that conflict with the block, before DeepSpeed builds.
-
-    DeepSpeed's own checks of what is read here come first, so that its errors reach the user with its messages,
-    as DeepSpeed would raise them a moment later: the keys it has removed (e.g. zero_optimization.mics_shard_size),
-    then its models of the zero_optimization and compile sections (an invalid one raises DeepSpeed's validation
-    error naming the field).
-    """
-    from deepspeed.compile.config import (
-        CompileConfig,  # here: DeepSpeed releases before DeepCompile lack the module
-    )
-    adapter.reject_removed_config_keys(ds_config)
-    _section(ds_config, "zero_optimization")
-    _section(ds_config, "compile")
-    problems = _zero_problems(get_zero_config(ds_config), cfg)
-    if CompileConfig(**ds_config.get("compile", {})).deepcompile:
-        problems.append("compile.deepcompile = true: DeepCompile's own ZeRO-3 ops bypass sdp4bit; turn it off")
-    _raise(problems)
-
-
-def _raise(problems: list[str]) -> None:
-    """One SDP4BitConfigError listing every problem, if there are any."""
-    if problems:
-        raise SDP4BitConfigError("sdp4bit cannot run with this DeepSpeed configuration:\n  " + "\n  ".join(problems))
 
 
 def _engine_problems(engine: object) -> list[str]:
@@ -159,22 +107,14 @@ def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
 
 def _dtype_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
     """One parameter dtype for the replicas; only float dtypes the codec handles."""
-    dtypes = {p.dtype for g in engine.optimizer.fp16_groups for p in g}
-    if cfg.quantized_weights and len(dtypes) > 1:
-        return [f"trainable parameters have dtypes {sorted(map(str, dtypes))}: sdp4bit.quantized_weights needs one "
-                "parameter dtype"]
-    if dtypes - {torch.float32, torch.bfloat16, torch.float16}:
-        return [f"parameter dtypes {sorted(map(str, dtypes))}: only float32, bfloat16 and float16 are supported"]
-    return []
+    return dtype_problems({p.dtype for g in engine.optimizer.fp16_groups for p in g}, cfg, "trainable parameters")
 
 
 def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
-    """Raise SDP4BitConfigError for what the built engine shows: stage, optimizer class, groups, dtypes."""
-    if engine.zero_optimization_stage() != 3:
-        _raise([f"zero_optimization.stage = {engine.zero_optimization_stage()}: sdp4bit works with ZeRO stage 3 "
-                "only"])
+    """Raise SDP4BitConfigError for what the built engine shows: optimizer class, groups, dtypes."""
     problems = _engine_problems(engine)
-    _raise(problems or _dtype_problems(engine, cfg) or _device_problems(engine, cfg) or _master_problems(engine, cfg))
+    raise_problems(problems or _dtype_problems(engine, cfg) or _device_problems(engine, cfg)
+                   or _master_problems(engine, cfg))
 
 
 def _free_bytes() -> int:

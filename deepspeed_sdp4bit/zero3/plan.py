@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..config import SDP4BitConfig
+from ..core.plan import MIN_SERVED_SHARE, Change, Coverage, Plan, inert_notes, weights_off
 from ..topology import Topology
 
-MIN_SERVED_SHARE = 0.9
+__all__ = ["Change", "Coverage", "ParamFacts", "Plan", "make_plan", "param_facts"]
 
 
 @dataclass(frozen=True)
@@ -54,43 +55,6 @@ class ParamFacts:
         return self.sent_element_size if self.sent_element_size != self.element_size else None
 
 
-@dataclass(frozen=True)
-class Coverage:
-    """Elements of the model's ZeRO-3 parameters: all, served by SDP4Bit's weight path, persistent, frozen."""
-
-    total: int
-    served: int
-    persistent: int
-    frozen: int
-
-    @property
-    def share(self) -> float:
-        """Fraction of the model's elements whose gathers SDP4Bit serves."""
-        return self.served / self.total if self.total else 0.0
-
-
-@dataclass(frozen=True)
-class Change:
-    """One setting of the block that applies differently to this engine, and why."""
-
-    key: str
-    written: Any
-    applied: Any
-    reason: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The block as written and as applied, the served parameters (ds_id order) and the notes for the log."""
-
-    block: SDP4BitConfig
-    effective: SDP4BitConfig
-    changes: tuple[Change, ...]
-    served: tuple[ParamFacts, ...]
-    coverage: Coverage
-    notes: tuple[str, ...]
-
-
 def param_facts(engine: Any) -> list[ParamFacts]:
     """The facts of every ZeRO-3 parameter of the engine's model (DeepSpeed's `ds_*` attributes, the optimizer's
     fp16 groups, torch_autocast's `comm_dtype`)."""
@@ -116,17 +80,11 @@ def make_plan(block: SDP4BitConfig, topology: Topology, params: Sequence[ParamFa
     cover = Coverage(total=sum(p.numel for p in params), served=sum(p.numel for p in served),
                      persistent=sum(p.numel for p in params if p.persistent),
                      frozen=sum(p.numel for p in params if not p.persistent and not p.requires_grad))
-    notes = list(_inert_notes(block))
+    notes = inert_notes(block)
     effective, changes, weight_notes = _weight_settings(block, topology, cover, persistence_threshold)
     notes += weight_notes + _autocast_notes(effective, served)
     return Plan(block=block, effective=effective, changes=tuple(changes), served=served, coverage=cover,
                 notes=tuple(notes))
-
-
-def _inert_notes(block: SDP4BitConfig) -> list[str]:
-    """The block's settings that this run does not use."""
-    inert = block.inert_keys()
-    return [f"sdp4bit: these settings have no effect in this block: {'; '.join(inert)}"] if inert else []
 
 
 def _weight_settings(block: SDP4BitConfig, topology: Topology, cover: Coverage, threshold: int
@@ -141,21 +99,16 @@ def _weight_settings(block: SDP4BitConfig, topology: Topology, cover: Coverage, 
              "(about 10 x the hidden size keeps only biases and norms persistent) to serve more")
     if cover.served == 0:
         reason = f"it {share.split(' ', 1)[1]}"
-        return _weights_off(block, reason, f"sdp4bit: quantized_weights is off for this engine: {reason}")
+        return weights_off(block, reason, f"sdp4bit: quantized_weights is off for this engine: {reason}")
     notes = [f"sdp4bit: {share}"] if cover.share < MIN_SERVED_SHARE else []
     if block.weight_quantization == "difference" and block.weight_replica == "node" and topology.nodes == 1:
         reason = (f"weight_replica = 'node' on a single node ({topology.describe()}) holds only each rank's own shards "
                   "and sends no weight bytes across nodes, so 4-bit weight differences would add quantization error "
                   "and save nothing; DeepSpeed gathers the weights in full precision")
-        return _weights_off(block, reason, f"sdp4bit: quantized_weights is off for this run: {reason}. Set "
+        return weights_off(block, reason, f"sdp4bit: quantized_weights is off for this run: {reason}. Set "
                                            "weight_replica to 'rank' to quantize the weight traffic inside one node "
                                            "(one more copy of the model per rank), or run on several nodes")
     return block, [], notes
-
-
-def _weights_off(block: SDP4BitConfig, reason: str, note: str) -> tuple[SDP4BitConfig, list[Change], list[str]]:
-    return (block.model_copy(update={"quantized_weights": False}), [Change("quantized_weights", True, False, reason)],
-            [note])
 
 
 def _autocast_notes(effective: SDP4BitConfig, served: Sequence[ParamFacts]) -> list[str]:

@@ -24,8 +24,10 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from .. import adapter
 from ..collectives import comm
+from ..core.engine_patches import original
+from ..core.runtime import Runtime
 from . import patches
-from .runtime import SDP4BitRuntime
+from .serving import Zero3Serving
 
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
@@ -52,8 +54,8 @@ def _difference(what: str, got: torch.Tensor, expected: torch.Tensor) -> str | N
             f"{got.reshape(-1)[index].item()!r}, expected {expected.reshape(-1)[index].item()!r}")
 
 
-def _smallest(runtime: SDP4BitRuntime) -> tuple[int, torch.nn.Parameter]:
-    return min(runtime.params.items(), key=lambda item: (item[1].ds_numel, item[0]))
+def _smallest(runtime: Runtime) -> tuple[int, torch.nn.Parameter]:
+    return min(runtime.units.params.items(), key=lambda item: (item[1].ds_numel, item[0]))
 
 
 @contextlib.contextmanager
@@ -69,7 +71,7 @@ def _gathered(param: torch.nn.Parameter) -> Iterator[None]:
         param.partition()
 
 
-def _replica_weights(runtime: SDP4BitRuntime, key: int, param: torch.nn.Parameter) -> torch.Tensor:
+def _replica_weights(runtime: Runtime, key: int, param: torch.nn.Parameter) -> torch.Tensor:
     """The full weight as every rank's replica shard holds it, gathered in full precision."""
     shard = runtime.store.own_shard(key).contiguous()
     full = torch.empty(shard.numel() * runtime.topology.world, dtype=shard.dtype, device=shard.device)
@@ -77,7 +79,7 @@ def _replica_weights(runtime: SDP4BitRuntime, key: int, param: torch.nn.Paramete
     return full[:param.ds_numel].view(param.ds_shape)
 
 
-def _check_gather(runtime: SDP4BitRuntime, key: int, param: torch.nn.Parameter) -> str | None:
+def _check_gather(runtime: Runtime, key: int, param: torch.nn.Parameter) -> str | None:
     expected = _replica_weights(runtime, key, param)
     return _difference(f"the weight gather of {runtime.name(key)}", param.data, expected)
 
@@ -88,10 +90,10 @@ def _test_gradient(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
     return values.to(dtype=param.dtype, device=param.device)
 
 
-def _reduced_by_deepspeed(runtime: SDP4BitRuntime, param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_by_deepspeed(runtime: Runtime, param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     """This rank's partition of the gradient as DeepSpeed's own __avg_scatter_grads reduces it, TLq forced on."""
     optimizer = runtime.engine.optimizer
-    avg_scatter = patches.original(getattr(optimizer, _AVG_SCATTER))
+    avg_scatter = original(getattr(optimizer, _AVG_SCATTER))
     param.grad = grad
     try:
         with patches.reducing_with(_ForcedReduction(runtime.reducer)):
@@ -100,7 +102,7 @@ def _reduced_by_deepspeed(runtime: SDP4BitRuntime, param: torch.nn.Parameter, gr
         param.grad = None
 
 
-def _reduced_directly(runtime: SDP4BitRuntime, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_directly(runtime: Runtime, grad: torch.Tensor) -> torch.Tensor:
     """The same reduction by TLq itself, with DeepSpeed's documented casts around it."""
     optimizer = runtime.engine.optimizer
     factor = optimizer.gradient_predivide_factor if optimizer.postscale_gradients else 1.0
@@ -112,7 +114,7 @@ def _reduced_directly(runtime: SDP4BitRuntime, grad: torch.Tensor) -> torch.Tens
     return reduced.to(adapter.reduced_gradient_dtype(optimizer))
 
 
-def _check_reduction(runtime: SDP4BitRuntime, key: int, param: torch.nn.Parameter) -> str | None:
+def _check_reduction(runtime: Runtime, key: int, param: torch.nn.Parameter) -> str | None:
     streams = (runtime.reducer.quant_stream, runtime.reducer.requant_stream)
     saved = [s.state_dict() for s in streams]
     grad = _test_gradient(param, runtime.topology.rank)
@@ -125,18 +127,18 @@ def _check_reduction(runtime: SDP4BitRuntime, key: int, param: torch.nn.Paramete
     return _difference(f"the gradient reduction of {runtime.name(key)}", got, expected)
 
 
-def _agreed(problems: list[str], runtime: SDP4BitRuntime) -> bool:
+def _agreed(problems: list[str], runtime: Runtime) -> bool:
     """Whether every rank passed (one all-reduce, so that all ranks stop together)."""
     flag = torch.tensor([int(bool(problems))], dtype=torch.int32, device=get_accelerator().current_device_name())
     comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_self_test")
     return not int(flag.item())
 
 
-def run(runtime: SDP4BitRuntime) -> list[str]:
+def run(runtime: Runtime, serving: Zero3Serving) -> list[str]:
     """Run the self-test (collective); returns what it checked, or raises SDP4BitCompatError naming what differed."""
     key, param = _smallest(runtime)
     checked, problems = [], []
-    if runtime.store is not None and runtime.manages(param):
+    if runtime.store is not None and serving.manages(param):
         with _gathered(param):
             problems.append(_check_gather(runtime, key, param))
             checked.append("a weight gather")

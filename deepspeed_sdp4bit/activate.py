@@ -2,15 +2,20 @@
 
 `initialize` has deepspeed.initialize's signature. When the DeepSpeed config holds an enabled "sdp4bit" block and
 DeepSpeed will build an engine with an optimizer, it validates the block and the DeepSpeed settings it needs and
-builds the topology, all before DeepSpeed builds anything; then it builds the engine with DeepSpeed, checks what
-only the built engine shows, builds the collectives, patches the engine (see patches.py) and syncs the replicas in
-full precision. An engine without an optimizer (evaluation or inference with the training config) is built by
+builds the topology, all before DeepSpeed builds anything; then it builds the engine with DeepSpeed and hands it to
+the integration of its ZeRO stage (`zero3/` for stage 3, `zero12/` for stages 1 and 2), which checks what only the
+built engine shows, builds the runtime and its collectives, patches the engine's seams and syncs the replicas in full
+precision. An engine without an optimizer (evaluation or inference with the training config) is built by
 DeepSpeed unchanged, with one line saying so; without an enabled block it is deepspeed.initialize unchanged.
 `import deepspeed_sdp4bit` routes plain `deepspeed.initialize` calls (HF Trainer, Accelerate) through it, and
 watches every DeepSpeedEngine built: a model whose parameters a live SDP4Bit engine still serves is refused, an
 engine built with an enabled block but without SDP4Bit (an initialize imported before this package) is reported,
 and after the first engine the names of DeepSpeed's CPU shared-memory segments, which DeepSpeed never removes, are
-released (shm.py).
+released (core/shm.py).
+
+The refusals every stage shares are here: a stage without an SDP4Bit integration (0), DeepSpeed features that
+replace or bypass the collectives SDP4Bit serves (ZeRO++ quantization, DeepCompile, ZenFlow, NVMe swapping); each
+stage's integration adds its own (`zero_problems`), and all are raised together, naming the keys.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from .. import adapter, codec
-from ..config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
-from ..log import logger
-from ..topology import Topology, build_topology
-from . import patches, selftest, shm
-from .checks import check_ds_config, check_engine
-from .runtime import SDP4BitRuntime
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+
+from . import adapter, codec, zero3, zero12
+from .config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
+from .core import engine_patches, shm
+from .core.checks import offload_device, raise_problems
+from .core.runtime import Runtime
+from .log import logger
+from .topology import Topology, build_topology
 
 _CREATED = itertools.count()
+STAGES = (1, 2, 3)
 
 
 def _load_config(config: Any) -> dict[str, Any] | None:
@@ -76,10 +84,67 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
     return cfg
 
 
-def _check_supported(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> None:
-    """The DeepSpeed version and the symbols this package patches, then the DeepSpeed settings the block needs."""
+def _integration(stage: int) -> Any:
+    """The integration of a ZeRO stage (zero3 or zero12)."""
+    return zero3 if stage == 3 else zero12
+
+
+def _section(ds_config: dict[str, Any], key: str) -> None:
+    """A DeepSpeed section that is not an object (null included) would fail deep inside DeepSpeed; name it instead.
+
+    zero_optimization may also be a boolean (DeepSpeed's deprecated form)."""
+    allowed = (dict, bool) if key == "zero_optimization" else (dict,)
+    if key in ds_config and not isinstance(ds_config[key], allowed):
+        raise SDP4BitConfigError(f"{key} = {ds_config[key]!r}: DeepSpeed expects a JSON object of settings here")
+
+
+def _common_problems(zero: DeepSpeedZeroConfig) -> list[str]:
+    """zero_optimization settings no stage of SDP4Bit can serve."""
+    problems = []
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if getattr(zero, key, False):
+            problems.append(f"zero_optimization.{key} = true: DeepSpeed's ZeRO++ quantization and sdp4bit both "
+                            "replace the same collectives; turn one of them off")
+    if getattr(zero, "zenflow", None) is not None:
+        problems.append("zero_optimization.zenflow is set: ZenFlow's selective optimizer writes the weights outside "
+                        "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block")
+    if offload_device(zero.offload_optimizer) == "nvme":
+        problems.append("zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
+                        "supported by sdp4bit; use 'cpu' or 'none'")
+    return problems
+
+
+def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> int:
+    """Raise SDP4BitConfigError for DeepSpeed settings that conflict with the block, before DeepSpeed builds; returns
+    the ZeRO stage.
+
+    DeepSpeed's own checks of what is read here come first, so that its errors reach the user with its messages,
+    as DeepSpeed would raise them a moment later: the keys it has removed (e.g. zero_optimization.mics_shard_size),
+    then its models of the zero_optimization and compile sections (an invalid one raises DeepSpeed's validation
+    error naming the field).
+    """
+    from deepspeed.compile.config import (
+        CompileConfig,  # here: DeepSpeed releases before DeepCompile lack the module
+    )
+    adapter.reject_removed_config_keys(ds_config)
+    _section(ds_config, "zero_optimization")
+    _section(ds_config, "compile")
+    zero = get_zero_config(ds_config)
+    if zero.stage not in STAGES:
+        raise_problems([f"zero_optimization.stage = {zero.stage}: sdp4bit works with ZeRO stages 1, 2 and 3 (it "
+                        "replaces the collectives of DeepSpeed's ZeRO optimizers); set the stage to 1, 2 or 3"])
+    problems = _common_problems(zero) + _integration(zero.stage).zero_problems(zero, cfg, ds_config)
+    if CompileConfig(**ds_config.get("compile", {})).deepcompile:
+        problems.append("compile.deepcompile = true: DeepCompile's own ZeRO ops bypass sdp4bit; turn it off")
+    raise_problems(problems)
+    return zero.stage
+
+
+def _check_supported(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> int:
+    """The DeepSpeed version and the symbols this package patches, then the DeepSpeed settings the block needs;
+    returns the ZeRO stage."""
     adapter.check_deepspeed()
-    check_ds_config(ds_config, cfg)
+    return check_ds_config(ds_config, cfg)
 
 
 def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
@@ -115,10 +180,9 @@ def _log_inactive() -> None:
     """The one line (rank 0) saying that an engine without an optimizer was built by DeepSpeed alone, and why."""
     if dist.get_rank() == 0:
         logger.info("sdp4bit inactive for this engine: deepspeed.initialize got no optimizer and the config names "
-                    "no optimizer type, so DeepSpeed built it without one (a DeepSpeedZeRoOffload, as for evaluation "
-                    "or inference). SDP4Bit works in DeepSpeed's ZeRO-3 optimizer (its gradient reduce-scatter and "
-                    "the weight updates the replicas follow), which this engine does not have: all its "
-                    "communication, the parameter gathers included, is DeepSpeed's own")
+                    "no optimizer type, so DeepSpeed built it without one (as for evaluation or inference). SDP4Bit "
+                    "works in DeepSpeed's ZeRO optimizers (their gradient reductions and the weight updates the "
+                    "replicas follow), which this engine does not have: all its communication is DeepSpeed's own")
 
 
 def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
@@ -139,7 +203,7 @@ def _build_topology(cfg: SDP4BitConfig) -> Topology:
 def _refuse_served_model(model: Any) -> None:
     """A new engine on parameters a live SDP4Bit engine still serves would train on that engine's replicas."""
     parameters = model.parameters() if hasattr(model, "parameters") else ()
-    owners = sorted({patches.owner(p) for p in parameters} - {None}, key=lambda r: r.created)
+    owners = sorted({engine_patches.owner(p) for p in parameters} - {None}, key=lambda r: r.created)
     if owners:
         raise SDP4BitConfigError(
             f"this model's parameters are still served by {owners[0].describe()}, which was not destroyed: a new "
@@ -172,40 +236,21 @@ def _after_engine_init(engine: Any, activating: bool) -> None:
     shm.release_workspace()
 
 
-def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None) -> SDP4BitRuntime:
-    """Install SDP4Bit into a built ZeRO-3 engine and sync the replicas; returns the runtime (engine.sdp4bit).
+def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None) -> Runtime:
+    """Install SDP4Bit into a built ZeRO engine and sync the replicas; returns the runtime (engine.sdp4bit).
 
     `topology` is the layout checked before the engine was built (built here, collectively, when not given)."""
-    check_engine(engine, cfg)
+    integration = _integration(engine.zero_optimization_stage())
+    integration.check_engine(engine, cfg)
     _refuse_served_model(engine.module)
     began = time.perf_counter()
     backend = codec.prepare(engine.device)
     codec_s = time.perf_counter() - began
     topology = _build_topology(cfg) if topology is None else topology
-    runtime = SDP4BitRuntime(engine, cfg, topology, created=next(_CREATED))
-    engine_patches = patches.EnginePatches(engine, runtime)
-    engine_patches.install()
-    runtime.begin()
-    if adapter.support() is adapter.Support.NEWER:
-        _self_test(runtime, engine_patches)
+    runtime = integration.activate(engine, cfg, topology, next(_CREATED))
     engine.sdp4bit = runtime
-    _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s")
+    _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s", integration.describe(runtime))
     return runtime
-
-
-def _self_test(runtime: SDP4BitRuntime, engine_patches: patches.EnginePatches) -> None:
-    """On a DeepSpeed newer than the tested range: the self-test, then one warning naming the release; a failure
-    gives the model back to DeepSpeed and stops (collective)."""
-    try:
-        checked = selftest.run(runtime)
-    except adapter.SDP4BitCompatError:
-        engine_patches.release()
-        raise
-    if runtime.topology.rank == 0:
-        logger.warning(f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "
-                       f"{adapter.SUPPORTED} (tested: {', '.join(adapter.TESTED)}); it passed the self-test "
-                       f"({' and '.join(checked) or 'nothing served at initialize'} through DeepSpeed's own path, "
-                       f"bit for bit), so training goes on. {adapter.STRICT_VARIABLE}=1 refuses such a release")
 
 
 def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
@@ -222,25 +267,24 @@ def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
     return f"{intra}, then {inter}"
 
 
-def _log_activation(runtime: SDP4BitRuntime, codec_status: str) -> None:
-    """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype."""
+def _log_activation(runtime: Runtime, codec_status: str, stage: dict[str, str]) -> None:
+    """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype;
+    `stage` holds the stage's own words (integration.describe): its weights, the memory they take, the gradient
+    collective it replaces."""
     topo, cfg = runtime.topology, runtime.config
-    replica = f"replica {cfg.weight_replica}" if runtime.store else "no replica"
-    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, {replica}"
-               if runtime.store or runtime.direct else "not quantized (DeepSpeed's own gathers)")
+    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, {stage['weights']}"
+               if runtime.store or runtime.direct else f"not quantized (DeepSpeed's own {stage['gather']})")
     grads = (f"{_gradient_levels(topo, cfg)}, hadamard {cfg.hadamard_transform}, pipeline "
-             f"{cfg.gradient_alltoall_pipeline}" if runtime.reducer
-             else "not quantized (DeepSpeed's own reduce-scatter)")
+             f"{cfg.gradient_alltoall_pipeline}, instead of {stage['reduction']}" if runtime.reducer
+             else f"not quantized (DeepSpeed's own {stage['reduction']})")
     comm_dtype = str(runtime.engine.communication_data_type).removeprefix("torch.")
-    start = (f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-3 and are timed, then only the parts that pay "
-             f"stay on" if runtime.auto else f"quantization from step {cfg.start_step}")
-    memory = runtime.store.memory_bytes() if runtime.store else 0
+    start = (f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-{runtime.stage} and are timed, then only the "
+             f"parts that pay stay on" if runtime.auto else f"quantization from step {cfg.start_step}")
     served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
     if topo.rank == 0:
-        logger.info(f"sdp4bit active: topology {topo.describe()}; codec {codec_status}; weights {weights} "
-                    f"({len(runtime.params)} params, {served:.1%} of the model's elements, replica "
-                    f"{memory / 2**20:.1f} MiB/rank); gradients {grads}, from {comm_dtype} "
-                    f"(communication_data_type); {start}")
+        logger.info(f"sdp4bit active on ZeRO stage {runtime.stage}: topology {topo.describe()}; codec {codec_status}; "
+                    f"weights {weights} ({stage['units']}, {served:.1%} of the model's elements, {stage['memory']}); "
+                    f"gradients {grads}, from {comm_dtype} (communication_data_type); {start}")
 
 
 def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
@@ -252,22 +296,22 @@ def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
         return original(*args, **kwargs)
     arguments = _arguments(original, args, kwargs)
     if _without_optimizer(arguments, ds_config):
-        result = patches.activating(original, args, kwargs)
+        result = engine_patches.activating(original, args, kwargs)
         _log_inactive()
         return result
     _check_supported(ds_config, cfg)
     topology = _topology(arguments, cfg)
-    result = patches.activating(original, args, kwargs)
+    result = engine_patches.activating(original, args, kwargs)
     activate_engine(result[0], cfg, topology)
     return result
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:
     """deepspeed.initialize with SDP4Bit activated by the config's "sdp4bit" block (same signature and return)."""
-    return _activate(patches.original_initialize(), args, kwargs)
+    return _activate(engine_patches.original_initialize(), args, kwargs)
 
 
 def install_initialize_hook() -> None:
     """Make plain deepspeed.initialize calls activate SDP4Bit, and watch every engine built (idempotent)."""
-    patches.patch_initialize(_activate)
-    patches.patch_engine_init(_refuse_served_model, _after_engine_init)
+    engine_patches.patch_initialize(_activate)
+    engine_patches.patch_engine_init(_refuse_served_model, _after_engine_init)

@@ -1,8 +1,10 @@
 """SDP4Bit's part of a DeepSpeed checkpoint: its format version, its integrity digest, and unreadable files.
 
-Every rank saves its state inside its own DeepSpeed model-states file (`client_state["sdp4bit"]`): this rank's shards
-of the model weights w~ and the stochastic-rounding counters, with a digest over all of it. A state whose digest no
-longer matches was damaged after it was written, and is never applied.
+Every rank's state goes into DeepSpeed's model-states file as client state (`client_state["sdp4bit"]`): with ZeRO-3
+each rank writes its own file, holding this rank's shards of the model weights w~ and the stochastic-rounding
+counters; with ZeRO-1/2 rank 0 alone writes one, holding every rank's counters (the 16-bit model it saves is w~
+itself). Each rank's state carries a digest over all of it; a state whose digest no longer matches was damaged after
+it was written, and is never applied.
 
 The digest detects accidental damage (a truncated or partly rewritten file, flipped bits), not tampering: it is an
 unkeyed hash stored beside what it covers, so whoever can write the file can write a matching digest. Nor does it
@@ -19,6 +21,12 @@ import zipfile
 from typing import Any
 
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import ReduceOp
+
+from ..collectives import comm
+from ..log import logger
+from ..topology import Topology
 
 STATE_VERSION = 3
 CLIENT_STATE_KEY = "sdp4bit"
@@ -88,3 +96,49 @@ def why_unreadable(path: str) -> str | None:
     except (OSError, zipfile.BadZipFile, EOFError) as exc:  # the caller names the file
         return f"{type(exc).__name__}: {exc}"
     return None if corrupt is None else f"its entry {corrupt} does not match its CRC (the file was damaged)"
+
+
+_INTACT, _MISSING, _DAMAGED = 0, 1, 2  # per rank, what a checkpoint load found
+
+
+def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
+    """Whether every rank loaded an intact sdp4bit state (one all-reduce; the same answer on every rank).
+
+    A state that is missing on some rank or damaged is ignored on all ranks, with a warning naming the files;
+    the replicas then start from the weights DeepSpeed loaded. `source` is this rank's model-states file.
+    """
+    rank = topology.rank
+    problem = "no sdp4bit state" if saved is None else why_unusable(saved)
+    found = torch.zeros(topology.world, dtype=torch.int32, device=get_accelerator().current_device_name())
+    found[rank] = _INTACT if problem is None else (_MISSING if saved is None else _DAMAGED)
+    comm.all_reduce(found, None, ReduceOp.MAX, "sdp4bit_checkpoint_state")
+    status = found.tolist()
+    if not any(status):
+        return True
+    damaged = [r for r, what in enumerate(status) if what == _DAMAGED]
+    if status[rank] == _DAMAGED:
+        logger.warning(f"sdp4bit: {source}: the sdp4bit state saved by rank {rank} is unusable: {problem}")
+    if rank == 0 and damaged:
+        logger.warning(f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
+                       "rank and the replicas start from the weights DeepSpeed loaded (a full-precision resync): "
+                       "training continues correctly, but not bit for bit like an uninterrupted run")
+    elif rank == 0:
+        logger.warning(f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
+                       f"{[r for r, what in enumerate(status) if what]} (written without sdp4bit?); starting the "
+                       "replicas from the loaded weights")
+    return False
+
+
+def check_layout(saved: dict[str, Any], world: int, ranks_per_node: int, parts: dict[str, tuple[str, bool]]) -> None:
+    """The saved state must come from the same layout and the same quantized parts (the same on every rank):
+    `parts` maps each state key to (the block setting that writes it, whether this run has it on)."""
+    layout = (saved["world"], saved["ranks_per_node"])
+    if layout != (world, ranks_per_node):
+        raise RuntimeError(f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
+                           f"this run has {world} and {ranks_per_node}")
+    for key, (setting, here) in parts.items():
+        saved_on = key in saved
+        if saved_on != here:
+            raise RuntimeError(f"sdp4bit checkpoint and this run disagree on {setting}: "
+                               f"{'on' if saved_on else 'off'} when it was saved, {'on' if here else 'off'} now; "
+                               "load with the same sdp4bit block")

@@ -2,13 +2,14 @@
 
 At initialize the job times all-gathers over its inter- and intra-node groups (`collectives.probe`) and its codec on
 a gradient-sized buffer. The optimizer steps before the start step (`SDP4BitConfig.start_step`) run as plain
-ZeRO-3, every gather and reduction DeepSpeed's own, and their wall-clock times (from the second step on) are
-recorded. At the last of them the cost model (`sdp4bit_cost.timing`) is fitted to this job: the compute per
-micro-batch is the value for which it predicts the measured plain step with the measured link rates. It then predicts
-every combination of the block's parts (weight differences, gradients) and switches on the fewest whose predicted
-step is within `TOLERANCE` of the fastest, or none. The numbers are all-reduced (the slowest rank's time, the slowest
-link and codec) and rank 0's decision is broadcast, so every rank takes the same one. The decision is logged in
-one line, kept in `engine.sdp4bit.stats()["auto"]` and saved in checkpoints, so a resumed job keeps it.
+DeepSpeed (ZeRO-3, or ZeRO-1/2: `JobFacts.stage`), every gather and reduction DeepSpeed's own, and their wall-clock
+times (from the second step on) are recorded. At the last of them the cost model (`sdp4bit_cost.timing`) is fitted
+to this job: the compute per micro-batch is the value for which it predicts the measured plain step with the measured
+link rates. It then predicts every combination of the block's parts (weight differences, gradients) and switches on
+the fewest whose predicted step is within `TOLERANCE` of the fastest, or none. The numbers are all-reduced (the
+slowest rank's time, the slowest link and codec) and rank 0's decision is broadcast, so every rank takes the same
+one. The decision is logged in one line, kept in `engine.sdp4bit.stats()["auto"]` and saved in checkpoints, so a
+resumed job keeps it.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ class Decision:
         return cls(**{**fields, "measured": Measurements(**saved["measured"]), "source": "checkpoint"})
 
 
-def label(weights: bool, gradients: bool) -> str:
-    """A combination's name in the log and in `predicted`."""
-    return {(False, False): "ZeRO-3", (True, False): "qWD", (False, True): "TLq",
+def label(weights: bool, gradients: bool, stage: int = 3) -> str:
+    """A combination's name in the log and in `predicted` (none on: the plain ZeRO stage)."""
+    return {(False, False): f"ZeRO-{stage}", (True, False): "qWD", (False, True): "TLq",
             (True, True): "qWD + TLq"}[(weights, gradients)]
 
 
@@ -132,27 +133,44 @@ class JobModel:
         fastest = min(predicted.values())
         good = [o for o in options if predicted[o] <= fastest * (1 + TOLERANCE)]
         weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))
-        return Decision(weights, gradients, measured, compute, {label(*o): t for o, t in predicted.items()}, step)
+        stage = self.scheme.stage
+        return Decision(weights, gradients, measured, compute, {label(*o, stage): t for o, t in predicted.items()},
+                        step)
 
 
-def job_model(engine: Any, cfg: SDP4BitConfig, topology: Topology, candidates: tuple[bool, bool]) -> JobModel:
+@dataclass(frozen=True)
+class JobFacts:
+    """What the cost model needs to know of one engine, read from DeepSpeed by its stage's integration: the
+    parameter tensors' element counts in the model's order, bytes per element of the weights and of the communication
+    dtype, micro-batches per step, the ZeRO stage and its settings, and the device type."""
+
+    tensors: tuple[int, ...]
+    dtype_bytes: int
+    comm_bytes: int
+    grad_accum: int
+    stage: int
+    reduce_bucket: int
+    overlap_comm: bool
+    device_type: str
+    persistence_threshold: int = 0
+    live_parameters: int = 0
+    round_robin: bool = False
+
+
+def job_model(facts: JobFacts, cfg: SDP4BitConfig, topology: Topology, candidates: tuple[bool, bool]) -> JobModel:
     """The cost model's view of this engine."""
-    zero = engine._config.zero_config
-    params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
-    tensors = tuple(p.ds_numel for p in params)
-    dtype_bytes = params[0].ds_tensor.element_size()
-    comm_bytes = torch.empty(0, dtype=engine.communication_data_type).element_size()
     scheme = Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
                     bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
                     bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
-                    pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica,
-                    persistence_threshold=zero.param_persistence_threshold, reduce_bucket=zero.reduce_bucket_size)
-    cpu = params[0].ds_tensor.device.type == "cpu"
-    live = min(zero.max_live_parameters, zero.max_reuse_distance)
-    return JobModel(tensors, Layout(topology.nodes, topology.ranks_per_node), scheme,
-                    engine.gradient_accumulation_steps(), dtype_bytes, comm_bytes, second_pass(sum(tensors), live),
-                    overlap=not cpu and bool(zero.overlap_comm), backend="gloo" if cpu else "nccl",
-                    candidates=candidates)
+                    pipeline=cfg.gradient_alltoall_pipeline,
+                    replica=cfg.weight_replica if facts.stage == 3 else "rank",
+                    persistence_threshold=facts.persistence_threshold, reduce_bucket=facts.reduce_bucket,
+                    stage=facts.stage, refresh_bucket=cfg.refresh_bucket_size, round_robin=facts.round_robin)
+    cpu = facts.device_type == "cpu"
+    passes = second_pass(sum(facts.tensors), facts.live_parameters) if facts.stage == 3 else 0.0
+    return JobModel(facts.tensors, Layout(topology.nodes, topology.ranks_per_node), scheme, facts.grad_accum,
+                    facts.dtype_bytes, facts.comm_bytes, passes, overlap=not cpu and facts.overlap_comm,
+                    backend="gloo" if cpu else "nccl", candidates=candidates)
 
 
 def codec_bytes_s(device: torch.device) -> float:
@@ -222,11 +240,12 @@ class AutoTuner:
         d = self.decision
         m = d.measured
         predicted = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in d.predicted.items())
-        on = " + ".join({"weights": "qWD", "gradients": "TLq"}[p] for p in d.parts()) or "nothing (plain ZeRO-3)"
-        best = d.predicted.get(label(d.weights, d.gradients))
-        gain = f", {d.predicted['ZeRO-3'] / best:.2f}x predicted" if best and "ZeRO-3" in d.predicted else ""
+        plain = label(False, False, self.model.scheme.stage)
+        on = " + ".join({"weights": "qWD", "gradients": "TLq"}[p] for p in d.parts()) or f"nothing (plain {plain})"
+        best = d.predicted.get(label(d.weights, d.gradients, self.model.scheme.stage))
+        gain = f", {d.predicted[plain] / best:.2f}x predicted" if best and plain in d.predicted else ""
         return (f"sdp4bit auto ({d.source}, after step {d.step}): inter-node {_rate(m.inter_bytes_s)} per node, "
-                f"intra-node {_rate(m.intra_bytes_s)} per rank, codec {_rate(m.codec_bytes_s)}, plain ZeRO-3 step "
+                f"intra-node {_rate(m.intra_bytes_s)} per rank, codec {_rate(m.codec_bytes_s)}, plain {plain} step "
                 f"{m.plain_step_s:.3f} s of which compute {d.compute_s * self.model.grad_accum:.3f} s; predicted "
                 f"{predicted}; on: {on}{gain}")
 

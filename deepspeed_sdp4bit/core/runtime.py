@@ -1,0 +1,360 @@
+"""What an engine gains from an enabled "sdp4bit" block, whatever its ZeRO stage: `engine.sdp4bit`, a `Runtime`.
+
+It holds one weight collective (`weights`: qWD's replicas, or the qW ablation's direct gather) and one gradient
+collective (`reducer`: TLq as the stage needs it), the units they serve (`units`, core/units.py: ZeRO-3 parameters
+or runs of ZeRO-1/2 partitions), the byte counters, and the rules that keep the units' tensors equal to what the
+weight collective serves: a refresh after every successful optimizer step, a full-precision resync after anything
+else wrote them (found by `core/writes.py`, checked by `verify()`), the start step and `auto`'s decision, and the
+state a checkpoint carries. The stage's integration (`zero3/`, `zero12/`) builds it, routes DeepSpeed's gathers and
+reductions to its collectives and calls it at the seams; it never patches anything itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import ReduceOp
+
+from ..collectives import comm
+from ..collectives.accounting import CommStats
+from ..collectives.contract import GradientState, Shards, WeightCollective
+from ..collectives.weight_direct import DirectQuantGather
+from ..collectives.weight_store import WeightStore
+from ..log import logger
+from ..topology import Topology
+from . import auto, checkpoint, units as units_module
+from .plan import Plan
+from .telemetry import AllReduceBaseline, Telemetry
+from .units import Units
+from .writes import WriteWatch
+
+
+class Runtime:
+    """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`).
+
+    `stage` is the engine's ZeRO stage; `created` orders runtimes the same way on every rank (collectives of several
+    runtimes run in that order); `closed` is True once the engine was destroyed: the runtime then serves nothing.
+    `save_weights`: checkpoints carry this rank's w~ of its units, for a stage whose DeepSpeed checkpoint does not
+    restore the 16-bit weights as they were (ZeRO-3 rebuilds them from the fp32 masters; ZeRO-1/2 saves and loads
+    the 16-bit model itself, which is w~).
+    """
+
+    def __init__(self, engine: Any, plan: Plan, topology: Topology, units: Units, stats: CommStats, *, stage: int,
+                 weights: WeightCollective | None, reducer: GradientState | None, tuner: auto.AutoTuner | None,
+                 save_weights: bool, created: int = 0, baseline: AllReduceBaseline | None = None) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.topology = topology
+        self.units = units
+        self.stage = stage
+        self.weights = weights
+        self.reducer = reducer
+        self.auto = tuner
+        self.save_weights = save_weights
+        self.created = created
+        self.closed = False
+        self.block, self.config, self.coverage = plan.block, plan.effective, plan.coverage
+        self.telemetry = Telemetry(stats, engine, baseline)
+        self.watch = WriteWatch(units, topology)
+        self.optimizer_steps = 0
+        self.checksum_mismatches = 0
+        self._weights_written: Any = None
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """The byte counters every collective of this engine adds to."""
+        return self.telemetry.comm_stats
+
+    @property
+    def store(self) -> WeightStore | None:
+        """The qWD replicas when they serve the weights (what `verify()` and checkpoints read)."""
+        return self.weights if isinstance(self.weights, WeightStore) else None
+
+    @property
+    def direct(self) -> DirectQuantGather | None:
+        """The qW ablation's gather when it serves the gathers."""
+        return self.weights if isinstance(self.weights, DirectQuantGather) else None
+
+    @property
+    def last_step_bytes(self) -> dict[str, dict[str, float]]:
+        """Logical and wire bytes per kind of the last optimizer step."""
+        return self.telemetry.last_step_bytes
+
+    def shards(self, keys: Sequence[int] | None = None) -> Shards:
+        """This rank's tensors of the served units `keys` (all of them if None), in key order."""
+        return units_module.tensors(self.units, keys)
+
+    # ----- when quantization applies
+    def quantizing(self) -> bool:
+        """True from the start step on (engine.global_steps counts optimizer steps, skipped ones too)."""
+        return self.engine.global_steps >= self.config.start_step
+
+    def measuring(self) -> bool:
+        """Whether auto is still timing plain steps (DeepSpeed's own gathers and reductions)."""
+        return self.auto is not None and self.auto.measuring
+
+    # ----- weights
+    def _record(self, keys: Sequence[int]) -> None:
+        """Remember these units' tensors as SDP4Bit left them: what serves them agrees with them now."""
+        self.watch.record(keys)
+
+    def resync_foreign_writes(self) -> None:
+        """Before a forward of the engine's model: resync the units some rank finds written by something other than
+        SDP4Bit (collective: one small all-reduce, no device synchronisation)."""
+        if self.measuring() or self.weights is None:
+            return
+        written = self.watch.agree()
+        if written:
+            self.resync(written)
+
+    def resync(self, keys: Sequence[int] | None = None) -> None:
+        """The weight collective serves every rank's current tensors of these units (all if None) from now on: qWD
+        rebuilds the replicas from them in full precision (collective), qW drops this step's codes (local)."""
+        keys = self.units.keys() if keys is None else sorted(k for k in keys if k in set(self.units.keys()))
+        if self.weights is None or self.measuring() or not keys:  # under auto the replicas are built at the decision
+            return
+        units_module.write(self.units, self.weights.resync(self.shards(keys)))
+        self._record(keys)
+        self._mark_weights_written()
+
+    def begin(self) -> None:
+        """The start-up sync: replicas from every rank's tensors in full precision (collective; under auto at the
+        decision instead); the per-step byte counts (last_step_bytes) start after it, the cumulative ones (stats())
+        include it."""
+        if not self.measuring():
+            self.resync()
+        self.telemetry.start()
+
+    def resync_if_written(self, keys: Sequence[int]) -> None:
+        """Resync these units only if some rank's tensor no longer equals its w~ (collective).
+
+        Every GatheredParameters(modifier_rank=k) exit of ZeRO-3 rewrites ds_tensor, also when nothing was modified
+        (save_16bit_model reads each layer that way); one flag all-reduce then replaces a full-precision resync.
+        Under qW this step's codes of these units are dropped instead (local): the next gather requantizes the
+        tensors with the same draws, which gives the same codes when nothing was modified.
+        """
+        served = set(self.units.keys())
+        keys = sorted(k for k in keys if k in served)
+        if self.direct is not None:
+            self.direct.resync(self.shards(keys))
+        if self.store is not None and keys and not self.measuring():
+            written = any(not self._holds_w(k) for k in keys)
+            flag = torch.tensor([int(written)], dtype=torch.int32, device=self.units.tensor(keys[0]).device)
+            comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
+            if flag.item():
+                self.resync(keys)
+        self._record(keys)
+
+    def _holds_w(self, key: int) -> bool:
+        """Whether this rank's tensor of `key` equals w~ on its valid elements."""
+        valid = self.store.valid_numel(key, self.topology.rank)
+        return torch.equal(self.units.tensor(key).reshape(-1)[:valid], self.store.own_shard(key)[:valid])
+
+    def _mark_weights_written(self) -> None:
+        """Record the point on this stream after which replicas and the units' tensors hold the new weights.
+
+        ZeRO-3 issues gathers on its own all-gather stream, which does not wait for the stream the optimizer step
+        and the refresh ran on; its gathers wait for this event. CPUs have no streams.
+        """
+        if not get_accelerator().is_synchronized_device():
+            self._weights_written = get_accelerator().Event()
+            self._weights_written.record()
+
+    def wait_for_weights(self) -> None:
+        """Make the current stream wait until the last refresh or resync wrote the weights."""
+        if self._weights_written is not None:
+            get_accelerator().current_stream().wait_event(self._weights_written)
+
+    def refresh(self) -> None:
+        """After a successful optimizer step: the units' tensors hold the new weights; the weight collective takes them
+        up (qWD: spreads their quantized change and hands back w~; qW: quantizes them at the next gather)."""
+        if self.weights is None or self.measuring():
+            return
+        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))
+        self._record(self.units.keys())
+
+    # ----- lifecycle
+    def after_step(self) -> None:
+        """Called once per successful optimizer step, where the stage's new weights are written and before they are
+        used (ZeRO-3: before its post-step work; ZeRO-1/2: in place of its weight all-gather)."""
+        if self.measuring():
+            decision = self.auto.after_step(self.engine.global_steps)
+            if decision is not None:
+                self.apply_decision(decision)
+        else:
+            self.refresh()
+        self._mark_weights_written()
+        self.optimizer_steps += 1
+        interval = self.config.verify_interval
+        if interval and self.store is not None and not self.measuring() and self.optimizer_steps % interval == 0:
+            self.verify()
+        self.telemetry.step_done()
+
+    def apply_decision(self, decision: auto.Decision) -> None:
+        """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
+        from the units' tensors in full precision (collective)."""
+        if not decision.weights:
+            self.weights = None
+        if not decision.gradients:
+            self.reducer = None
+        self.resync()
+        auto.log_decision(self.auto)
+
+    def verify(self) -> bool:
+        """Compare every rank's tensors with its w~, then checksum every replica region across holders; on a
+        mismatch log it and resync in full precision (collective)."""
+        if self.store is None:
+            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
+                               "exist only with quantized_weights and weight_quantization 'difference' (on ZeRO-3 on "
+                               "more than one node, or with weight_replica 'rank')")
+        if self.measuring():
+            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, after "
+                               f"step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
+        agree = self._tensors_agree()
+        report = self.store.checksum()
+        if not report.ok:
+            self.checksum_mismatches += 1
+            logger.warning(f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
+                           f"{len(report.mismatches)} of {report.regions} (unit, shard) regions "
+                           f"{report.mismatches[:8]}; resyncing in full precision")
+            self.resync()
+        return agree and report.ok
+
+    def _tensors_agree(self) -> bool:
+        """Whether every rank's tensors equal its w~ (one all-reduce); if not, the differing units are named and
+        resynced from their tensors in full precision (a write no version counter sees, e.g. through `.data`)."""
+        keys = self.units.keys()
+        local = torch.tensor([int(not self._holds_w(k)) for k in keys], dtype=torch.int32,
+                             device=get_accelerator().current_device_name())
+        comm.all_reduce(local, None, ReduceOp.MAX, "sdp4bit_weight_checksum")
+        differing = [key for key, flag in zip(keys, local.tolist()) if flag]
+        if not differing:
+            return True
+        self.checksum_mismatches += 1
+        logger.warning(f"sdp4bit: at optimizer step {self.optimizer_steps} {self.units.noun} differs from the weight "
+                       f"replica on some rank for {[self.units.name(k) for k in differing][:8]} ({len(differing)} "
+                       f"units): written behind SDP4Bit; resyncing them from {self.units.noun} in full precision")
+        self.resync(differing)
+        return False
+
+    def close(self) -> None:
+        """Drop the replicas and collectives: the engine was destroyed (its patches were undone first)."""
+        self.weights = self.reducer = None
+        self.closed = True
+
+    def name(self, key: int) -> str:
+        """The unit `key` in the user's words, for messages."""
+        return self.units.name(key)
+
+    def describe(self) -> str:
+        """Which engine this runtime belongs to, for messages."""
+        return f"the SDP4Bit engine #{self.created} on {type(self.engine.module).__name__}"
+
+    # ----- telemetry
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Logical and wire bytes per kind (and 'total') since the last reset_stats(), for this rank; under auto also
+        its decision ('auto': the parts on, the measured numbers and the predicted steps; {'measuring': True}
+        before it)."""
+        snapshot: dict[str, dict[str, Any]] = self.telemetry.snapshot()
+        if self.auto is not None:
+            snapshot["auto"] = self._auto_state()
+        return snapshot
+
+    def _auto_state(self) -> dict[str, Any]:
+        return {"measuring": True} if self.auto.decision is None else self.auto.decision.to_dict()
+
+    def reset_stats(self) -> None:
+        """Zero the cumulative byte counts (stats())."""
+        self.telemetry.reset()
+
+    # ----- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond DeepSpeed's checkpoint: the rounding counters (and, with `save_weights`, w~ of
+        this rank's units), sealed with a digest."""
+        saved: dict[str, Any] = {"version": checkpoint.STATE_VERSION, "stage": self.stage, "world": self.topology.world,
+                                 "ranks_per_node": self.topology.ranks_per_node,
+                                 "block": self.block.model_dump(), "effective": self.config.model_dump(),
+                                 "optimizer_steps": self.optimizer_steps}
+        if self.auto is not None:
+            saved["auto"] = self._auto_state()
+        if self.measuring():  # the replicas are stale until the decision, and the reducer has not run
+            return checkpoint.sealed(saved)
+        if self.store is not None:
+            saved["store"] = self.store.state_dict()
+            if self.save_weights:
+                saved["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in self.units.keys()]
+        if self.direct is not None:
+            saved["direct"] = self.direct.state_dict()
+        if self.reducer is not None:
+            saved["reducer"] = self.reducer.state_dict()
+        return checkpoint.sealed(saved)
+
+    def load_state_dict(self, saved: Any, full_restore: bool = True, source: str = "the checkpoint") -> None:
+        """Restore after DeepSpeed loaded a checkpoint, then resync the replicas from the units' tensors (collective).
+
+        full_restore: DeepSpeed restored its ZeRO state (fp32 masters included). Otherwise (load_module_only,
+        load_optimizer_states=False, universal checkpoints) DeepSpeed rebuilt the masters from the loaded 16-bit
+        weights, so the replicas start from those and the saved w~ and counters are not applied. The saved state is
+        applied only if every rank's is present and intact; `source` (this rank's model-states file) is named when
+        it is not.
+        """
+        if full_restore and checkpoint.intact_on_every_rank(saved, self.topology, source):
+            self._apply_state(saved)
+        self.resync()
+
+    def _apply_state(self, saved: dict[str, Any]) -> None:
+        """Restore the counters (and w~) from an intact state of this layout and block (under auto, the decision
+        first: a resumed job keeps it)."""
+        if self.auto is not None:
+            self._restore_decision(saved.get("auto"))
+            if self.measuring():
+                self.optimizer_steps = saved["optimizer_steps"]
+                return
+        self._check_state(saved)
+        self.optimizer_steps = saved["optimizer_steps"]
+        if self.store is not None:
+            if self.save_weights:
+                self._restore_own_shards(saved["own_shards"])
+            self.store.load_state_dict(saved["store"])
+        if self.direct is not None:
+            self.direct.load_state_dict(saved["direct"])
+        if self.reducer is not None:
+            self.reducer.load_state_dict(saved["reducer"])
+
+    def _restore_decision(self, saved: dict[str, Any] | None) -> None:
+        """Apply the decision a checkpoint holds; one written before it leaves auto measuring."""
+        if saved is None:
+            raise RuntimeError("sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was "
+                               "written with")
+        if not saved.get("measuring"):
+            decision = auto.Decision.from_dict(saved)
+            self.weights = self.weights if decision.weights else None
+            self.reducer = self.reducer if decision.gradients else None
+            self.auto.restore(decision)
+            auto.log_decision(self.auto)
+
+    def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
+        """The units' tensors <- the saved w~, matched by position in key order (ZeRO-3's ds_ids shift between
+        runs)."""
+        keys = self.units.keys()
+        if len(shards) != len(keys):
+            raise RuntimeError(f"sdp4bit checkpoint holds the weights of {len(shards)} units; this model has "
+                               f"{len(keys)} whose weights sdp4bit serves")
+        for index, (key, shard) in enumerate(zip(keys, shards)):
+            own = self.units.tensor(key)
+            if shard.numel() != own.numel():
+                raise RuntimeError(f"sdp4bit checkpoint: unit {index} (in key order) has {shard.numel()} elements on "
+                                   f"this rank; this model's has {own.numel()}")
+            own.data.copy_(shard.view_as(own))
+
+    def _check_state(self, saved: dict[str, Any]) -> None:
+        """The saved state must come from the same stage, layout and quantized parts (the same on every rank)."""
+        if saved.get("stage", 3) != self.stage:
+            raise RuntimeError(f"sdp4bit checkpoint was written on ZeRO stage {saved.get('stage', 3)}; this run is on "
+                               f"stage {self.stage}")
+        checkpoint.check_layout(saved, self.topology.world, self.topology.ranks_per_node, {
+            "store": ("quantized_weights with weight_quantization \"difference\"", self.store is not None),
+            "direct": ("quantized_weights with weight_quantization \"direct\"", self.direct is not None),
+            "reducer": ("quantized_gradients", self.reducer is not None)})

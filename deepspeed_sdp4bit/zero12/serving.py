@@ -1,0 +1,150 @@
+"""ZeRO-1/2's runtime: how it is built for an engine, and how DeepSpeed's gradient bucket all-reduce and post-step
+weight all-gather reach its collectives (`Zero12Serving`, which the patches call).
+
+Gradients, in three hops: `DeepSpeedZeroOptimizer.average_tensor` divides the bucket by W and hands its runs to
+`allreduce_and_scatter` (patched per optimizer) -> `Zero12Serving.reduce_bucket` -> `OwnerReducer.reduce`, which
+delivers to each rank the sum of exactly the runs it owns; `adapter.deliver` writes them where DeepSpeed would.
+Weights: the optimizer's `step` writes this rank's partition from its fp32 master, then calls
+`all_gather_dp_groups` -> `Zero12Serving.after_step` -> `Runtime.after_step` -> `WeightStore.refresh` on the flat
+buffers (4-bit differences against w~, every rank applying the same bytes to its copy of each partition).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import adapter
+from ..collectives.accounting import CommStats
+from ..collectives.owner_reduce import OwnerReducer, Run
+from ..config import SDP4BitConfig
+from ..core import auto
+from ..core.build import gradient_settings, weight_store
+from ..core.runtime import Runtime
+from ..core.telemetry import AllReduceBaseline
+from ..log import logger
+from ..topology import Topology
+from .plan import GroupFacts, make_plan
+from .units import Zero12Units, cut
+
+
+def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Runtime:
+    """The plan of a ZeRO-1/2 engine, its units and the collectives the block asks for (collective: auto's
+    measurements)."""
+    optimizer, world = engine.optimizer, topology.world
+    stats = CommStats(topology.ranks_per_node)
+    groups = [GroupFacts(g, sum(p.numel() for p in params), flat.numel() // world)
+              for g, (params, flat) in enumerate(zip(optimizer.bit16_groups, optimizer.bit16_groups_flat))]
+    trainable = {id(p) for params in optimizer.bit16_groups for p in params}
+    frozen = sum(p.numel() for p in engine.module.parameters() if id(p) not in trainable)
+    plan = make_plan(cfg, topology, groups, frozen)
+    if topology.rank == 0:
+        for note in plan.notes:
+            logger.warning(note)
+    config = plan.effective
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    units = Zero12Units(optimizer, cut([g.partition for g in groups], max(1, config.refresh_bucket_size // world)),
+                        topology.rank, world, names)
+    weights = _store(config, topology, stats, units) if config.weight_differences else None
+    reducer = OwnerReducer(topology, **gradient_settings(config), stats=stats) if config.quantized_gradients else None
+    tuner = _tuner(engine, config, topology, (weights is not None, reducer is not None)) \
+        if config.auto and (weights or reducer) else None
+    return Runtime(engine, plan, topology, units, stats, stage=engine.zero_optimization_stage(), weights=weights,
+                   reducer=reducer, tuner=tuner, save_weights=False, created=created,
+                   baseline=AllReduceBaseline(world) if reducer is not None else None)
+
+
+def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero12Units) -> Any:
+    """qWD on the flat buffers themselves: every rank's copy of every partition is its replica slot; one segment per
+    param group, one unit per bucket."""
+    storages = units.storages(topology.world)
+    store = weight_store(cfg, topology, stats, storages[0].dtype, storages[0].device, "rank")
+    group = 0
+    for key in units.keys():
+        unit = units.units[key]
+        if unit.group != group:
+            store.begin_segment()
+            group = unit.group
+        store.add(key, topology.world * unit.numel)
+    store.attach(storages)
+    return store
+
+
+def _tuner(engine: Any, cfg: SDP4BitConfig, topology: Topology, candidates: tuple[bool, bool]) -> auto.AutoTuner:
+    """The auto block's tuner: it measures the links and the codec now (collective) and decides later."""
+    optimizer, zero = engine.optimizer, engine._config.zero_config
+    flat = optimizer.bit16_groups_flat[0]
+    params = [p for group in optimizer.bit16_groups for p in group]
+    facts = auto.JobFacts(tensors=tuple(p.numel() for p in params), dtype_bytes=flat.element_size(),
+                          comm_bytes=torch.empty(0, dtype=engine.communication_data_type).element_size(),
+                          grad_accum=engine.gradient_accumulation_steps(), stage=engine.zero_optimization_stage(),
+                          reduce_bucket=int(optimizer.reduce_bucket_size), overlap_comm=bool(optimizer.overlap_comm),
+                          device_type=flat.device.type, round_robin=bool(zero.round_robin_gradients))
+    return auto.AutoTuner(auto.job_model(facts, cfg, topology, candidates), topology, flat.device, cfg.start_step)
+
+
+class Zero12Serving:
+    """What ZeRO-1/2's seams ask of one runtime: the quantized reduction of a gradient bucket, and the weights'
+    refresh in place of the post-step all-gather."""
+
+    def __init__(self, runtime: Runtime, optimizer: Any) -> None:
+        self.runtime = runtime
+        self.optimizer = optimizer
+
+    def reducing(self) -> bool:
+        """Whether TLq reduces the gradients now (from the start step on, once auto is done measuring)."""
+        runtime = self.runtime
+        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()
+
+    def reduce_bucket(self, bucket: Sequence[tuple], communication_data_type: torch.dtype, numel_per_bucket: int,
+                      deepspeed_reduce: Callable[[], None]) -> None:
+        """One call of `allreduce_and_scatter`: TLq onto the runs' owners, in DeepSpeed's chunks of at most
+        `numel_per_bucket` elements (past it the chunk ends with the entry that crossed it), or DeepSpeed's own
+        all-reduce before the start step."""
+        if not self.reducing():
+            deepspeed_reduce()
+            return
+        entries = adapter.bucket_entries(bucket)
+        chunk: list[adapter.BucketEntry] = []
+        for entry in entries:
+            chunk.append(entry)
+            if sum(e.tensor.numel() for e in chunk) > numel_per_bucket:
+                self._reduce(chunk, communication_data_type)
+                chunk = []
+        if chunk:
+            self._reduce(chunk, communication_data_type)
+
+    def _reduce(self, entries: list[adapter.BucketEntry], communication_data_type: torch.dtype) -> None:
+        """Reduce one chunk: its entries concatenated, each one a run of its owner; deliver the owned runs."""
+        flat = torch.cat([e.tensor.reshape(-1) for e in entries]) if len(entries) > 1 else entries[0].tensor.reshape(-1)
+        runs, start = [], 0
+        for e in entries:
+            runs.append(Run(e.owner, start, e.tensor.numel()))
+            start += e.tensor.numel()
+        comm_size = torch.empty(0, dtype=communication_data_type).element_size()
+        self.runtime.telemetry.baseline.add(flat.numel() * comm_size)
+        owned = self.runtime.reducer.reduce(flat, runs, logical_element_size=comm_size)
+        rank, position = self.runtime.topology.rank, 0
+        for e in entries:
+            if e.owner == rank:
+                adapter.deliver(e, owned.narrow(0, position, e.tensor.numel()).view_as(e.tensor))
+                position += e.tensor.numel()
+
+    def after_step(self, deepspeed_gather: Callable[[], Any]) -> None:
+        """In place of the post-step all-gather of a successful step: the weight store refreshes every rank's copy of
+        the partitions; without it (or while auto measures) DeepSpeed's own all-gather runs first."""
+        runtime = self.runtime
+        if runtime.store is None or runtime.measuring():
+            deepspeed_gather()
+        runtime.after_step()
+
+    def update_lp_params(self, deepspeed_gather: Callable[[], Any]) -> None:
+        """In place of the all-gather after the 16-bit partitions were rewritten from the fp32 masters (universal
+        checkpoint loads): the store resyncs them in full precision, which also takes up the new w~; without a store
+        DeepSpeed's own all-gather runs."""
+        runtime = self.runtime
+        if runtime.store is None or runtime.measuring():
+            deepspeed_gather()
+            return
+        runtime.resync()

@@ -1,0 +1,161 @@
+"""Real ZeRO-1/2 training of a tiny GPT-2 with SDP4Bit on CPU ranks: 4 ranks as 2 nodes x 2, 1 node x 4 and 4 nodes x 1.
+
+Every run is a real DeepSpeed engine on real gloo ranks (sdp4bit_testing/dist_harness.py). Inside the ranks the
+reductions and refreshes are recorded (sdp4bit_testing/zero12_recording.py); the parent rebuilds every bucket's
+delivered runs and every refresh of the recorded step from all ranks' inputs with the reference codec, bit for bit.
+One spawn per layout runs all of its cases, each with its own engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing import zero12_harness as H12
+from sdp4bit_testing import zero12_recording as recording
+from sdp4bit_testing.dist_harness import run_distributed, run_once
+
+pytestmark = pytest.mark.slow
+
+STEPS, RECORDED = 4, 2
+TIMEOUT = 900.0
+COMMS_LOGGER = {"enabled": True, "prof_all": True, "verbose": False}
+OPTIONS = {"gradient_alltoall_pipeline": 2, "gq_group_size_intra": 256, "gq_group_size_inter": 512,
+           "weight_quantization_bits": 8, "wq_group_size": 512, "refresh_bucket_size": 40_000, "seed": 11}
+
+
+def _block(rpn: int, **changes: Any) -> dict[str, Any]:
+    return {**H.PAPER, "ranks_per_node": rpn, **changes}
+
+
+# Each case: stage, dtype, gradient accumulation, CPU optimizer offload, zero_optimization settings, block changes.
+# Together they take every value of each setting once and the interacting ones together (overlap_comm with
+# accumulation, offload with each dtype); every case's 64k-element matrices are larger than a bucket.
+CASES: dict[int, dict[str, tuple]] = {
+    2: {"s2 fp32": (2, "float32", 1, False, {"overlap_comm": False}, {}),
+        "s2 bf16 overlap accum3": (2, "bfloat16", 3, False, {"overlap_comm": True}, {}),
+        "s1 fp32 overlap accum3": (1, "float32", 3, False, {"overlap_comm": True}, {}),
+        "s1 bf16 offload": (1, "bfloat16", 1, True, {}, {}),
+        "s2 fp32 offload": (2, "float32", 2, True, {}, {}),
+        "s2 round robin, other options": (2, "float32", 1, False, {"round_robin_gradients": True}, OPTIONS)},
+    4: {"s2 fp32": (2, "float32", 1, False, {}, {}),
+        "s1 bf16 overlap accum2": (1, "bfloat16", 2, False, {"overlap_comm": True}, {})},
+    1: {"s2 bf16": (2, "bfloat16", 1, False, {}, {}),
+        "s1 fp32 accum2": (1, "float32", 2, False, {}, {})},
+}
+
+
+def _config(rpn: int, case: tuple, **block: Any) -> dict[str, Any]:
+    stage, dtype, accum, offload, zero, changes = case
+    return H12.ds_config(stage, getattr(torch, dtype), sdp4bit=_block(rpn, **changes, **block), grad_accum=accum,
+                         offload=offload, **zero)
+
+
+def _comms_logger_records() -> dict[str, dict[int, int]]:
+    """DeepSpeed's comms logger: per collective name, message bytes -> count."""
+    from deepspeed.comm.comm import comms_logger
+
+    return {name: {size: entry[0] for size, entry in sizes.items()} for name, sizes in comms_logger.comms_dict.items()}
+
+
+def _case(config: dict[str, Any], logged: bool) -> dict[str, Any]:
+    """One engine with the block, its reductions and refreshes recorded, trained STEPS steps; then the replicas
+    verified and the bytes counted (with `logged`, SDP4Bit's and DeepSpeed's comms logger's from the first step on:
+    the engine's start-up, DeepSpeed's model broadcast and SDP4Bit's first resync, is left out of both)."""
+    from deepspeed.comm.comm import comms_logger
+
+    config = {**config, "comms_logger": COMMS_LOGGER} if logged else config
+    engine = H.make_engine(config)
+    comms_logger.comms_dict = {}
+    engine.sdp4bit.reset_stats()
+    log = recording.record(engine, RECORDED)
+    losses = H.train_steps(engine, 0, STEPS)
+    result = {"log": log, "losses": losses, "verified": engine.sdp4bit.verify(), "stats": engine.sdp4bit.stats(),
+              "config": config}
+    if logged:
+        result["logged"] = _comms_logger_records()
+    engine.destroy()
+    return result
+
+
+def _plain_and_unstarted(stage: int) -> dict[str, list[float]]:
+    """Plain ZeRO-1/2 and the same run with the block enabled but quantization_start_step past the run's end."""
+    plain = H.train_steps(H.make_engine(H12.ds_config(stage, grad_accum=2)), 0, STEPS)
+    late = H12.ds_config(stage, sdp4bit=_block(2, quantization_start_step=100), grad_accum=2)
+    return {"plain": plain, "unstarted": H.train_steps(H.make_engine(late), 0, STEPS)}
+
+
+def _layout(rpn: int) -> dict[str, Any]:
+    """Every case of one layout, in one spawn; on two nodes also the unstarted runs."""
+    out = {name: _case(_config(rpn, case), logged=rpn == 2 and name == "s2 fp32")
+           for name, case in CASES[rpn].items()}
+    if rpn == 2:
+        out["unstarted"] = {stage: _plain_and_unstarted(stage) for stage in (1, 2)}
+    return out
+
+
+@run_once
+def _results(rpn: int) -> list[dict[str, Any]]:
+    return run_distributed(4, _layout, rpn, timeout=TIMEOUT)
+
+
+def _cases(rpn: int) -> list[tuple[int, str]]:
+    return [(rpn, name) for name in CASES[rpn]]
+
+
+ALL_CASES = [case for rpn in (2, 4, 1) for case in _cases(rpn)]
+
+
+@pytest.mark.parametrize(("rpn", "name"), ALL_CASES, ids=[f"rpn{r}-{n}" for r, n in ALL_CASES])
+def test_every_delivered_bucket_and_refresh_is_the_reference_codecs(rpn: int, name: str) -> None:
+    """Each bucket's runs reach their owners exactly as the emulation gives them from every rank's bucket, DeepSpeed's
+    gradient slices receive them unchanged, and every rank's copy of every partition after the refresh is the
+    reference codec's refresh of its owner's new weights (rounding seeds and counters included)."""
+    ranks = [r[name] for r in _results(rpn)]
+    problems, compared = recording.check([r["log"] for r in ranks], ranks[0]["config"], STEPS)
+    assert not problems, "\n".join(problems[:10])
+    assert compared["reduce_calls"] > 0 and compared["refreshes"] == 4, compared
+    assert all(r["verified"] for r in ranks), [r["verified"] for r in ranks]
+
+
+@pytest.mark.parametrize(("rpn", "name"), ALL_CASES, ids=[f"rpn{r}-{n}" for r, n in ALL_CASES])
+def test_wire_bytes_follow_from_the_layouts(rpn: int, name: str) -> None:
+    """What the runtime counted equals what each rank's recorded layouts imply."""
+    for rank, result in enumerate(r[name] for r in _results(rpn)):
+        layout = recording.wire_bytes(result["log"], result["config"], 4, rank)
+        assert {kind: result["stats"][kind]["wire_bytes"] for kind in layout} == layout, (rank, layout)
+
+
+def test_the_comms_logger_sees_sdp4bit_bytes_and_no_bucket_all_reduce_or_weight_all_gather() -> None:
+    """DeepSpeed's comms logger totals equal SDP4Bit's wire bytes per kind; DeepSpeed's own collectives left are the
+    small ones (overflow flags, gradient norms): no bucket all-reduce and no weight all-gather."""
+    for rank, result in enumerate(r["s2 fp32"] for r in _results(2)):
+        logged, stats = result["logged"], result["stats"]
+        totals: dict[str, int] = {}
+        for name, sizes in logged.items():
+            if name.startswith("sdp4bit_"):
+                kind = name[len("sdp4bit_"):].rsplit("_", 1)[0]
+                totals[kind] = totals.get(kind, 0) + sum(size * count for size, count in sizes.items())
+        for kind in ("weight_refresh", "weight_resync", "grad_intra", "grad_inter"):
+            assert totals.get(kind, 0) == stats[kind]["wire_bytes"], (rank, kind, totals, stats[kind])
+        theirs = {name: max(sizes) for name, sizes in logged.items() if not name.startswith("sdp4bit_")}
+        assert all(size <= 64 for size in theirs.values()), (rank, theirs)
+        baseline = stats["grad_baseline"]
+        assert baseline["all_reduce_link_bytes"] == 2 * baseline["reduce_scatter_link_bytes"] > 0, baseline
+
+
+def test_an_unstarted_block_trains_bit_for_bit_like_plain_zero12() -> None:
+    """With quantization_start_step past the run's end every collective is exact: the losses are plain ZeRO-1's and
+    ZeRO-2's, bit for bit, on every rank."""
+    for rank, result in enumerate(_results(2)):
+        for stage, runs in result["unstarted"].items():
+            assert runs["unstarted"] == runs["plain"], (rank, stage, runs)
+
+
+@pytest.mark.parametrize(("rpn", "name"), ALL_CASES, ids=[f"rpn{r}-{n}" for r, n in ALL_CASES])
+def test_the_losses_are_finite_and_fall(rpn: int, name: str) -> None:
+    losses = _results(rpn)[0][name]["losses"]
+    assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0], losses
