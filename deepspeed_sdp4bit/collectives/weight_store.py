@@ -297,9 +297,16 @@ class WeightStore:
         return slot if self._replica == "rank" else self._topo.global_rank(slot, self._topo.local)
 
     def own_shard(self, key: int) -> torch.Tensor:
-        """View of w~ on this rank's own shard of `key` (shard_numel contiguous elements; the padding is zero)."""
+        """View of w~ on this rank's own shard of `key` (shard_numel contiguous elements; the padding is zero): its
+        snapshot where the caller writes the own slot (`attach`), which the own slot must equal between refreshes."""
         p = self._param(key)
+        if self._snapshots is not None:
+            return self._snapshots[p.segment][p.offset:p.offset + p.shard_numel]
         return self._columns(p)[self._own_slot]
+
+    def _own_slots(self, params: list[_Param]) -> dict[int, torch.Tensor]:
+        """This rank's own slot of each parameter: what its shard must hold after a refresh or resync."""
+        return {p.key: self._columns(p)[self._own_slot] for p in params}
 
     def memory_bytes(self) -> int:
         """Bytes this store keeps allocated on this rank: the replica storage it allocated, or the snapshots of the
@@ -317,7 +324,7 @@ class WeightStore:
                            self._apply_deltas)
         else:
             self._send_values(params, REFRESH_KIND, shards)
-        return {p.key: self.own_shard(p.key) for p in params}
+        return self._own_slots(params)
 
     def resync(self, shards: Shards) -> Shards:
         """Rebuild every replica region exactly from its owner's current shard (collective, full precision);
@@ -328,7 +335,7 @@ class WeightStore:
         """
         params = self._checked(shards, "resync")
         self._send_values(params, RESYNC_KIND, shards)
-        return {p.key: self.own_shard(p.key) for p in params}
+        return self._own_slots(params)
 
     def _send_values(self, params: list[_Param], kind: str, new: Mapping[int, torch.Tensor]) -> None:
         """Overwrite every holder's copy with the owners' exact values."""

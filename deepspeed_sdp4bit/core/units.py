@@ -29,9 +29,10 @@ class Units(Protocol):
     def tensor(self, key: int) -> torch.Tensor:
         """This rank's current tensor of unit `key` (what the weight collective reads and the model computes with)."""
 
-    def watched(self, key: int) -> list[torch.Tensor]:
-        """The tensors a write to unit `key` goes through (its own tensor first; ZeRO-1/2 adds the parameters that
-        view its memory), whose fingerprints `core/writes.py` compares."""
+    def watched(self, key: int) -> list[tuple[str, torch.Tensor]]:
+        """The tensors a write to unit `key` goes through, each with its name in messages ('' for the unit's own
+        tensor, named by `name`): its own tensor first, and on ZeRO-1/2 the parameters that view its memory, whose
+        fingerprints `core/writes.py` compares."""
 
     def name(self, key: int) -> str:
         """The unit in the user's words (a parameter's name, a partition's run), for messages."""

@@ -58,16 +58,18 @@ class WriteWatch:
     def record(self, keys: Sequence[int]) -> None:
         """These units' tensors are as SDP4Bit left them: what serves them agrees with them now."""
         for key in keys:
-            self._fingerprints[key] = [fingerprint(t) for t in self.units.watched(key)]
+            self._fingerprints[key] = [fingerprint(t) for _, t in self.units.watched(key)]
 
     def _local(self, key: int) -> tuple[int, str]:
-        """(flag, how) for one unit on this rank."""
-        now = [fingerprint(t) for t in self.units.watched(key)]
-        how = next((found for found in (how_written(before, after, self.units.expression)
-                                        for before, after in zip(self._fingerprints[key], now)) if found), "")
-        if not how:
+        """(flag, what was written and how) for one unit on this rank."""
+        watched = self.units.watched(key)
+        found = [f"{label or self.units.name(key)}: {how}" for (label, tensor), before
+                 in zip(watched, self._fingerprints[key])
+                 if (how := how_written(before, fingerprint(tensor), self.units.expression))]
+        if not found:
             return CLEAN, ""
         problem = self.units.unusable(key)
+        how = "; ".join(found)
         return (UNUSABLE, f"{how}, by {problem}") if problem else (WRITTEN, how)
 
     def agree(self) -> list[int]:
@@ -92,7 +94,7 @@ class WriteWatch:
         if not new:
             return
         self._warned.update(new)
-        listed = "; ".join(f"{self.units.name(key)}: {how}" for key, how in sorted(new.items()))
+        listed = "; ".join(how for _, how in sorted(new.items()))
         logger.warning(f"sdp4bit: on rank {self.topology.rank}, {self.units.noun} was written outside SDP4Bit's and "
                        f"DeepSpeed's own updates ({listed}); the weight replicas of these parameters are resynced "
                        f"from {self.units.noun} in full precision before they are used again, so the model computes "

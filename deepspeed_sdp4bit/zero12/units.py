@@ -50,7 +50,7 @@ class Zero12Units:
     """The served units of a ZeRO-1/2 optimizer on this rank: runs of its own partitions, and the parameters
     (views of the flat buffers) that each unit's columns cover on any rank."""
 
-    noun = "the 16-bit weights"
+    noun = "the flat 16-bit weight buffer"
     expression = "param"
 
     def __init__(self, optimizer: object, units: list[Unit], rank: int, world: int,
@@ -84,8 +84,9 @@ class Zero12Units:
     def tensor(self, key: int) -> torch.Tensor:
         return self._tensors[key]
 
-    def watched(self, key: int) -> list[torch.Tensor]:
-        return [self._tensors[key], *self._params[key]]
+    def watched(self, key: int) -> list[tuple[str, torch.Tensor]]:
+        return [("", self._tensors[key]), *((self._param_names.get(id(p), "a parameter"), p)
+                                            for p in self._params[key])]
 
     def name(self, key: int) -> str:
         unit, params = self.units[key], self._params[key]

@@ -31,8 +31,8 @@ class Zero3Units:
     def tensor(self, key: int) -> torch.Tensor:
         return self.params[key].ds_tensor
 
-    def watched(self, key: int) -> list[torch.Tensor]:
-        return [self.tensor(key)]
+    def watched(self, key: int) -> list[tuple[str, torch.Tensor]]:
+        return [("", self.tensor(key))]
 
     def name(self, key: int) -> str:
         return self._names[key]
