@@ -1,9 +1,10 @@
-"""`"auto": true`: the decision rule on given measurements, the block's validation, and real 4-rank ZeRO-3 jobs
-(2 simulated nodes of 2 gloo ranks) that measure, decide once on every rank alike, log, report and resume it."""
+"""`"auto": true`: the decision rule on given measurements, the block's validation, and real 4-rank ZeRO-3 and ZeRO-2
+jobs (2 simulated nodes of 2 gloo ranks) that measure, decide once on every rank alike, log, report and resume it."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from deepspeed_sdp4bit.core import auto
 from sdp4bit_cost.shapes import gpt
 from sdp4bit_cost.traffic import Layout, Scheme
 from sdp4bit_testing import zero3_harness as H
+from sdp4bit_testing import zero12_harness as H12
 from sdp4bit_testing.dist_harness import run_distributed
 
 AUTO = {"auto": True, "ranks_per_node": 2, "quantized_weights": True, "quantized_gradients": True,
@@ -57,6 +59,15 @@ def test_the_fewest_parts_within_the_tolerance_win() -> None:
         assert all(t > fastest * (1 + auto.TOLERANCE) for t in fewer)
 
 
+def test_on_zero2_a_slow_link_switches_both_parts_on_and_a_fast_one_none() -> None:
+    """The stage-2 model: gradients all-reduced per micro-batch, weights all-gathered after the step, the plain
+    variant named by its stage."""
+    model = replace(_model(), scheme=Scheme(stage=2, reduce_bucket=500_000), second_pass=0.0)
+    slow, fast = model.decide(_measured(3e6, step_s=8.0), step=4), model.decide(_measured(50e9), step=4)
+    assert (slow.weights, slow.gradients) == (True, True) and (fast.weights, fast.gradients) == (False, False)
+    assert slow.predicted["qWD + TLq"] < slow.predicted["ZeRO-2"] / 3
+
+
 def test_only_candidate_parts_are_considered() -> None:
     decision = _model(candidates=(False, True)).decide(_measured(3e6, step_s=8.0), step=4)
     assert not decision.weights and decision.gradients
@@ -93,7 +104,12 @@ def _forced(local: auto.Measurements) -> Any:
     return lambda self: local
 
 
-def _job(checkpoint: str) -> dict[str, Any]:
+def _config(stage: int) -> dict[str, Any]:
+    """The AUTO block on the tiny model's config of a ZeRO stage."""
+    return H.ds_config(sdp4bit=AUTO) if stage == 3 else H12.ds_config(stage, sdp4bit=AUTO)
+
+
+def _job(checkpoint: str, stage: int) -> dict[str, Any]:
     """One rank: (1) an auto engine whose ranks report different numbers, trained past the decision, saved;
     (2) a new auto engine resumed from that checkpoint; (3) an auto engine on a fast link."""
     from deepspeed_sdp4bit.log import logger
@@ -106,7 +122,7 @@ def _job(checkpoint: str) -> dict[str, Any]:
         # rank r reports an inter-node link of (r + 1) x 2 MB/s and a step of (1 + r / 10) s: the job's numbers
         # are the slowest link and the longest step
         auto.AutoTuner.local_measurements = _forced(auto.Measurements((rank + 1) * 2e6, 1e9, 1e9, 1 + rank / 10))
-        engine = H.make_engine(H.ds_config(sdp4bit=AUTO))
+        engine = H.make_engine(_config(stage))
         before = H.train_steps(engine, 0, AUTO_START_STEP - 1), engine.sdp4bit.stats()
         measuring = engine.sdp4bit.measuring(), before[1]["total"]["wire_bytes"]
         H.train_steps(engine, AUTO_START_STEP - 1, AUTO_START_STEP + 2)
@@ -117,7 +133,7 @@ def _job(checkpoint: str) -> dict[str, Any]:
         engine.destroy()
 
         auto.AutoTuner.local_measurements = _forced(auto.Measurements(50e9, 1e9, 1e9, 1.0))
-        resumed = H.make_engine(H.ds_config(sdp4bit=AUTO))
+        resumed = H.make_engine(_config(stage))
         resumed.load_checkpoint(checkpoint, tag="auto")
         restored = resumed.sdp4bit.stats()["auto"], (resumed.sdp4bit.store is not None,
                                                      resumed.sdp4bit.reducer is not None)
@@ -125,7 +141,7 @@ def _job(checkpoint: str) -> dict[str, Any]:
         resumed_bytes = resumed.sdp4bit.last_step_bytes["grad_inter"]["wire_bytes"]
         resumed.destroy()
 
-        fast = H.make_engine(H.ds_config(sdp4bit=AUTO))
+        fast = H.make_engine(_config(stage))
         H.train_steps(fast, 0, AUTO_START_STEP + 1)
         fast_decision = fast.sdp4bit.stats()["auto"]
         fast_parts = fast.sdp4bit.store is not None, fast.sdp4bit.reducer is not None
@@ -139,11 +155,12 @@ def _job(checkpoint: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_auto_decides_once_alike_on_every_rank_logs_reports_and_resumes(tmp_path: Any) -> None:
-    results = run_distributed(4, _job, str(tmp_path / "checkpoint"))
+@pytest.mark.parametrize("stage", [3, 2])
+def test_auto_decides_once_alike_on_every_rank_logs_reports_and_resumes(tmp_path: Any, stage: int) -> None:
+    results = run_distributed(4, _job, str(tmp_path / "checkpoint"), stage)
     first = results[0]
     for rank, result in enumerate(results):
-        assert result["measuring"] == (True, 0), rank  # plain ZeRO-3 steps: nothing went through SDP4Bit
+        assert result["measuring"] == (True, 0), rank  # plain ZeRO steps: nothing went through SDP4Bit
         assert result["decided"] == first["decided"], rank  # one decision although every rank measured otherwise
         assert result["parts"] == (True, True), rank
         assert result["verified"] == (AUTO_START_STEP + 2, 0, True), rank  # replicas checked after the decision only
@@ -156,5 +173,5 @@ def test_auto_decides_once_alike_on_every_rank_logs_reports_and_resumes(tmp_path
     assert first["decided"]["step"] == AUTO_START_STEP - 1
     lines = first["lines"]
     assert len(lines) == 3 and "on: qWD + TLq" in lines[0] and "checkpoint" in lines[1]
-    assert "nothing (plain ZeRO-3)" in lines[2] and "inter-node 2.0 MB/s per node" in lines[0]
+    assert f"nothing (plain ZeRO-{stage})" in lines[2] and "inter-node 2.0 MB/s per node" in lines[0]
     assert all(not r["lines"] for r in results[1:])  # logged once, by rank 0
