@@ -1,7 +1,8 @@
-"""SDP4Bit under the Hugging Face Trainer and under Accelerate: the examples on 4 CPU ranks acting as 2 nodes.
+"""SDP4Bit under the Hugging Face Trainer and under Accelerate: the examples on 4 CPU ranks acting as 2 nodes, with a
+ZeRO-3 config and with a ZeRO-2 one.
 
 Each integration trains 8 steps with a checkpoint at step 4 and saves the 16-bit weights, then a second launch
-resumes from that checkpoint. Checked: SDP4Bit is attached to the engine the integration built (HF "auto" values
+resumes from that checkpoint (on ZeRO-2, Accelerate's run trains and saves only). Checked: SDP4Bit is attached to the engine the integration built (HF "auto" values
 filled in by the integration), its statistics show quantized bytes, the loss falls, the saved weights are bf16 and
 are the trained ones, and the resume restores SDP4Bit's state (its optimizer step) and reproduces the
 uninterrupted run's losses of steps 5-8.
@@ -24,6 +25,7 @@ from sdp4bit_testing.dist_harness import free_port, shm_segments
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 CPU_CONFIG = EXAMPLES / "hf_ds_config_cpu.json"
+CPU_CONFIG_ZERO2 = EXAMPLES / "hf_ds_config_cpu_zero2.json"
 COMMON = ["--model", "tiny", "--seq_len", "64", "--max_steps", "8"]
 
 
@@ -100,8 +102,9 @@ def saved_model_loss(model_dir: Path, tokens: Path, tmp_path: Path) -> float:
 
 
 @pytest.mark.slow
-def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
-    flags = [*COMMON, "--deepspeed", str(CPU_CONFIG), "--use_cpu", "--bf16", "--data", str(tokens),
+@pytest.mark.parametrize("config", [CPU_CONFIG, CPU_CONFIG_ZERO2], ids=["zero3", "zero2"])
+def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path, config: Path):
+    flags = [*COMMON, "--deepspeed", str(config), "--use_cpu", "--bf16", "--data", str(tokens),
              "--per_device_train_batch_size", "4", "--learning_rate", "2e-3", "--logging_steps", "1",
              "--save_steps", "4", "--report_to", "none"]
     first = launch(deepspeed_launcher(), "hf_trainer.py", *flags, out=tmp_path / "first")
@@ -130,6 +133,16 @@ def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
     resumed = launch(deepspeed_launcher(), "hf_accelerate.py", *flags, "--deepspeed_config", str(CPU_CONFIG),
                      "--resume_from", str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
     check_resumed(resumed, first)
+
+
+@pytest.mark.slow
+def test_accelerate_trains_and_saves_with_sdp4bit_on_zero2(tokens: Path, tmp_path: Path):
+    """Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)) with a ZeRO-2 config: the engine Accelerate
+    builds trains with SDP4Bit, and the saved weights are the trained ones."""
+    first = launch(deepspeed_launcher(), "hf_accelerate.py", *COMMON, "--data", str(tokens), "--deepspeed_config",
+                   str(CPU_CONFIG_ZERO2), out=tmp_path / "first")
+    check_trained(first)
+    assert saved_model_loss(tmp_path / "first" / "model", tokens, tmp_path) < math.log(512) - 0.3
 
 
 def test_dataset_option_cuts_a_tokenized_local_file_into_blocks(tmp_path: Path):
