@@ -48,6 +48,11 @@ CASES: dict[int, dict[str, tuple]] = {
 }
 
 
+# On two ranks: the check every tested DeepSpeed/torch pair runs (the compat legs), one stage and layout each.
+TWO_RANKS = {"s2 fp32, 2 nodes x 1": (1, (2, "float32", 2, False, {"overlap_comm": True}, {})),
+             "s1 bf16, 1 node x 2": (2, (1, "bfloat16", 1, False, {}, {}))}
+
+
 def _config(rpn: int, case: tuple, **block: Any) -> dict[str, Any]:
     stage, dtype, accum, offload, zero, changes = case
     return H12.ds_config(stage, getattr(torch, dtype), sdp4bit=_block(rpn, **changes, **block), grad_accum=accum,
@@ -100,6 +105,25 @@ def _layout(rpn: int) -> dict[str, Any]:
 @run_once
 def _results(rpn: int) -> list[dict[str, Any]]:
     return run_distributed(4, _layout, rpn, timeout=TIMEOUT)
+
+
+def _two_ranks() -> dict[str, Any]:
+    return {name: _case(_config(rpn, case), logged=False) for name, (rpn, case) in TWO_RANKS.items()}
+
+
+@pytest.mark.compat
+def test_two_ranks_reduce_and_refresh_as_the_reference_codec() -> None:
+    """Each layout of two ranks on each stage: the recorded reductions and refreshes equal the emulations, bit for
+    bit, and the runtime's byte counts those the layouts imply (also run on every tested DeepSpeed/torch pair)."""
+    results = run_distributed(2, _two_ranks, timeout=TIMEOUT)
+    for name in TWO_RANKS:
+        ranks = [r[name] for r in results]
+        problems, compared = recording.check([r["log"] for r in ranks], ranks[0]["config"], STEPS)
+        assert not problems, f"{name}: " + "\n".join(problems[:10])
+        assert compared["reduce_calls"] > 0 and compared["refreshes"] == 2 and all(r["verified"] for r in ranks)
+        for rank, result in enumerate(ranks):
+            layout = recording.wire_bytes(result["log"], result["config"], 2, rank)
+            assert {kind: result["stats"][kind]["wire_bytes"] for kind in layout} == layout, (name, rank, layout)
 
 
 def _cases(rpn: int) -> list[tuple[int, str]]:
