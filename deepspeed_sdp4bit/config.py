@@ -54,20 +54,24 @@ class SDP4BitConfig(BaseModel):
     auto: bool = Field(False, description=(
         "measure the job and switch on only the parts that pay: at initialize the job times its inter- and "
         "intra-node links and its codec; the steps before `quantization_start_step` (default 5 under auto) run as "
-        "plain ZeRO-3 and are timed; then the cost model picks which of the block's parts (`quantized_weights`, "
-        "`quantized_gradients`) to keep, the same on every rank, logged and saved in checkpoints"))
+        "plain DeepSpeed (ZeRO-3, or ZeRO-1/2) and are timed; then the cost model picks which of the block's parts "
+        "(`quantized_weights`, `quantized_gradients`) to keep, the same on every rank, logged and saved in "
+        "checkpoints"))
     quantized_weights: bool = Field(False, description=(
         "qWD: after each optimizer step, all-gather 4-bit differences between the updated weights in the parameters' "
-        "dtype (DeepSpeed's ds_tensor after the step, e.g. bf16, not the fp32 masters) and the model weights every "
-        "holder keeps (w~), instead of gathering weights in 16 bits"), json_schema_extra={"flag": "--quantized-weights"})
+        "dtype (what DeepSpeed writes from the fp32 masters: ZeRO-3's ds_tensor, ZeRO-1/2's own partition, e.g. bf16) "
+        "and the model weights every holder keeps (w~), instead of gathering weights in 16 bits"),
+        json_schema_extra={"flag": "--quantized-weights"})
     weight_quantization_bits: Literal[4, 8] = Field(4, description="bits of the weight differences: 4 or 8",
                                                     json_schema_extra={"flag": "--weight-quantization-bits"})
     wq_group_size: int = Field(2048, description=(
         f"elements per fp32 scale of the weight differences; a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}]"),
         json_schema_extra={"flag": "--wq-group-size"})
     quantized_gradients: bool = Field(False, description=(
-        "TLq: replace ZeRO-3's gradient reduce-scatter by the two-level quantized all-to-all (needs "
-        "`zero_optimization.reduce_scatter: true`)"), json_schema_extra={"flag": "--quantized-gradients"})
+        "TLq: replace the gradient reduction by the two-level quantized all-to-all: ZeRO-3's reduce-scatter, or "
+        "ZeRO-1/2's bucket all-reduce, each rank receiving only the runs it owns (needs "
+        "`zero_optimization.reduce_scatter: true`, and on ZeRO-1/2 `contiguous_gradients` and "
+        "`use_multi_rank_bucket_allreduce` true: DeepSpeed's defaults)"), json_schema_extra={"flag": "--quantized-gradients"})
     gradient_quantization_bits_intra: Literal[4, 8] = Field(8, description=(
         "bits of the intra-node all-to-all: 4 or 8"), json_schema_extra={"flag": "--gradient-quantization-bits-intra"})
     gq_group_size_intra: int = Field(512, description=(
@@ -98,10 +102,11 @@ class SDP4BitConfig(BaseModel):
         "who holds the model weights between steps: `\"node\"` one copy per node, split over its ranks "
         "(forward/backward gather inside the node in full precision; only 4-bit differences cross nodes); `\"rank\"` "
         "a full copy on every rank (the paper's layout: gathers are local copies, memory = one more model per rank); "
-        "`\"off\"` no replica (only with `weight_quantization: \"direct\"`)"))
+        "`\"off\"` no replica (only with `weight_quantization: \"direct\"`). ZeRO-3 only: on ZeRO-1/2 every rank "
+        "holds the whole model, which is the replica"))
     weight_quantization: Literal["difference", "direct"] = Field("difference", description=(
         "`\"difference\"` is qWD; `\"direct\"` quantizes the weights themselves once per optimizer step (qW, the "
-        "ZeRO++-style baseline of the paper's ablation; it hurts at 4 bits)"))
+        "ZeRO++-style baseline of the paper's ablation; it hurts at 4 bits; ZeRO-3 only)"))
     stochastic_rounding: bool = Field(True, description=(
         "stochastic rounding (reproducible: a counter-based hash, no RNG state) or round-to-nearest"),
         json_schema_extra={"flag_note": "the original always rounds stochastically"})
@@ -111,7 +116,7 @@ class SDP4BitConfig(BaseModel):
         "precision on a mismatch (logged); 0 = never"))
     refresh_bucket_size: int = Field(200_000_000, ge=1, description=(
         "elements per bucket of the weight-difference all-gather (bucket k+1 is encoded while bucket k is in "
-        "flight)"))
+        "flight; on ZeRO-1/2 a bucket is a run of refresh_bucket_size / W elements of every rank's partition)"))
 
     @field_validator("wq_group_size", "gq_group_size_intra", "gq_group_size_inter")
     @classmethod
