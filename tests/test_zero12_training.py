@@ -171,6 +171,29 @@ def test_the_comms_logger_sees_sdp4bit_bytes_and_no_bucket_all_reduce_or_weight_
         assert baseline["all_reduce_link_bytes"] == 2 * baseline["reduce_scatter_link_bytes"] > 0, baseline
 
 
+@pytest.mark.parametrize("name", ["s2 fp32", "s1 fp32 overlap accum3"])
+def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
+    """sdp4bit_cost's ZeRO-1/2 byte count of this run (its layout, buckets and block, per rank) equals what each
+    rank's runtime counted, per kind: the buckets follow the hooks' order, which for this model is the reverse of
+    its parameters' order, and the refresh sends one run per rank and bucket."""
+    from sdp4bit_cost.traffic import Layout, Scheme, zero12_step
+
+    stage, dtype, accum, _, zero, _ = CASES[2][name]
+    for rank, result in enumerate(r[name] for r in _results(2)):
+        block, config = recording.expected(result["config"], 4, STEPS).cfg, result["config"]
+        tensors = [p.numel() for p in H.tiny_gpt2(0).parameters()]
+        scheme = Scheme(quantized_weights=True, quantized_gradients=True, weight_bits=block.weight_quantization_bits,
+                        weight_group=block.wq_group_size, bits_intra=block.gradient_quantization_bits_intra,
+                        group_intra=block.gq_group_size_intra, bits_inter=block.gradient_quantization_bits_inter,
+                        group_inter=block.gq_group_size_inter, pipeline=block.gradient_alltoall_pipeline,
+                        reduce_bucket=config["zero_optimization"]["reduce_bucket_size"], stage=stage,
+                        refresh_bucket=block.refresh_bucket_size)
+        step = zero12_step(tensors, scheme, Layout(2, 2), 4, rank=rank).per_optimizer_step(accum)
+        model = {kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS
+                 for kind in ("grad_intra", "grad_inter", "weight_refresh")}
+        assert model == {kind: result["stats"][kind]["wire_bytes"] for kind in model}, (rank, model)
+
+
 def test_an_unstarted_block_trains_bit_for_bit_like_plain_zero12() -> None:
     """With quantization_start_step past the run's end every collective is exact: the losses are plain ZeRO-1's and
     ZeRO-2's, bit for bit, on every rank."""
