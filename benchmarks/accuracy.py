@@ -1,8 +1,9 @@
-"""Accuracy ablation: the paper's Table 1 at small scale, several seeds, one command.
+"""Accuracy ablation: the paper's Table 1 at small scale, on ZeRO-3 and on ZeRO-2, several seeds, one command.
 
-  python benchmarks/accuracy.py                              8 variants x 3 seeds of the `tiny` GPT (2 layers, width
-                                                             128, sequence 128) on the offline corpus, 600 steps of
-                                                             64 sequences (16 per rank), about 2 hours
+  python benchmarks/accuracy.py                              12 variants (8 on ZeRO-3, 4 on ZeRO-2) x 3 seeds of the
+                                                             `tiny` GPT (2 layers, width 128, sequence 128) on the
+                                                             offline corpus, 600 steps of 64 sequences (16 per
+                                                             rank), about 3 hours
   python benchmarks/accuracy.py --global_batch 0             the same with the card's 32 sequences per step
   python benchmarks/accuracy.py --model mini --global_batch 0
                                                              the `mini` GPT (4 layers, width 256) with its card's 4
@@ -13,7 +14,7 @@
 
 Every run is examples/train_gpt.py's training (its model card, data pipeline, AdamW with warm-up and cosine decay,
 bf16, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
-(`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant:
+(`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant. On ZeRO-3:
 
   baseline      plain ZeRO-3
   qW            weights quantized directly, 4 bits, groups of 2048, once per optimizer step (`"direct"`)
@@ -24,6 +25,14 @@ bf16, validation on the same held-out windows every --eval_interval steps) on 4 
   ZeRO++-4bit   the paper's re-implementation of ZeRO++: qW (4-bit g2048) + 4/4-bit gradients g128, no Hadamard
   hpZ           DeepSpeed's own hpZ (zero_hpz_partition_size 2: a secondary weight partition inside each node);
                 lossless, DeepSpeed has no CPU quantizer for its qwZ/qgZ
+
+On ZeRO-2 (the stage of the paper's own runs, Megatron-LM's distributed optimizer, reduces once per step: ZeRO-1; the
+runs here accumulate nothing, so the two stages reduce alike):
+
+  ZeRO-2            plain ZeRO-2
+  ZeRO-2+qWD        4-bit weight differences of the flat buffers' partitions after each step, groups of 2048
+  ZeRO-2+TLq-HS     gradients 8-bit inside a node, 4-bit across nodes, Hadamard-smoothed, onto each bucket's owners
+  ZeRO-2+SDP4Bit    both
 
 A seed sets the model initialisation, the data order and the stochastic-rounding seed (`--seed` of the trainer and
 `sdp4bit.seed`). The four ranks are started once per seed (DeepSpeed's hpZ groups can be built only once per
@@ -43,8 +52,9 @@ can gain) and their sampling noise (the standard error of the step's mean gradie
 relative to its norm: the noise a step's gradient has anyway, against which the quantization error adds variance
 in the ratio of their squares). Training itself uses the run's own reducer's result.
 
-Output in OUT: table.md (Table 1's form: final validation loss mean ± sample standard deviation over seeds and the
-gap of each mean to the baseline's, then every seed, the paper's ordering checked, and the gradient errors),
+Output in OUT: table.md (Table 1's form per stage: final validation loss mean ± sample standard deviation over seeds
+and the gap of each mean to that stage's plain run, then every seed, the paper's ordering checked, and the gradient
+errors),
 curves.png (validation loss against step: the mean over seeds per variant with a band from the lowest to the
 highest seed; right panel zoomed on the last half without qW and ZeRO++-4bit) and summary.json; the table is also
 printed.
@@ -73,9 +83,15 @@ from sdp4bit_testing.dist_harness import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 WORLD, RANKS_PER_NODE = 4, 2
-VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
-            "TLq-HS": "ablation_tlq_hs", "SDP4Bit": "ablation_sdp4bit", "ZeRO++-4bit": "ablation_zeropp4",
-            "hpZ": "ablation_hpz"}
+ZERO3_VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
+                  "TLq-HS": "ablation_tlq_hs", "SDP4Bit": "ablation_sdp4bit", "ZeRO++-4bit": "ablation_zeropp4",
+                  "hpZ": "ablation_hpz"}
+ZERO2_VARIANTS = {"ZeRO-2": "ablation_zero2_baseline", "ZeRO-2+qWD": "ablation_zero2_qwd",
+                  "ZeRO-2+TLq-HS": "ablation_zero2_tlq_hs", "ZeRO-2+SDP4Bit": "ablation_zero2_sdp4bit"}
+VARIANTS = {**ZERO3_VARIANTS, **ZERO2_VARIANTS}
+# one table per stage: its title, its plain run (the gaps' reference) and its variants
+TABLES = (("ZeRO-3", "baseline", tuple(ZERO3_VARIANTS)), ("ZeRO-2", "ZeRO-2", tuple(ZERO2_VARIANTS)))
+TOLERANCE_PCT = 0.5  # how close to its stage's plain run SDP4Bit and qWD must end
 PROBE_VARIANT = "TLq-HS"
 LOSSY_WEIGHTS = ("qW", "ZeRO++-4bit")  # left out of the zoomed panel: far above the others
 PAPER_125M = {"baseline": 2.29392, "qW": 2.57312, "qWD": 2.29274, "TLq": 2.30479, "TLq-HS": 2.29528,
@@ -361,9 +377,9 @@ def same_seed_text(stats: dict[str, dict[str, Any]], a: str, b: str) -> str | No
             f"{seeds} seeds); {a} higher in {higher} of them.")
 
 
-def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
-    """Per variant: seeds, final validation losses, their mean and std, gap of the mean to the baseline's, and the
-    paired gap (mean and std of same_seed_difference to the baseline)."""
+def aggregate(results: dict[Run, dict[str, Any]], variants: Sequence[str], baseline: str) -> dict[str, dict[str, Any]]:
+    """Per variant: seeds, final validation losses, their mean and std, gap of the mean to `baseline`'s (its stage's
+    plain run), and the paired gap (mean and std of same_seed_difference to it)."""
     stats: dict[str, dict[str, Any]] = {}
     for variant in variants:
         finals = {run.seed: r["final_val_loss"] for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
@@ -371,17 +387,23 @@ def aggregate(results: dict[Run, dict[str, Any]], variants: list[str]) -> dict[s
         if finals:
             mean, std = _mean_std(list(finals.values()))
             stats[variant] = {"finals": finals, "mean": mean, "std": std}
-    base = stats.get("baseline")
+    base = stats.get(baseline)
     for variant, entry in stats.items():
         entry["gap_pct"] = 100.0 * (entry["mean"] / base["mean"] - 1.0) if base else None
-        paired = same_seed_difference(stats, variant, "baseline")
+        paired = same_seed_difference(stats, variant, baseline)
         entry["paired_gap"] = paired[:2] if paired else None
     return stats
 
 
+def _within(stats: dict[str, dict[str, Any]], variant: str, baseline: str) -> tuple[str, bool]:
+    """Whether a variant's mean ends within TOLERANCE_PCT of its stage's plain run."""
+    gap = stats[variant]["gap_pct"]
+    return f"{variant} within {TOLERANCE_PCT}% of {baseline}: {gap:+.2f}%", abs(gap) <= TOLERANCE_PCT
+
+
 def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
-    """The paper's ordering, each as (statement with the numbers, holds). "Worst" is among Table 1's variants: the
-    ZeRO++ re-implementation is qW plus more quantization, so it is expected to be worse still."""
+    """The paper's ordering on ZeRO-3, each as (statement with the numbers, holds). "Worst" is among Table 1's
+    variants: the ZeRO++ re-implementation is qW plus more quantization, so it is expected to be worse still."""
     if not PAPER_125M.keys() <= stats.keys():
         return []
     base, qw = stats["baseline"], stats["qW"]
@@ -392,46 +414,62 @@ def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
         (f"qW is the worst of Table 1's variants (worst: {worst}, {stats[worst]['mean']:.4f})", worst == "qW"),
         (f"qW's gap {qw['mean'] - base['mean']:+.4f} = {sigmas:.1f} x the baseline's std {base['std']:.4f} (> 3)",
          sigmas > 3),
-        (f"SDP4Bit within 0.5% of the baseline: {gap['SDP4Bit']:+.2f}%", abs(gap["SDP4Bit"]) <= 0.5),
-        (f"qWD within 0.5% of the baseline: {gap['qWD']:+.2f}%", abs(gap["qWD"]) <= 0.5),
+        _within(stats, "SDP4Bit", "baseline"),
+        _within(stats, "qWD", "baseline"),
         (f"TLq-HS's gap <= TLq's: {gap['TLq-HS']:+.2f}% vs {gap['TLq']:+.2f}%", gap["TLq-HS"] <= gap["TLq"]),
     ]
 
 
-def markdown(stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
-             args: argparse.Namespace) -> str:
-    """Table 1's form, every seed, the ordering checks and the real-bucket gradient errors."""
+def zero2_checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+    """On ZeRO-2, SDP4Bit and qWD within the tolerance ZeRO-3's table checks, of plain ZeRO-2."""
+    if not set(ZERO2_VARIANTS) <= stats.keys():
+        return []
+    return [_within(stats, "ZeRO-2+SDP4Bit", "ZeRO-2"), _within(stats, "ZeRO-2+qWD", "ZeRO-2")]
+
+
+def _stage_table(title: str, stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
+                 model: str, baseline: str) -> list[str]:
+    """One stage's Table 1: means, gaps and paired gaps to its plain run, the paper's figures, every seed."""
     variants = list(stats)
-    any_result = next(iter(results.values()))
-    t = any_result["trainer"]
     seeds = max(len(s["finals"]) for s in stats.values())
-    # results trained before the trainer recorded its shape flags name only the card
-    shape = f"{t['n_layer']} layers, width {t['n_embd']}, " if "n_layer" in t else ""
-    model = (f"{args.model}: {shape}{any_result['parameters'] / 1e6:.2f}M params, seq {t['seq_len']}, "
-             f"batch {t['global_batch']}, {t['train_iters']} steps")
-    lines = [f"| GPT ({model}) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
+    lines = [f"| {title}: GPT ({model}) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
              f"| final validation loss, mean ± std over {seeds} seeds | "
              + " | ".join(f"{stats[v]['mean']:.4f} ± {stats[v]['std']:.4f}" for v in variants) + " |",
-             "| gap to baseline | " + " | ".join("—" if v == "baseline" or stats[v]["gap_pct"] is None
-                                                  else f"{stats[v]['gap_pct']:+.2f}%" for v in variants) + " |",
-             "| paired gap: variant - baseline of the same seed, mean ± std | "
-             + " | ".join("—" if v == "baseline" or stats[v]["paired_gap"] is None
-                          else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"]) for v in variants) + " |",
-             "| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M else "—"
-                                                         for v in variants) + " |",
-             "", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time, all seeds |",
-             "|---|" + "---:|" * (seeds + 1)]
+             f"| gap to {baseline} | " + " | ".join("—" if v == baseline or stats[v]["gap_pct"] is None
+                                                     else f"{stats[v]['gap_pct']:+.2f}%" for v in variants) + " |",
+             f"| paired gap: variant - {baseline} of the same seed, mean ± std | "
+             + " | ".join("—" if v == baseline or stats[v]["paired_gap"] is None
+                          else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"]) for v in variants) + " |"]
+    if title == "ZeRO-3":
+        lines.append("| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M
+                                                                   else "—" for v in variants) + " |")
+    lines += ["", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time, all seeds |",
+              "|---|" + "---:|" * (seeds + 1)]
     for v in variants:
         runs = {run.seed: r for run, r in results.items() if run.variant == v}
         cells = [f"{runs[s]['final_val_loss']:.4f}" if s in runs else "" for s in range(seeds)]
         minutes = sum(r["wall_s"] for r in runs.values()) / 60
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {minutes:.1f} min |")
-    found = checks(stats)
+    found = checks(stats) if title == "ZeRO-3" else zero2_checks(stats)
     if found:
-        lines += ["", "The paper's ordering:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
-    same_seed = same_seed_text(stats, "TLq-HS", "TLq")
-    if same_seed:
-        lines += ["", same_seed]
+        ordering = "The paper's ordering" if title == "ZeRO-3" else "On ZeRO-2"
+        lines += ["", f"{ordering}:", ""] + [f"- {'holds' if ok else 'FAILS'}: {text}" for text, ok in found]
+    same_seed = same_seed_text(stats, "TLq-HS", "TLq") if title == "ZeRO-3" else None
+    return lines + (["", same_seed] if same_seed else [])
+
+
+def markdown(tables: dict[str, dict[str, dict[str, Any]]], results: dict[Run, dict[str, Any]]) -> str:
+    """Each stage's Table 1 (`tables`: stage title -> its variants' stats) and the real-bucket gradient errors."""
+    any_result = next(iter(results.values()))
+    t = any_result["trainer"]
+    # results trained before the trainer recorded its shape flags name only the card
+    shape = f"{t['n_layer']} layers, width {t['n_embd']}, " if "n_layer" in t else ""
+    model = (f"{any_result['settings']['model']}: {shape}{any_result['parameters'] / 1e6:.2f}M params, seq "
+             f"{t['seq_len']}, batch {t['global_batch']}, {t['train_iters']} steps")
+    lines: list[str] = []
+    for title, baseline, _ in TABLES:
+        if tables.get(title):
+            lines += ([""] if lines else []) + _stage_table(title, tables[title], results, model, baseline)
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
         lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
@@ -493,12 +531,15 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     if not results:
         raise SystemExit(f"no finished runs in {out}")
     variants = [v for v in args.variants if any(run.variant == v for run in results)]
-    stats = aggregate(results, variants)
-    text = markdown(stats, results, args)
+    tables = {title: aggregate(results, [v for v in members if v in variants], baseline)
+              for title, baseline, members in TABLES}
+    text = markdown(tables, results)
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
+    found = checks(tables["ZeRO-3"]) + zero2_checks(tables["ZeRO-2"])
     write_result(out / "summary.json", {
-        "settings": expected, "variants": stats, "checks": [{"check": c, "holds": ok} for c, ok in checks(stats)],
+        "settings": expected, "variants": {v: e for stats in tables.values() for v, e in stats.items()},
+        "checks": [{"check": c, "holds": ok} for c, ok in found],
         "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
         "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60})
     print(text, flush=True)

@@ -29,26 +29,30 @@ import numpy
 
 from sdp4bit_cost import paper
 from sdp4bit_cost.shapes import gpt
-from sdp4bit_cost.traffic import SDP4BIT_KINDS, Layout, Scheme, StepBytes, zero3_step
+from sdp4bit_cost.traffic import SDP4BIT_KINDS, Layout, Scheme, StepBytes, zero3_step, zero12_step
 
 ROOT = Path(__file__).resolve().parents[1]
-# the CPU configs (configs/cpu/): ZeRO-3 with a 500k-element reduce bucket and a 1280-element persistence threshold
+# the CPU configs (configs/cpu/): ZeRO-3 with a 500k-element reduce bucket and a 1280-element persistence threshold;
+# the ZeRO-2 variants run the same files with zero_optimization.stage=2
 _CPU = {"persistence_threshold": 1280, "reduce_bucket": 500_000}
+_ZERO2 = {"reduce_bucket": 500_000, "stage": 2}
 SWEEP_SCHEMES = {
     "zero3": Scheme(**_CPU), "hpz": Scheme(**_CPU),
     "sdp4bit_node": Scheme(True, True, **_CPU), "sdp4bit_rank": Scheme(True, True, replica="rank", **_CPU),
     "qwd": Scheme(True, False, **_CPU), "tlq_hs": Scheme(False, True, **_CPU),
+    "zero2": Scheme(**_ZERO2), "zero2_sdp4bit": Scheme(True, True, **_ZERO2),
 }
+AUTO_STAGES = {"auto": _CPU, "zero2_auto": _ZERO2}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 # ----------------------------------------------------------------------------------------------- sweep accounting
 def scheme_of(variant: str, auto: dict | None = None) -> Scheme:
-    """The scheme of a sweep variant; for `auto`, the parts its decision switched on."""
-    if variant != "auto":
+    """The scheme of a sweep variant; for an auto variant, the parts its decision switched on."""
+    if variant not in AUTO_STAGES:
         return SWEEP_SCHEMES[variant]
     on = (auto or {}).get("on", [])
-    return Scheme("weights" in on, "gradients" in on, **_CPU)
+    return Scheme("weights" in on, "gradients" in on, **AUTO_STAGES[variant])
 
 
 def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
@@ -57,9 +61,13 @@ def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
     settings = summary["settings"]
     shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"],
                 settings["seq_len"])
-    world = summary["world_size"]
-    step = zero3_step(shape.tensors(), scheme_of(variant, summary.get("sdp4bit_auto")), Layout(2, world // 2),
-                      DTYPE_BYTES[dtype], backend="gloo")
+    layout = Layout(2, summary["world_size"] // 2)
+    scheme = scheme_of(variant, summary.get("sdp4bit_auto"))
+    if scheme.stage == 3:
+        step = zero3_step(shape.tensors(), scheme, layout, DTYPE_BYTES[dtype], backend="gloo")
+    else:  # the example trains two param groups: the matrices and the vectors
+        groups = [0 if matrix else 1 for matrix in shape.matrices()]
+        step = zero12_step(shape.tensors(), scheme, layout, DTYPE_BYTES[dtype], groups=groups)
     return step.per_optimizer_step(settings["grad_accum"])
 
 

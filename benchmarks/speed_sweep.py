@@ -1,4 +1,5 @@
-"""Step time against link speed on two real (namespaced) nodes: plain ZeRO-3, ZeRO++ hpZ and SDP4Bit variants.
+"""Step time against link speed on two real (namespaced) nodes: plain ZeRO-3, ZeRO++ hpZ and SDP4Bit variants, and
+plain ZeRO-2 with SDP4Bit's.
 
 Every point is a real two-node job (benchmarks/two_nodes.py: one `deepspeed` launcher per node, 2 CPU ranks each,
 the link between them shaped by tc) training the example GPT (examples/train_gpt.py) with DeepSpeed's comms logger
@@ -8,7 +9,8 @@ time, tokens/s, and the bytes that left each node through the link per step (int
 removed: `link_payload`), beside what the accounting says crossed (SDP4Bit's cross-node bytes per kind plus
 DeepSpeed's own collectives from benchmarks/cost_model.py).
 
-    sudo .venv/bin/python benchmarks/speed_sweep.py        # the whole sweep (hours on 2 cores; resumable)
+    sudo .venv/bin/python benchmarks/speed_sweep.py        # the whole ZeRO-3 sweep (hours on 2 cores; resumable)
+    sudo .venv/bin/python benchmarks/speed_sweep.py --stage 2 --out runs/speed_sweep_zero2   # the ZeRO-2 sweep
     sudo .venv/bin/python benchmarks/speed_sweep.py --rates 50 --variants zero3 sdp4bit_node --dtypes fp32 --repeats 1
     python benchmarks/speed_sweep.py --report              # table and plot from what is already measured
 
@@ -20,8 +22,8 @@ already measured with the same --steps is not run again. Each point runs --repea
 --rerun_spread F, every point whose runs' step times differ by more than F gets one more run after the planned
 repeats (off by default). OUT/table.md and OUT/step_time.png summarise the runs
 of this --steps: per (dtype, variant, rate) the median over repeats of the runs' median step times, its spread
-(min-max over repeats), tokens/s, the speed-up over plain ZeRO-3 and bytes per step. The defaults are the settings
-of the published sweep (benchmarks/RESULTS.md).
+(min-max over repeats), tokens/s, the speed-up over the plain run of the variant's ZeRO stage and bytes per step.
+The defaults are the settings of the published sweep (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -50,16 +52,25 @@ TRAINER = str(ROOT / "examples/train_gpt.py")
 AUTO = "sdp4bit.ranks_per_node=auto"
 
 
+ZERO2 = "zero_optimization.stage=2"
+
+
 @dataclass(frozen=True)
 class Variant:
-    """A configuration of the sweep: a config file plus --ds_set overrides, and the first step its median is taken
-    from (auto's steps before its decision are plain ZeRO-3, so its median starts after them)."""
+    """A configuration of the sweep: a config file plus --ds_set overrides, the first step its median is taken from
+    (auto's steps before its decision are plain ZeRO, so its median starts after them), and its ZeRO stage."""
 
     name: str
     label: str
     config: str
     overrides: tuple[str, ...] = ()
     steady_from: int = 3
+    stage: int = 3
+
+    @property
+    def baseline(self) -> str:
+        """The plain variant of its stage, which speed-ups are taken against."""
+        return PLAIN[self.stage]
 
 
 VARIANTS = {v.name: v for v in (
@@ -71,7 +82,13 @@ VARIANTS = {v.name: v for v in (
                                            "sdp4bit.hadamard_transform=false")),
     Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
     Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
+    Variant("zero2", "ZeRO-2", BASELINE, (ZERO2,), stage=2),
+    Variant("zero2_sdp4bit", "ZeRO-2 + SDP4Bit", SDP4BIT, (AUTO, ZERO2), stage=2),
+    Variant("zero2_auto", "ZeRO-2 + SDP4Bit auto", SDP4BIT, (AUTO, ZERO2, "sdp4bit.auto=true"),
+            steady_from=AUTO_START_STEP, stage=2),
 )}
+PLAIN = {3: "zero3", 2: "zero2"}
+AUTOS = ("auto", "zero2_auto")
 RATES = ("25", "50", "200", "1000", "unshaped")
 # Below this rate (Mbit/s) the link's time is most of every step and a point's runs agree within a few percent, so
 # --slow_repeats runs suffice there; the fast end, where compute dominates and runs spread by 10-25%, gets --repeats.
@@ -238,11 +255,11 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
                      "link_payload": statistics.median(m["link_payload"] for m in members),
                      "accounted_cross": statistics.median(m["accounted_cross"] for m in members),
                      "drops": sum(m["drops"] for m in members)})
-    base = {(r["dtype"], r["rate"]): r for r in rows if r["variant"] == "zero3"}
+    base = {(r["dtype"], r["rate"], r["variant"]): r for r in rows if r["variant"] in PLAIN.values()}
     for row in rows:
-        ref = base.get((row["dtype"], row["rate"]))
+        ref = base.get((row["dtype"], row["rate"], VARIANTS[row["variant"]].baseline))
         row["speedup"] = ref["step_s"] / row["step_s"] if ref else None
-        row["bytes_vs_zero3"] = row["link_payload"] / ref["link_payload"] if ref else None
+        row["bytes_vs_plain"] = row["link_payload"] / ref["link_payload"] if ref else None
     order = {name: i for i, name in enumerate(VARIANTS)}
     return sorted(rows, key=lambda r: (r["dtype"], RATES.index(r["rate"]) if r["rate"] in RATES else 99,
                                        order.get(r["variant"], 99)))
@@ -251,11 +268,11 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
 def table(rows: Sequence[dict]) -> str:
     """The markdown table of the aggregated rows."""
     lines = ["| dtype | link Mbit/s | variant | step s (median) | spread s | step 0 s | tokens/s | speed-up | "
-             "link MB/step | accounted MB/step | accounted/link | bytes vs ZeRO-3 |",
+             "link MB/step | accounted MB/step | accounted/link | bytes vs plain |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else ""
-        vs = f"{r['bytes_vs_zero3']:.3f}" if r["bytes_vs_zero3"] else ""
+        vs = f"{r['bytes_vs_plain']:.3f}" if r["bytes_vs_plain"] else ""
         lines.append(f"| {r['dtype']} | {r['rate']} | {VARIANTS[r['variant']].label} | {r['step_s']:.3f} | "
                      f"{r['min_s']:.3f}-{r['max_s']:.3f} ({r['repeats']}) | {r['step0_s']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {speedup} | {r['link_payload'] / 1e6:.3f} | "
@@ -263,22 +280,26 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-BRIEF = {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"}  # the README's columns
+# the README's columns per stage: the plain run, hpZ (ZeRO-3), SDP4Bit and auto
+BRIEF = {3: {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"},
+         2: {"zero2": "ZeRO-2", "zero2_sdp4bit": "SDP4Bit", "zero2_auto": "auto"}}
 
 
-def brief_table(rows: Sequence[dict]) -> str:
-    """Per rate, each dtype's median step of ZeRO-3, hpZ, SDP4Bit (node replica) and auto, and SDP4Bit's and auto's
-    speed-up over ZeRO-3 (the README's table)."""
+def brief_table(rows: Sequence[dict], stage: int = 3) -> str:
+    """Per rate, each dtype's median step of the stage's plain run, hpZ (ZeRO-3), SDP4Bit and auto, and SDP4Bit's
+    and auto's speed-up over the plain run (the README's table)."""
+    columns = BRIEF[stage]
+    sdp4bit, auto_name = list(columns)[-2:]
     dtypes = sorted({r["dtype"] for r in rows})
     cells = {(r["dtype"], r["rate"], r["variant"]): r for r in rows}
-    head = ["link Mbit/s"] + [f"{d} {label}" for d in dtypes for label in BRIEF.values()] + \
+    head = ["link Mbit/s"] + [f"{d} {label}" for d in dtypes for label in columns.values()] + \
         [f"{d} speed-up SDP4Bit, auto" for d in dtypes]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for rate in [r for r in RATES if any(k[1] == r for k in cells)]:
-        steps = [cells.get((d, rate, v)) for d in dtypes for v in BRIEF]
+    for rate in [r for r in RATES if any(k[1] == r and k[2] in columns for k in cells)]:
+        steps = [cells.get((d, rate, v)) for d in dtypes for v in columns]
         ups = []
         for d in dtypes:
-            node, auto = cells.get((d, rate, "sdp4bit_node")), cells.get((d, rate, "auto"))
+            node, auto = cells.get((d, rate, sdp4bit)), cells.get((d, rate, auto_name))
             ups.append(", ".join(f"{r['speedup']:.2f}x" if r and r["speedup"] else "-" for r in (node, auto)))
         lines.append("| " + " | ".join([rate] + [f"{r['step_s']:.3f}" if r else "-" for r in steps] + ups) + " |")
     return "\n".join(lines) + "\n"
@@ -290,20 +311,23 @@ AUTO_BOUND = 0.05  # auto's median step within 5% of the best fixed variant's
 def auto_table(rows: Sequence[dict], runs: Sequence[dict]) -> tuple[str, bool]:
     """Per dtype and rate: auto's decision and median step against the best fixed variant's; whether all are within
     AUTO_BOUND."""
-    lines = ["| dtype | link Mbit/s | auto switched on | auto step s | best fixed variant | its step s | auto / best |",
-             "|---|---|---|---:|---|---:|---:|"]
+    lines = ["| dtype | link Mbit/s | auto | switched on | auto step s | best fixed variant | its step s | "
+             "auto / best |", "|---|---|---|---|---:|---|---:|---:|"]
     ok = True
-    for row in (r for r in rows if r["variant"] == "auto"):
-        fixed = [r for r in rows if r["variant"] != "auto" and (r["dtype"], r["rate"]) == (row["dtype"], row["rate"])]
+    for row in (r for r in rows if r["variant"] in AUTOS):
+        stage = VARIANTS[row["variant"]].stage
+        fixed = [r for r in rows if r["variant"] not in AUTOS and VARIANTS[r["variant"]].stage == stage
+                 and (r["dtype"], r["rate"]) == (row["dtype"], row["rate"])]
         if not fixed:
             continue
         best = min(fixed, key=lambda r: r["step_s"])
         decisions = {" + ".join(run["auto"]["on"]) or "nothing" for run in runs if run.get("auto") and
-                     (run["variant"], run["dtype"], run["rate"]) == ("auto", row["dtype"], row["rate"])}
+                     (run["variant"], run["dtype"], run["rate"]) == (row["variant"], row["dtype"], row["rate"])}
         ratio = row["step_s"] / best["step_s"]
         ok = ok and ratio <= 1 + AUTO_BOUND
-        lines.append(f"| {row['dtype']} | {row['rate']} | {', '.join(sorted(decisions))} | {row['step_s']:.3f} | "
-                     f"{VARIANTS[best['variant']].label} | {best['step_s']:.3f} | {ratio:.3f} |")
+        lines.append(f"| {row['dtype']} | {row['rate']} | {VARIANTS[row['variant']].label} | "
+                     f"{', '.join(sorted(decisions))} | {row['step_s']:.3f} | {VARIANTS[best['variant']].label} | "
+                     f"{best['step_s']:.3f} | {ratio:.3f} |")
     return "\n".join(lines) + "\n", ok
 
 
@@ -365,11 +389,13 @@ def report(out: Path, steps: int) -> None:
         print(f"speed_sweep: nothing measured with --steps {steps} yet")
         return
     text = table(rows)
-    if any(r["variant"] == "auto" for r in rows):
+    if any(r["variant"] in AUTOS for r in rows):
         checked, ok = auto_table(rows, mine)
         text += f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n" \
                 f"{checked}"
-    text += f"\nIn brief (median step s):\n\n{brief_table(rows)}"
+    for stage, columns in BRIEF.items():
+        if any(r["variant"] in columns for r in rows):
+            text += f"\nIn brief, ZeRO-{stage} (median step s):\n\n{brief_table(rows, stage)}"
     (out / "table.md").write_text(text)
     plot(rows, out / "step_time.png", layouts.pop())
     print(text)
@@ -379,7 +405,10 @@ def report(out: Path, steps: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="Mbit/s each way, or 'unshaped'")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        help="default: every variant of --stage")
+    parser.add_argument("--stage", type=int, choices=[2, 3], default=3,
+                        help="the ZeRO stage whose variants --variants defaults to")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3, help=f"runs per point at {SLOW_BELOW:g} Mbit/s and faster")
     parser.add_argument("--slow_repeats", type=int, default=2, help=f"runs per point below {SLOW_BELOW:g} Mbit/s")
@@ -392,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="CPU ranks per node; 1 gives every rank a core of its own on a 2-core machine")
     parser.add_argument("--report", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
+    args.variants = args.variants or [name for name, v in VARIANTS.items() if v.stage == args.stage]
     for rate in args.rates:
         if rate != "unshaped" and not _positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")

@@ -69,6 +69,18 @@ class ModelShape:
         output = [] if self.tied else [self.vocab * h]
         return embeddings + self.layer_tensors() * self.layers + final_norm + output
 
+    def matrices(self) -> list[bool]:
+        """Whether each tensor of `tensors()` is a matrix (2-D: embeddings, projections) rather than a vector (norms,
+        biases): the example trainer's two param groups, weight decay on the matrices only."""
+        bias = self.biases
+        norm = [False, False] if bias else [False]
+        attention = [True] + ([False] if bias else []) + [True] + ([False] if bias else [])
+        up = [True] * (2 if self.gated else 1) + ([False] if bias else [])
+        down = [True] + ([False] if bias else [])
+        layer = norm + attention + norm + up + down
+        embeddings = [True] + ([True] if self.learned_positions else [])
+        return embeddings + layer * self.layers + norm + ([] if self.tied else [True])
+
     def numel(self) -> int:
         return sum(self.tensors())
 

@@ -347,21 +347,38 @@ def flat_offsets(tensors: Sequence[int], world: int, round_robin: bool = False) 
     return offsets
 
 
-def zero12_owned(tensors: Sequence[int], bucket: int, world: int, round_robin: bool = False) -> list[list[int]]:
+def group_layouts(tensors: Sequence[int], world: int, round_robin: bool = False,
+                  groups: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """Each tensor's offset in its param group's flat buffer (`groups[i]`: tensor i's group, default all one group),
+    and each group's partition size: DeepSpeed flattens every group into a buffer of its own."""
+    groups = list(groups) if groups is not None else [0] * len(tensors)
+    offsets, own = [0] * len(tensors), []
+    for group in range(max(groups, default=-1) + 1):
+        members = [i for i, g in enumerate(groups) if g == group]
+        sizes = [tensors[i] for i in members]
+        own.append(partition(sizes, world) if sizes else 0)
+        for i, offset in zip(members, flat_offsets(sizes, world, round_robin)):
+            offsets[i] = offset
+    return offsets, own
+
+
+def zero12_owned(tensors: Sequence[int], bucket: int, world: int, round_robin: bool = False,
+                 groups: Sequence[int] | None = None) -> list[list[int]]:
     """L_r of each ZeRO-1/2 gradient bucket, in the order they are reduced: how many of the bucket's elements lie in
-    rank r's partition of the flat buffer.
+    rank r's partition of their param group's flat buffer (`groups`, as group_layouts reads it).
 
     The hooks are taken to fire in reverse parameter order (DeepSpeed fills its bucket in the order autograd produces
     the gradients, about the reverse of the model's), so a bucket holds consecutive tensors of the model: one
-    contiguous run of the buffer in the model's layout, runs scattered over many partitions with round robin."""
-    own = partition(tensors, world)
-    offsets = flat_offsets(tensors, world, round_robin)
+    contiguous run of each group's buffer in the model's layout, runs scattered over many partitions with round
+    robin."""
+    offsets, own = group_layouts(tensors, world, round_robin, groups)
+    group_of = list(groups) if groups is not None else [0] * len(tensors)
     out: list[list[int]] = []
     end = len(tensors)
     for numels in gradient_buckets(tensors, bucket):
         lengths = [0] * world
         for i in range(end - len(numels), end):
-            _add_overlaps(lengths, offsets[i], tensors[i], own)
+            _add_overlaps(lengths, offsets[i], tensors[i], own[group_of[i]])
         out.append(lengths)
         end -= len(numels)
     return out
@@ -375,12 +392,14 @@ def _add_overlaps(lengths: list[int], start: int, numel: int, own: int) -> None:
 
 
 def zero12_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int,
-                comm_bytes: int | None = None, rank: int | None = None) -> StepBytes:
+                comm_bytes: int | None = None, rank: int | None = None,
+                groups: Sequence[int] | None = None) -> StepBytes:
     """The transfers of one DeepSpeed ZeRO-1 or ZeRO-2 micro-batch (`scheme.stage`), plus its optimizer step's, for
-    one param group of parameter tensors of these element counts (all trainable, in the model's order).
+    parameter tensors of these element counts (all trainable, in the model's order), in one param group or in the
+    groups `groups` names (`groups[i]`: tensor i's).
 
-    Every rank holds the whole 16-bit model; rank r owns partition r of the padded flat buffer (the parameters in the
-    model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each bucket is
+    Every rank holds the whole 16-bit model; rank r owns partition r of each group's padded flat buffer (the
+    parameters in the model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each bucket is
     all-reduced in `comm_bytes` per element (default the dtype's), or with SDP4Bit's TLq exchanged to its owners; stage
     2 per micro-batch ("backward"), stage 1 once per step at the accumulation boundary ("boundary"). After the step
     the partitions are all-gathered in 16 bits, or with qWD refreshed as 4-bit differences. Where ranks differ
@@ -391,17 +410,18 @@ def zero12_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_by
         raise ValueError("zero12_step: ZeRO stage 3; allowed: 1, 2 (zero3_step builds stage 3)")
     comm_bytes = comm_bytes or dtype_bytes
     phase = "backward" if scheme.stage == 2 else "boundary"
-    own = partition(tensors, layout.world)
+    partitions = group_layouts(tensors, layout.world, scheme.round_robin, groups)[1]
+    own = sum(partitions)
     out = StepBytes()
     if scheme.quantized_gradients:
-        for lengths in zero12_owned(tensors, scheme.reduce_bucket, layout.world, scheme.round_robin):
+        for lengths in zero12_owned(tensors, scheme.reduce_bucket, layout.world, scheme.round_robin, groups):
             _grads_to_owners(out, _owner_pieces(lengths, scheme), comm_bytes, scheme, layout, phase, rank)
     else:
         wire = sum(tensors) * comm_bytes
         out.add(Transfer(ALL_REDUCE, phase, wire, all_reduce_cross(wire, layout),
                          intra=2 * _ring_intra(wire / layout.world, layout)))
     if scheme.quantized_weights:
-        codes = refresh_codes(own, scheme, layout.world)
+        codes = sum(refresh_codes(size, scheme, layout.world) for size in partitions)
         _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes)
     else:
         wire = own * dtype_bytes

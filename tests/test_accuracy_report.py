@@ -1,5 +1,5 @@
-"""The statistics benchmarks/accuracy.py reports: gaps to the baseline, paired gaps, the paper's ordering checks and
-the same-seed difference between two variants."""
+"""The statistics benchmarks/accuracy.py reports: gaps to each stage's plain run, paired gaps, the paper's ordering
+checks, ZeRO-2's tolerance checks and the same-seed difference between two variants."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ FINALS = {
 def _stats() -> dict[str, dict]:
     results = {accuracy.Run(v, s): {"final_val_loss": loss} for v, losses in FINALS.items()
                for s, loss in enumerate(losses)}
-    return accuracy.aggregate(results, list(FINALS))
+    return accuracy.aggregate(results, list(FINALS), "baseline")
 
 
 def test_gaps_and_paired_gaps() -> None:
@@ -50,22 +50,38 @@ def test_ordering_checks() -> None:
     found = dict((text.split(":")[0], ok) for text, ok in accuracy.checks(_stats()))
     assert found == {"qW is the worst of Table 1's variants (worst": True,
                      "qW's gap +0.4000 = 4.0 x the baseline's std 0.1000 (> 3)": True,
-                     "SDP4Bit within 0.5% of the baseline": True,
-                     "qWD within 0.5% of the baseline": True,
+                     "SDP4Bit within 0.5% of baseline": True,
+                     "qWD within 0.5% of baseline": True,
                      "TLq-HS's gap <= TLq's": False}
 
 
+def _report(runs: list[tuple[str, int, float]]) -> str:
+    """The markdown of these (variant, seed, final loss) results, one table per stage that has some."""
+    trainer = {"seq_len": 128, "global_batch": 64, "train_iters": 600}
+    found = {accuracy.Run(v, s): {"final_val_loss": loss, "parameters": 1e6, "trainer": trainer, "wall_s": 60.0,
+                                  "settings": {"model": "tiny"}} for v, s, loss in runs}
+    tables = {title: accuracy.aggregate(found, members, baseline) for title, baseline, members in accuracy.TABLES}
+    return accuracy.markdown(tables, found)
+
+
 def test_report_prints_the_same_seed_line_only_for_shared_seeds() -> None:
-    def results(seeds_tlq_hs: list[int]) -> dict:
-        trainer = {"seq_len": 128, "global_batch": 64, "train_iters": 600}
-        runs = [("baseline", 0), ("TLq", 0)] + [("TLq-HS", s) for s in seeds_tlq_hs]
-        return {accuracy.Run(v, s): {"final_val_loss": 4.0 + s, "parameters": 1e6, "trainer": trainer, "wall_s": 60.0}
-                for v, s in runs}
-    args = accuracy.parse_args(["--variants", "baseline", "TLq", "TLq-HS"])
     for seeds, shown in (([0], True), ([1], False)):
-        found = results(seeds)
-        text = accuracy.markdown(accuracy.aggregate(found, args.variants), found, args)
+        text = _report([("baseline", 0, 4.0), ("TLq", 0, 4.0)] + [("TLq-HS", s, 4.0 + s) for s in seeds])
         assert ("TLq-HS - TLq, final validation loss of the same seed" in text) is shown
+
+
+def test_zero2_has_its_own_table_with_gaps_to_plain_zero2() -> None:
+    """ZeRO-2's variants are compared with plain ZeRO-2, not with ZeRO-3's baseline, and checked against the same
+    tolerance as ZeRO-3's SDP4Bit and qWD."""
+    runs = [("baseline", s, 5.0) for s in range(2)] + [("ZeRO-2", s, 4.0 + s / 10) for s in range(2)]
+    runs += [("ZeRO-2+SDP4Bit", s, 4.01 + s / 10) for s in range(2)] + [("ZeRO-2+qWD", s, 4.1 + s / 10)
+                                                                          for s in range(2)]
+    runs += [("ZeRO-2+TLq-HS", s, 4.0 + s / 10) for s in range(2)]
+    text = _report(runs)
+    assert "| ZeRO-3: GPT (tiny" in text and "| ZeRO-2: GPT (tiny" in text
+    assert "| gap to ZeRO-2 | — | +2.47% | +0.00% | +0.25% |" in text, text
+    assert "- holds: ZeRO-2+SDP4Bit within 0.5% of ZeRO-2: +0.25%" in text
+    assert "- FAILS: ZeRO-2+qWD within 0.5% of ZeRO-2: +2.47%" in text
 
 
 def test_a_result_of_other_settings_or_probe_steps_is_refused(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ def test_the_expected_configs_exist():
     expected |= {f"speed/{size}_{variant}.json" for size in ("1.3b", "2.7b", "6.7b", "13b", "18b")
                  for variant in ("baseline", "sdp4bit")}
     expected |= {"cpu/tiny_baseline.json", "cpu/tiny_sdp4bit.json"}
+    expected |= {f"cpu/ablation_zero2_{variant}.json" for variant in ("baseline", "qwd", "tlq_hs", "sdp4bit")}
     assert expected <= names, sorted(expected - names)
 
 
@@ -55,7 +56,8 @@ def test_config_loads_through_trainer_package_and_deepspeed(path: Path):
     model, world = model_and_world(path)
     config = prepared(path, world)
     raw = json.loads(path.read_text())
-    assert config["zero_optimization"]["stage"] == 3
+    stage = raw["zero_optimization"]["stage"]
+    assert config["zero_optimization"]["stage"] == stage == (2 if "zero2" in path.stem else 3)
     assert config["zero_optimization"]["reduce_scatter"] is True
     assert config["train_batch_size"] == config["train_micro_batch_size_per_gpu"] * \
         config["gradient_accumulation_steps"] * world
@@ -65,7 +67,7 @@ def test_config_loads_through_trainer_package_and_deepspeed(path: Path):
         assert block.active
     one_rank = prepared(path, 1)
     parsed = DeepSpeedConfig(one_rank)
-    assert parsed.zero_optimization_stage == 3
+    assert parsed.zero_optimization_stage == stage
     assert parsed.train_batch_size == one_rank["train_batch_size"]
     assert parsed.bfloat16_config.enabled
 

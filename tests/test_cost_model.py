@@ -450,3 +450,23 @@ def test_the_paper_check_prints_the_zero1_reading(capsys: pytest.CaptureFixture)
     for (group, reported, megatron, zero1), line in zip(paper.zero1_reading(constants, checks), rows):
         assert line == f"| {group} | {reported:.2f}x | {megatron:.2f}x | {zero1:.2f}x | {zero1 / reported - 1:+.1%} |"
         assert zero1 > 1 and zero1 != pytest.approx(megatron, rel=1e-3)
+
+
+def test_zero12_param_groups_each_have_their_flat_buffer_by_hand() -> None:
+    """Two param groups (the example's: matrices and vectors) are two flat buffers, each cut into W partitions: a
+    bucket's runs go to the owners within each group's buffer, and the refresh sends each group's partition."""
+    tensors, groups = [100, 4, 100, 4], [0, 1, 0, 1]
+    assert traffic.group_layouts(tensors, 2, groups=groups) == ([0, 0, 100, 4], [100, 4])
+    assert traffic.zero12_owned(tensors, 1000, 2, groups=groups) == [[104, 104]]
+    assert traffic.zero12_owned(tensors, 1000, 2) == [[104, 104]]  # one buffer of 208: partitions of 104
+    one, two = (traffic.zero12_step(tensors, Scheme(stage=2), Layout(2, 1), 2, groups=g) for g in (None, groups))
+    assert [t.wire for t in one.transfers if t.kind == "param_gather"] == [104 * 2]
+    assert [t.wire for t in two.transfers if t.kind == "param_gather"] == [(100 + 4) * 2]
+
+
+def test_the_gpt_shapes_matrices_are_its_two_dimensional_tensors() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = shapes.gpt(2, 64, 4, vocab=256, positions=32)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    assert shape.matrices() == [p.dim() >= 2 for p in model.parameters()]
