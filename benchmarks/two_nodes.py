@@ -46,7 +46,7 @@ MASTER_PORT = 29500
 TCP_OVERHEAD = 66  # Ethernet 14 + IPv4 20 + TCP with timestamps 32 bytes per packet the link counters count
 # the `deepspeed` command, run by this interpreter (its console script's shebang may name another one)
 LAUNCHER = (sys.executable, "-m", "deepspeed.launcher.runner")
-TOPOLOGY_LINE = re.compile(r"sdp4bit active: topology (.*?); codec")
+TOPOLOGY_LINE = re.compile(r"sdp4bit active on ZeRO stage \d: topology (.*?); codec")
 
 
 def tcp_payload(link_bytes: float, packets: float) -> float:
