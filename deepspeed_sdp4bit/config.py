@@ -71,7 +71,8 @@ class SDP4BitConfig(BaseModel):
         "TLq: replace the gradient reduction by the two-level quantized all-to-all: ZeRO-3's reduce-scatter, or "
         "ZeRO-1/2's bucket all-reduce, each rank receiving only the runs it owns (needs "
         "`zero_optimization.reduce_scatter: true`, and on ZeRO-1/2 `contiguous_gradients` and "
-        "`use_multi_rank_bucket_allreduce` true: DeepSpeed's defaults)"), json_schema_extra={"flag": "--quantized-gradients"})
+        "`use_multi_rank_bucket_allreduce` true: DeepSpeed's defaults)"),
+        json_schema_extra={"flag": "--quantized-gradients"})
     gradient_quantization_bits_intra: Literal[4, 8] = Field(8, description=(
         "bits of the intra-node all-to-all: 4 or 8"), json_schema_extra={"flag": "--gradient-quantization-bits-intra"})
     gq_group_size_intra: int = Field(512, description=(

@@ -11,9 +11,10 @@ The storage is slot-major, [slots, total]: slot s holds the shards of one source
 parameter at the same column offset in every slot. It may be cut into segments (`begin_segment`), separate tensors
 that no bucket spans, and it is either allocated by the store (`finalize`) or the caller's own (`attach`: ZeRO-1/2's
 flat 16-bit buffers, [W, partition], which every rank holds whole and whose own slot the optimizer overwrites with
-the new weights before each refresh; the store then keeps w~ of its own slot in a snapshot). A refresh quantizes a bucket (parameters adjacent in the
-storage) as one contiguous run, so the quantization groups tile the run across parameter boundaries, as in the
-original. Every holder of a shard, its owner included, changes it only by applying the same received bytes with
+the new weights before each refresh; the store then keeps w~ of its own slot in a snapshot).
+
+A refresh quantizes a bucket (parameters adjacent in the storage) as one contiguous run, so the quantization groups
+tile the run across parameter boundaries, as in the original. Every holder of a shard, its owner included, changes it only by applying the same received bytes with
 the codec's deterministic `dequantize_add_`, so all copies stay bit-identical. The inputs' padding is never read;
 the replica's padding is zero and stays zero unless a non-finite value turns its whole quantization group into
 NaN. docs/weights.md describes the layout and the exchange with diagrams.

@@ -210,8 +210,8 @@ class Runtime:
                                "exist only with quantized_weights and weight_quantization 'difference' (on ZeRO-3 on "
                                "more than one node, or with weight_replica 'rank')")
         if self.measuring():
-            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, after "
-                               f"step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
+            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, "
+                               f"after step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
         agree = self._tensors_agree()
         report = self.store.checksum()
         if not report.ok:
