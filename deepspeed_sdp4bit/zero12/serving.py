@@ -84,6 +84,22 @@ def _tuner(engine: Any, cfg: SDP4BitConfig, topology: Topology, candidates: tupl
     return auto.AutoTuner(auto.job_model(facts, cfg, topology, candidates), topology, flat.device, cfg.start_step)
 
 
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one flat tensor: a view of the memory they lie in when they follow one another there (as
+    `average_tensor` cuts a bucket's entries from it), else a copy (DeepSpeed's own all-reduce flattens a copy too)."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    adjacent = True
+    for tensor in tensors:
+        adjacent = adjacent and (tensor.is_contiguous() and tensor.dtype == first.dtype
+                                 and tensor.untyped_storage().data_ptr() == storage
+                                 and tensor.storage_offset() == offset)
+        offset += tensor.numel()
+    if adjacent:
+        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
 class Zero12Serving:
     """What ZeRO-1/2's seams ask of one runtime: the quantized reduction of a gradient bucket, and the weights'
     refresh in place of the post-step all-gather."""
@@ -105,19 +121,20 @@ class Zero12Serving:
         if not self.reducing():
             deepspeed_reduce()
             return
-        entries = adapter.bucket_entries(bucket)
         chunk: list[adapter.BucketEntry] = []
-        for entry in entries:
+        numel = 0
+        for entry in adapter.bucket_entries(bucket):
             chunk.append(entry)
-            if sum(e.tensor.numel() for e in chunk) > numel_per_bucket:
+            numel += entry.tensor.numel()
+            if numel > numel_per_bucket:
                 self._reduce(chunk, communication_data_type)
-                chunk = []
+                chunk, numel = [], 0
         if chunk:
             self._reduce(chunk, communication_data_type)
 
     def _reduce(self, entries: list[adapter.BucketEntry], communication_data_type: torch.dtype) -> None:
-        """Reduce one chunk: its entries concatenated, each one a run of its owner; deliver the owned runs."""
-        flat = torch.cat([e.tensor.reshape(-1) for e in entries]) if len(entries) > 1 else entries[0].tensor.reshape(-1)
+        """Reduce one chunk: its entries joined, each one a run of its owner; deliver the owned runs."""
+        flat = joined([e.tensor for e in entries])
         runs, start = [], 0
         for e in entries:
             runs.append(Run(e.owner, start, e.tensor.numel()))
