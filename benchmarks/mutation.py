@@ -61,6 +61,8 @@ STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
 RUNTIME = "deepspeed_sdp4bit/core/runtime.py"
 BUILD = "deepspeed_sdp4bit/core/build.py"
 SERVING3 = "deepspeed_sdp4bit/zero3/serving.py"
+OWNER = "deepspeed_sdp4bit/collectives/owner_reduce.py"
+SERVING12 = "deepspeed_sdp4bit/zero12/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
 TIMING = "sdp4bit_cost/timing.py"
 AUTO = "deepspeed_sdp4bit/core/auto.py"
@@ -78,6 +80,9 @@ TARGETS = {
     "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
+    "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4")),
+    "zero12_serving": Target("zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k",
+                                                           "rpn2 or unstarted or comms")),
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
@@ -296,6 +301,39 @@ MUTANTS = [
            "        if interval and self.store is not None and not self.measuring() and "
            "self.optimizer_steps % interval == 1:",
            "verification on the wrong steps"),
+    Mutant("W23", STORE, "            if own:\n                target.copy_(self._reference(bucket))",
+           "            if False:\n                target.copy_(self._reference(bucket))",
+           "attached store: the owner's deltas added to its new weights, not to its snapshot of w~"),
+    Mutant("W24", STORE, "            if own:\n                self._reference(bucket).copy_(target)",
+           "            if False:\n                self._reference(bucket).copy_(target)",
+           "attached store: the snapshot of w~ not moved with the refresh"),
+    Mutant("W25", STORE, "        if self._snapshots is None:\n            return self._run(self._own_slot, bucket)",
+           "        if True:\n            return self._run(self._own_slot, bucket)",
+           "attached store: differences taken against the new weights themselves"),
+    # collectives/owner_reduce.py
+    Mutant("O01", OWNER, "        if last is not None and last.owner == run.owner and last.start + last.numel == run.start:",
+           "        if last is not None and last.owner == run.owner:", "runs of one owner joined across a gap"),
+    Mutant("O02", OWNER, "    padded = tuple(-(-length // unit) * unit for length in lengths)",
+           "    padded = tuple(max(1, -(-length // unit)) * unit for length in lengths)",
+           "ranks that own nothing of a bucket still get a padded piece"),
+    Mutant("O03", OWNER, "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline",
+           "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)",
+           "pieces not padded to whole groups per pipeline slice"),
+    Mutant("O04", OWNER, "        seed, offset = self.requant_stream.take(numel)",
+           "        seed, offset = self.requant_stream.take(0)", "requantization counter never advances"),
+    Mutant("O05", OWNER, "        if highest != -negated_lowest:", "        if False:",
+           "ranks with different layouts go on to the uneven exchanges"),
+    Mutant("O06", OWNER, "        return piece[:layout.lengths[rank]]", "        return piece", "padding delivered"),
+    # zero12/serving.py
+    Mutant("S01", SERVING12, "            if e.owner == rank:", "            if True:",
+           "every entry handed a slice of this rank's runs"),
+    Mutant("S02", SERVING12, "        if runtime.store is None or runtime.measuring():\n            deepspeed_gather()\n"
+                             "        runtime.after_step()",
+           "        deepspeed_gather()\n        runtime.after_step()",
+           "DeepSpeed's weight all-gather still runs beside the refresh"),
+    Mutant("S03", SERVING12, "        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()",
+           "        return runtime.reducer is not None and not runtime.measuring()",
+           "gradients quantized before the start step"),
     # sdp4bit_cost/traffic.py
     Mutant("C01", TRAFFIC, "    return rings * layout.nodes * (group - 1) * wire",
            "    return rings * layout.nodes * group * wire", "a ring all-gather sends every input across nodes"),

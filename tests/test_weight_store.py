@@ -20,7 +20,7 @@ from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.accounting import CommStats
 from deepspeed_sdp4bit.collectives.rounding import (STAGE_QUANTIZE, STAGE_REQUANTIZE, STAGE_WEIGHT_DIRECT,
-                                                    STAGE_WEIGHT_REFRESH, RoundingStream)
+                                                    STAGE_WEIGHT_REFRESH, RoundingStream, derive_seed)
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import WeightStore, column_hashes, shard_numel, valid_numel
 from deepspeed_sdp4bit.topology import Topology, build_topology
@@ -436,6 +436,55 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
             "bytes": (snap["wire_bytes"], snap["logical_bytes"])}
 
 
+def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
+    """ZeRO-1/2's layout: every rank holds two flat buffers (two segments of [W, partition]) whole; before each refresh
+    it writes new weights over its own slot, as DeepSpeed's optimizer step does. Every rank's buffers after each
+    refresh must equal the reference codec's refresh of every slot (from its owner's new weights and the w~ all ranks
+    held), and the own slot must be w~ again, equal to own_shard (the snapshot)."""
+    topo = build_topology(rpn)
+    world, rank, dtype = topo.world, topo.rank, DTYPES[dtype_name]
+    sizes, run, group = [40, 24], 16, 32
+    gen = torch.Generator().manual_seed(seed)
+    flats = [torch.randn(world * size, generator=gen).to(dtype) for size in sizes]  # the same on every rank
+    store = WeightStore(topo, replica="rank", bits=4, group_size=group, stochastic=True, seed=seed,
+                        stats=CommStats(rpn), bucket_numel=world * run, dtype=dtype, device=torch.device("cpu"))
+    keys = []
+    for segment, size in enumerate(sizes):
+        if segment:
+            store.begin_segment()
+        for start in range(0, size, run):
+            keys.append((len(keys), segment, start, min(run, size - start)))
+            store.add(keys[-1][0], world * keys[-1][3])
+    store.attach([flat.view(world, size) for flat, size in zip(flats, sizes)])
+    views = {key: flats[segment].view(world, sizes[segment])[rank, start:start + n] for key, segment, start, n in keys}
+    problems, counter = [], 0
+    for step in range(3):
+        before = [flat.clone() for flat in flats]
+        for flat, size in zip(flats, sizes):  # this rank's new weights over its own slot
+            own = flat.view(world, size)[rank]
+            own.copy_((own.float() + 0.01 * torch.randn(size, generator=torch.Generator().manual_seed(
+                seed * 97 + step * 13 + rank))).to(dtype))
+        news = [_all_gather(flat.view(world, size)[rank].contiguous()) for flat, size in zip(flats, sizes)]
+        written = store.refresh(views, quantize=True)
+        for key, segment, start, n in keys:
+            for owner in range(world):
+                old = before[segment].view(world, sizes[segment])[owner, start:start + n].clone()
+                codes, scales = reference.diff_quantize(news[segment][owner][start:start + n], old, bits=4,
+                                                        group_size=group, stochastic=True,
+                                                        seed=derive_seed(seed, owner, STAGE_WEIGHT_REFRESH),
+                                                        offset=counter)
+                reference.dequantize_add_(old, codes, scales, bits=4, group_size=group)
+                got = flats[segment].view(world, sizes[segment])[owner, start:start + n]
+                if _differing(got, old):
+                    problems.append(f"step {step} segment {segment} run {start} owner {owner}")
+            counter += n
+        problems += [f"step {step} key {key}: own slot is not w~" for key, *_ in keys
+                     if not torch.equal(views[key], store.own_shard(key)) or written[key].data_ptr() !=
+                     views[key].data_ptr()]
+    return {"problems": problems, "memory": store.memory_bytes(), "checksum": store.checksum().ok,
+            "expected_memory": sum(sizes) * flats[0].element_size()}
+
+
 def _divisors(world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0]
 
@@ -465,6 +514,7 @@ def _world_cases(world: int) -> dict:
     if world in (2, 4):
         for replica in ("rank", "node"):
             results[f"nan/rpn{world // 2}/{replica}"] = _nan_case(world // 2, replica, 64)
+        results[f"attached/rpn{world // 2}"] = _attached_case(world // 2, "bf16", seed=13)
     results["direct/bf16"] = _direct_case("bf16", [1, 5, 97, 4099], 64, seed=5)
     results["direct/big"] = _direct_case("bf16", [BIG], 2048, seed=6)
     return results
@@ -492,6 +542,16 @@ def test_replicas_bit_identical_after_refreshes(world: int) -> None:
     keys = ("checksum_mismatches", "ranks_with_other_copies", "gathered_unlike_owner_shards", "own_padding_nonzero")
     bad = [(rank, name, key, res[key]) for rank, name, res in _cases(world, *STORE_CASES) for key in keys if res[key]]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_attached_store_refreshes_the_callers_buffers_as_the_reference_codec(world: int) -> None:
+    """ZeRO-1/2's flat buffers as the replica: the caller's own slot, overwritten with new weights before each
+    refresh, becomes w~ again; every rank's copy of every slot is the reference refresh; only a snapshot of one slot
+    is allocated."""
+    for rank, name, res in _cases(world, "attached"):
+        assert not res["problems"] and res["checksum"], (rank, name, res["problems"][:5])
+        assert res["memory"] == res["expected_memory"], (rank, res)
 
 
 @pytest.mark.parametrize("world", WORLDS)
