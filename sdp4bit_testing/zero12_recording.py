@@ -71,18 +71,36 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
         return out
 
     def allreduce_and_scatter(bucket: Any, *args: Any, **kwargs: Any) -> None:
-        """SDP4Bit's seam, after which this rank's slices must hold the reduced runs the reducer returned."""
+        """SDP4Bit's seam, after which this rank's slices must hold the reduced runs the reducer returned, and the
+        fp32 partition slices DeepSpeed keeps beside some of them must have grown by exactly those values."""
         returned.clear()
-        owned = [e.tensor for e in adapter.bucket_entries(bucket) if e.owner == rank]
+        owned = [e for e in adapter.bucket_entries(bucket) if e.owner == rank]
+        outputs_before = [None if e.output is None else e.output.clone() for e in owned]
         inner_scatter(bucket, *args, **kwargs)
         if returned:
-            got = torch.cat([t.reshape(-1) for t in owned]) if owned else torch.empty(0)
             want = torch.cat(returned)
-            delivered = got.numel() == want.numel() and torch.equal(raw_bits(got.to(want.dtype)), raw_bits(want))
-            log["deliveries"].append({"step": engine.global_steps, "delivered": delivered, "calls": len(returned)})
+            log["deliveries"].append({"step": engine.global_steps, "calls": len(returned),
+                                      "delivered": _delivered(owned, outputs_before, want),
+                                      "outputs": sum(before is not None for before in outputs_before)})
 
     reducer.reduce = reduce
     optimizer.allreduce_and_scatter = allreduce_and_scatter
+
+
+def _delivered(owned: list[adapter.BucketEntry], outputs_before: list[torch.Tensor | None],
+               want: torch.Tensor) -> bool:
+    """Whether the owned entries' slices hold `want`'s runs in order, and each fp32 partition slice beside one equals
+    its value before plus that run."""
+    got = torch.cat([e.tensor.reshape(-1) for e in owned]) if owned else torch.empty(0, dtype=want.dtype)
+    if got.numel() != want.numel() or not torch.equal(raw_bits(got.to(want.dtype)), raw_bits(want)):
+        return False
+    position = 0
+    for entry, before in zip(owned, outputs_before, strict=True):
+        run = want.narrow(0, position, entry.tensor.numel()).view_as(entry.tensor)
+        position += entry.tensor.numel()
+        if before is not None and not torch.equal(raw_bits(entry.output), raw_bits(before + run.to(before.dtype))):
+            return False
+    return True
 
 
 def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:

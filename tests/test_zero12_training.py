@@ -8,6 +8,7 @@ One spawn per layout runs all of its cases, each with its own engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -31,32 +32,47 @@ def _block(rpn: int, **changes: Any) -> dict[str, Any]:
     return {**H.PAPER, "ranks_per_node": rpn, **changes}
 
 
-# Each case: stage, dtype, gradient accumulation, CPU optimizer offload, zero_optimization settings, block changes.
-# Together they take every value of each setting once and the interacting ones together (overlap_comm with
-# accumulation, offload with each dtype); every case's 64k-element matrices are larger than a bucket.
-CASES: dict[int, dict[str, tuple]] = {
-    2: {"s2 fp32": (2, "float32", 1, False, {"overlap_comm": False}, {}),
-        "s2 bf16 overlap accum3": (2, "bfloat16", 3, False, {"overlap_comm": True}, {}),
-        "s1 fp32 overlap accum3": (1, "float32", 3, False, {"overlap_comm": True}, {}),
-        "s1 bf16 offload": (1, "bfloat16", 1, True, {}, {}),
-        "s2 fp32 offload": (2, "float32", 2, True, {}, {}),
-        "s2 round robin, other options": (2, "float32", 1, False, {"round_robin_gradients": True}, OPTIONS)},
-    4: {"s2 fp32": (2, "float32", 1, False, {}, {}),
-        "s1 bf16 overlap accum2": (1, "bfloat16", 2, False, {"overlap_comm": True}, {})},
-    1: {"s2 bf16": (2, "bfloat16", 1, False, {}, {}),
-        "s1 fp32 accum2": (1, "float32", 2, False, {}, {})},
+@dataclass(frozen=True)
+class Case:
+    """One engine's settings: stage, dtype, gradient accumulation, CPU optimizer offload, zero_optimization settings,
+    block changes and other top-level config keys."""
+
+    stage: int
+    dtype: str
+    accum: int = 1
+    offload: bool = False
+    zero: dict = field(default_factory=dict)
+    block: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+# Together the cases take every value of each setting once and the interacting ones together (overlap_comm with
+# accumulation, offload with each dtype); every case's 64k-element matrices are larger than a bucket. fp32
+# accumulation of bf16 gradients makes DeepSpeed 0.19.8 hand each owned run's fp32 partition slice beside it.
+CASES: dict[int, dict[str, Case]] = {
+    2: {"s2 fp32": Case(2, "float32", zero={"overlap_comm": False}),
+        "s2 bf16 overlap accum3": Case(2, "bfloat16", 3, zero={"overlap_comm": True}),
+        "s1 fp32 overlap accum3": Case(1, "float32", 3, zero={"overlap_comm": True}),
+        "s1 bf16 offload": Case(1, "bfloat16", offload=True),
+        "s2 fp32 offload": Case(2, "float32", 2, offload=True),
+        "s2 round robin, other options": Case(2, "float32", zero={"round_robin_gradients": True}, block=OPTIONS),
+        "s2 bf16, fp32 accumulation": Case(2, "bfloat16", 2, extra={"data_types": {"grad_accum_dtype": "fp32"}})},
+    4: {"s2 fp32": Case(2, "float32"),
+        "s1 bf16 overlap accum2": Case(1, "bfloat16", 2, zero={"overlap_comm": True})},
+    1: {"s2 bf16": Case(2, "bfloat16"),
+        "s1 fp32 accum2": Case(1, "float32", 2)},
 }
 
 
 # On two ranks: the check every tested DeepSpeed/torch pair runs (the compat legs), one stage and layout each.
-TWO_RANKS = {"s2 fp32, 2 nodes x 1": (1, (2, "float32", 2, False, {"overlap_comm": True}, {})),
-             "s1 bf16, 1 node x 2": (2, (1, "bfloat16", 1, False, {}, {}))}
+TWO_RANKS = {"s2 fp32, 2 nodes x 1": (1, Case(2, "float32", 2, zero={"overlap_comm": True})),
+             "s1 bf16, 1 node x 2": (2, Case(1, "bfloat16"))}
 
 
-def _config(rpn: int, case: tuple, **block: Any) -> dict[str, Any]:
-    stage, dtype, accum, offload, zero, changes = case
-    return H12.ds_config(stage, getattr(torch, dtype), sdp4bit=_block(rpn, **changes, **block), grad_accum=accum,
-                         offload=offload, **zero)
+def _config(rpn: int, case: Case, **block: Any) -> dict[str, Any]:
+    config = H12.ds_config(case.stage, getattr(torch, case.dtype), sdp4bit=_block(rpn, **case.block, **block),
+                           grad_accum=case.accum, offload=case.offload, **case.zero)
+    return {**config, **case.extra}
 
 
 def _comms_logger_records() -> dict[str, dict[int, int]]:
@@ -153,6 +169,18 @@ def test_wire_bytes_follow_from_the_layouts(rpn: int, name: str) -> None:
         assert {kind: result["stats"][kind]["wire_bytes"] for kind in layout} == layout, (rank, layout)
 
 
+def test_fp32_accumulation_grows_deepspeeds_fp32_partition_by_the_reduced_runs() -> None:
+    """With fp32 accumulation of bf16 gradients DeepSpeed 0.19.8 adds each reduced run to an fp32 partition slice
+    beside it (earlier releases hand no such slice): the slices grow by exactly the reduced values (checked with
+    every delivery), and some deliveries had one."""
+    from packaging.version import Version
+
+    from deepspeed_sdp4bit import adapter
+
+    outputs = [sum(d["outputs"] for d in r["s2 bf16, fp32 accumulation"]["log"]["deliveries"]) for r in _results(2)]
+    assert all(count > 0 for count in outputs) == (adapter.installed_version() >= Version("0.19.8")), outputs
+
+
 def test_the_comms_logger_sees_sdp4bit_bytes_and_no_bucket_all_reduce_or_weight_all_gather() -> None:
     """DeepSpeed's comms logger totals equal SDP4Bit's wire bytes per kind; DeepSpeed's own collectives left are the
     small ones (overflow flags, gradient norms): no bucket all-reduce and no weight all-gather."""
@@ -178,7 +206,7 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
     its parameters' order, and the refresh sends one run per rank and bucket."""
     from sdp4bit_cost.traffic import Layout, Scheme, zero12_step
 
-    stage, dtype, accum, _, zero, _ = CASES[2][name]
+    stage, accum = CASES[2][name].stage, CASES[2][name].accum
     for rank, result in enumerate(r[name] for r in _results(2)):
         block, config = recording.expected(result["config"], 4, STEPS).cfg, result["config"]
         tensors = [p.numel() for p in H.tiny_gpt2(0).parameters()]

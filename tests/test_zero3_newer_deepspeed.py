@@ -55,10 +55,11 @@ def _bypass_the_reduce_scatter_patch() -> Any:
     returns the undo."""
     from deepspeed.runtime.zero import stage3
 
+    from deepspeed_sdp4bit.core.engine_patches import original
     from deepspeed_sdp4bit.zero3 import patches
 
     patched, install = stage3.reduce_scatter_coalesced, patches.patch_reduce_scatter
-    stage3.reduce_scatter_coalesced = patches.original(patched)
+    stage3.reduce_scatter_coalesced = original(patched)
     patches.patch_reduce_scatter = lambda: None
 
     def undo() -> None:

@@ -69,7 +69,7 @@ def _with(obj: Any, name: str, value: Any, run: Callable[[], dict[str, Any]]) ->
 
 def _unhooked_initialize() -> dict[str, Any]:
     """The block given to a deepspeed.initialize taken before deepspeed_sdp4bit was imported."""
-    from deepspeed_sdp4bit.zero3.patches import original_initialize
+    from deepspeed_sdp4bit.core.engine_patches import original_initialize
 
     model = H.tiny_gpt2(0)
     with H.LogCapture() as logged:
