@@ -4,6 +4,7 @@
                                                              `tiny` GPT (2 layers, width 128, sequence 128) on the
                                                              offline corpus, 600 steps of 64 sequences (16 per
                                                              rank), about 3 hours
+  python benchmarks/accuracy.py --precision fp32            the same in fp32 (a CPU without fast bf16: AVX2 only)
   python benchmarks/accuracy.py --global_batch 0             the same with the card's 32 sequences per step
   python benchmarks/accuracy.py --model mini --global_batch 0
                                                              the `mini` GPT (4 layers, width 256) with its card's 4
@@ -13,7 +14,7 @@
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
 
 Every run is examples/train_gpt.py's training (its model card, data pipeline, AdamW with warm-up and cosine decay,
-bf16, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
+bf16 or --precision fp32, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
 (`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant. On ZeRO-3:
 
   baseline      plain ZeRO-3
@@ -122,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"sequences per optimizer step, a multiple of the {WORLD} ranks, each rank's micro-batch "
                         f"1/{WORLD} of it (0: the model card's batch)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="the weights' dtype (bf16, the published setting; fp32 where the CPU has no fast bf16)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
                    help=f"subset of {', '.join(VARIANTS)}")
@@ -151,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def trainer_argv(args: argparse.Namespace, run: Run, out: Path) -> list[str]:
     """train_gpt.py's flags for one run."""
     config = ROOT / "configs" / "cpu" / f"{VARIANTS[run.variant]}.json"
-    argv = ["--model", args.model, "--deepspeed_config", str(config), "--data", args.data, "--precision", "bf16",
+    argv = ["--model", args.model, "--deepspeed_config", str(config), "--data", args.data, "--precision", args.precision,
             "--seed", str(run.seed), "--train_iters", str(args.steps), "--lr_decay_iters", str(args.steps),
             "--eval_interval", str(args.eval_interval), "--eval_samples", str(args.eval_samples),
             "--out", str(out / run.folder), *shlex.split(args.trainer_args)]
@@ -170,9 +173,10 @@ def _data_name(data: str) -> str:
 
 def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
     """The settings a result depends on besides its variant and seed: results of other settings are not mixed."""
-    return {"model": args.model, "global_batch": args.global_batch, "steps": args.steps,
-            "data": _data_name(args.data), "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
-            "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
+    settings = {"model": args.model, "global_batch": args.global_batch, "steps": args.steps,
+                "data": _data_name(args.data), "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
+                "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
+    return settings if args.precision == "bf16" else {**settings, "precision": args.precision}
 
 
 def probed(run: Run) -> bool:
