@@ -14,8 +14,8 @@
   python benchmarks/accuracy.py --report                     table and plot from the finished runs only
 
 Every run is examples/train_gpt.py's training (its model card, data pipeline, AdamW with warm-up and cosine decay,
-bf16 or --precision fp32, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks arranged as 2 nodes of 2
-(`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant. On ZeRO-3:
+bf16 or --precision fp32, validation on the same held-out windows every --eval_interval steps) on 4 CPU ranks
+arranged as 2 nodes of 2 (`ranks_per_node: 2`), with one config of configs/cpu/ablation_*.json per variant. On ZeRO-3:
 
   baseline      plain ZeRO-3
   qW            weights quantized directly, 4 bits, groups of 2048, once per optimizer step (`"direct"`)
