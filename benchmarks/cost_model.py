@@ -96,12 +96,13 @@ def _median_by(runs: Sequence[dict], key: tuple[str, str, str]) -> float | None:
 
 
 def shaped_points(runs: Sequence[dict]) -> list[dict]:
-    """One point per shaped (variant, dtype, rate) of the sweep (`auto` left out: what it runs depends on the rate):
+    """One point per shaped (variant, dtype, rate) of the sweep (the auto variants left out: what they run depends on
+    the rate):
     the median step time over the runs, their min-max, the accounted cross-node bytes and the unshaped median."""
     points = []
     for key in sorted({(r["variant"], r["dtype"], r["rate"]) for r in runs}):
         variant, dtype, rate = key
-        if rate == "unshaped" or variant == "auto":
+        if rate == "unshaped" or variant in AUTO_STAGES:
             continue
         same = [r for r in runs if (r["variant"], r["dtype"], r["rate"]) == key]
         times = [r["step_s"] for r in same]

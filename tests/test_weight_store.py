@@ -436,6 +436,13 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
             "bytes": (snap["wire_bytes"], snap["logical_bytes"])}
 
 
+def _values_of_every_rank(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape and float dtype on every rank), exactly: gathered as float32."""
+    out = [torch.empty(t.shape, dtype=torch.float32) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.float())
+    return [o.to(t.dtype) for o in out]
+
+
 def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
     """ZeRO-1/2's layout: every rank holds two flat buffers (two segments of [W, partition]) whole; before each refresh
     it writes new weights over its own slot, as DeepSpeed's optimizer step does. Every rank's buffers after each
@@ -464,7 +471,7 @@ def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
             own = flat.view(world, size)[rank]
             own.copy_((own.float() + 0.01 * torch.randn(size, generator=torch.Generator().manual_seed(
                 seed * 97 + step * 13 + rank))).to(dtype))
-        news = [_all_gather(flat.view(world, size)[rank].contiguous()) for flat, size in zip(flats, sizes)]
+        news = [_values_of_every_rank(flat.view(world, size)[rank].contiguous()) for flat, size in zip(flats, sizes)]
         written = store.refresh(views, quantize=True)
         for key, segment, start, n in keys:
             for owner in range(world):
