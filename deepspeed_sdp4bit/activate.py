@@ -180,9 +180,10 @@ def _log_inactive() -> None:
     """The one line (rank 0) saying that an engine without an optimizer was built by DeepSpeed alone, and why."""
     if dist.get_rank() == 0:
         logger.info("sdp4bit inactive for this engine: deepspeed.initialize got no optimizer and the config names "
-                    "no optimizer type, so DeepSpeed built it without one (as for evaluation or inference). SDP4Bit "
-                    "works in DeepSpeed's ZeRO optimizers (their gradient reductions and the weight updates the "
-                    "replicas follow), which this engine does not have: all its communication is DeepSpeed's own")
+                    "no optimizer type, so DeepSpeed built it without one (with ZeRO-3, a DeepSpeedZeRoOffload; as "
+                    "for evaluation or inference). SDP4Bit works in DeepSpeed's ZeRO optimizers (their gradient "
+                    "reductions and the weight updates the replicas follow), which this engine does not have: all "
+                    "its communication is DeepSpeed's own")
 
 
 def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
