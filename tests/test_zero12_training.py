@@ -3,7 +3,7 @@
 Every run is a real DeepSpeed engine on real gloo ranks (sdp4bit_testing/dist_harness.py). Inside the ranks the
 reductions and refreshes are recorded (sdp4bit_testing/zero12_recording.py); the parent rebuilds every bucket's
 delivered runs and every refresh of the recorded step from all ranks' inputs with the reference codec, bit for bit.
-One spawn per layout runs all of its cases, each with its own engine.
+One spawn of 4 ranks runs the cases of all three layouts, each with its own engine.
 """
 
 from __future__ import annotations
@@ -109,18 +109,23 @@ def _plain_and_unstarted(stage: int) -> dict[str, list[float]]:
     return {"plain": plain, "unstarted": H.train_steps(H.make_engine(late), 0, STEPS)}
 
 
-def _layout(rpn: int) -> dict[str, Any]:
-    """Every case of one layout, in one spawn; on two nodes also the unstarted runs."""
-    out = {name: _case(_config(rpn, case), logged=rpn == 2 and name == "s2 fp32")
-           for name, case in CASES[rpn].items()}
-    if rpn == 2:
-        out["unstarted"] = {stage: _plain_and_unstarted(stage) for stage in (1, 2)}
+def _layouts() -> dict[int, dict[str, Any]]:
+    """Every case of every layout (the block's ranks_per_node), each on an engine of its own, and the unstarted runs
+    on two nodes."""
+    out = {rpn: {name: _case(_config(rpn, case), logged=rpn == 2 and name == "s2 fp32")
+                 for name, case in cases.items()} for rpn, cases in CASES.items()}
+    out[2]["unstarted"] = {stage: _plain_and_unstarted(stage) for stage in (1, 2)}
     return out
 
 
 @run_once
+def _all_results() -> list[dict[int, dict[str, Any]]]:
+    return run_distributed(4, _layouts, timeout=TIMEOUT)
+
+
 def _results(rpn: int) -> list[dict[str, Any]]:
-    return run_distributed(4, _layout, rpn, timeout=TIMEOUT)
+    """Every rank's results of one layout."""
+    return [ranks[rpn] for ranks in _all_results()]
 
 
 def _two_ranks() -> dict[str, Any]:
