@@ -15,14 +15,17 @@ from sdp4bit_cost import paper, plan, shapes, timing, traffic
 from sdp4bit_cost.traffic import Layout, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
-# two ranks per node, and one (where each rank accumulates two micro-batches per optimizer step)
-SWEEPS = [ROOT / "benchmarks/results/speed_sweep/runs.jsonl", ROOT / "benchmarks/results/speed_sweep_1rank/runs.jsonl"]
+# two ranks per node, and one (where each rank accumulates two micro-batches per optimizer step); ZeRO-2 on two
+SWEEPS = [ROOT / "benchmarks/results/speed_sweep/runs.jsonl", ROOT / "benchmarks/results/speed_sweep_1rank/runs.jsonl",
+          ROOT / "benchmarks/results/speed_sweep_zero2/runs.jsonl"]
 MICRO_BATCHES = 4  # the sweep's global batch of 32 sequences in micro-batches of 8, over the world
 # the sweep's tiny GPT (examples/gpt_models.py) on its 2048-token corpus
 TINY = shapes.gpt(2, 128, 4, vocab=2048, positions=128)
 SWEEP_VARIANTS = {"zero3": {}, "hpz": {}, "sdp4bit_node": {"quantized_weights": True, "quantized_gradients": True},
                   "sdp4bit_rank": {"quantized_weights": True, "quantized_gradients": True, "replica": "rank"},
-                  "qwd": {"quantized_weights": True}, "tlq_hs": {"quantized_gradients": True}}
+                  "qwd": {"quantized_weights": True}, "tlq_hs": {"quantized_gradients": True},
+                  "zero2": {"stage": 2}, "zero2_sdp4bit": {"quantized_weights": True, "quantized_gradients": True,
+                                                           "stage": 2}}
 
 
 def _sweep_runs() -> list[dict]:
@@ -30,20 +33,26 @@ def _sweep_runs() -> list[dict]:
 
 
 def _variant(run: dict) -> dict:
-    """The parts a sweep run switched on: its variant's, or for `auto` those its decision kept."""
-    if run["variant"] != "auto":
+    """The stage and the parts a sweep run switched on: its variant's, or for an auto variant those its decision
+    kept."""
+    if run["variant"] not in ("auto", "zero2_auto"):
         return SWEEP_VARIANTS[run["variant"]]
     on = run["auto"]["on"]
-    return {"quantized_weights": "weights" in on, "quantized_gradients": "gradients" in on}
+    return {"quantized_weights": "weights" in on, "quantized_gradients": "gradients" in on,
+            "stage": 2 if run["variant"] == "zero2_auto" else 3}
 
 
 def _sweep_step(run: dict) -> traffic.StepBytes:
-    """The model's bytes of one optimizer step of a sweep run, with the ZeRO-3 sizes read from the CPU config it
-    trained with."""
+    """The model's bytes of one optimizer step of a sweep run, with the ZeRO sizes read from the CPU config it
+    trained with; on ZeRO-2 the example's two param groups (matrices, vectors) are two flat buffers."""
     ds = json.loads((ROOT / "configs/cpu/tiny_sdp4bit.json").read_text())
     scheme = replace(plan._block_scheme(ds), **_variant(run))
-    dtype_bytes = {"fp32": 4, "bf16": 2}[run["dtype"]]
-    step = traffic.zero3_step(TINY.tensors(), scheme, Layout(2, run["world"] // 2), dtype_bytes, backend="gloo")
+    dtype_bytes, layout = {"fp32": 4, "bf16": 2}[run["dtype"]], Layout(2, run["world"] // 2)
+    if scheme.stage == 2:
+        groups = [0 if matrix else 1 for matrix in TINY.matrices()]
+        step = traffic.zero12_step(TINY.tensors(), scheme, layout, dtype_bytes, groups=groups)
+    else:
+        step = traffic.zero3_step(TINY.tensors(), scheme, layout, dtype_bytes, backend="gloo")
     return step.per_optimizer_step(MICRO_BATCHES // run["world"])
 
 
