@@ -1,11 +1,12 @@
-"""The lifecycle of a ZeRO-1/2 engine with SDP4Bit on 4 CPU ranks as 2 nodes: checkpoints (bit-exact resume, weights-only
-and universal loads), writes to the weights from outside, destroy, and the refusals at initialize.
+"""The lifecycle of a ZeRO-1/2 engine with SDP4Bit on 4 CPU ranks as 2 nodes: non-finite gradients, checkpoints
+(bit-exact resume, weights-only and universal loads), writes to the weights from outside, destroy.
 
 One spawn runs every lifecycle case in order, each on engines of its own; the tests read its results.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from typing import Any
@@ -122,8 +123,33 @@ def _destroyed() -> dict[str, Any]:
     return result
 
 
+def _burst(stage: int, dtype: torch.dtype, value: float) -> dict[str, Any]:
+    """Plain ZeRO-1/2 and SDP4Bit, 5 steps each; at step 2 rank 1's loss is multiplied by `value` before its backward,
+    so the reduced gradients of every rank hold it."""
+    rank, result = torch.distributed.get_rank(), {}
+    for name, block in (("plain", None), ("sdp4bit", BLOCK)):
+        engine = H.make_engine(H12.ds_config(stage, dtype, sdp4bit=block))
+        losses, changed = [], None
+        for step in range(5):
+            ids = H.batch(step, rank, 0)
+            loss = engine(input_ids=ids, labels=ids).loss
+            loss = loss * value if step == 2 and rank == 1 else loss
+            losses.append(loss.item())
+            engine.backward(loss)
+            before = H12.flats(engine) if step == 2 else None
+            engine.step()
+            if before is not None:
+                changed = sum(int((H.bits(a) != H.bits(b)).sum()) for a, b in zip(before, H12.flats(engine)))
+        result[name] = {"losses": losses, "skipped": engine.skipped_steps, "changed_at_burst": changed,
+                        "agree": _copies_agree(engine)}
+        engine.destroy()
+    return result
+
+
 def _lifecycle(folder: str, universal: str) -> dict[str, Any]:
-    return {"resume s2 bf16": _resume(f"{folder}/s2", 2, torch.bfloat16),
+    return {"nan s2 fp32": _burst(2, torch.float32, float("nan")), "inf s1 bf16": _burst(1, torch.bfloat16,
+                                                                                           float("inf")),
+            "resume s2 bf16": _resume(f"{folder}/s2", 2, torch.bfloat16),
             "resume s1 fp32": _resume(f"{folder}/s1", 1, torch.float32),
             "weights only": _weights_only(f"{folder}/s2"), "universal": _universal(f"{folder}/s2", universal),
             "written": _written_weights(), "destroyed": _destroyed()}
@@ -178,6 +204,20 @@ def test_writes_to_the_weights_are_resynced_and_named(results: list[dict[str, An
         assert any("differs from the weight replica" in w or "checksum mismatch" in w
                    for w in result["verify_warnings"]), result["verify_warnings"]
         assert result["verified_after"] and all(map(torch.isfinite, torch.tensor(result["losses"]))), result
+
+
+@pytest.mark.parametrize("case", ["nan s2 fp32", "inf s1 bf16"])
+def test_a_non_finite_gradient_shows_as_in_plain_zero12(results: list[dict[str, Any]], case: str) -> None:
+    """A NaN or Inf in one rank's gradients reaches the owners of its runs through the quantized reduction, so
+    DeepSpeed's overflow check sees it on every rank as it does without SDP4Bit: the same steps are skipped (and the
+    skipped step leaves the 16-bit weights as they were), or, where DeepSpeed does not check, the non-finite values
+    reach the weights alike; every rank's copy of the model stays identical."""
+    for rank, result in enumerate(r[case] for r in results):
+        ours, plain = result["sdp4bit"], result["plain"]
+        assert [math.isfinite(x) for x in ours["losses"]] == [math.isfinite(x) for x in plain["losses"]], (rank, result)
+        assert ours["skipped"] == plain["skipped"], (rank, ours, plain)
+        assert (ours["changed_at_burst"] == 0) == (plain["changed_at_burst"] == 0), (rank, ours, plain)
+        assert ours["agree"] and plain["agree"], (rank, result)
 
 
 def test_destroy_gives_the_model_back(results: list[dict[str, Any]]) -> None:
