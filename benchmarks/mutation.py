@@ -57,6 +57,7 @@ class Target:
 REF = "deepspeed_sdp4bit/codec/reference.py"
 SPEC = "deepspeed_sdp4bit/codec/spec.py"
 GRAD = "deepspeed_sdp4bit/collectives/grad_reduce.py"
+ROUNDING = "deepspeed_sdp4bit/collectives/rounding.py"
 STORE = "deepspeed_sdp4bit/collectives/weight_store.py"
 RUNTIME = "deepspeed_sdp4bit/core/runtime.py"
 BUILD = "deepspeed_sdp4bit/core/build.py"
@@ -76,6 +77,7 @@ TARGETS = {
     "spec": Target("spec", SPEC, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
                                   "tests/test_codec_backends.py", "-k", "not cuda")),
     "grad_reduce": Target("grad_reduce", GRAD, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
+    "rounding": Target("rounding", ROUNDING, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
     "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
     "build": Target("build", BUILD, RUNTIME_TESTS),
@@ -169,8 +171,8 @@ MUTANTS = [
            "group check: any group of W ranks accepted",
            "in a world of W ranks the only group of W ranks is the world, and torch lists a group's ranks sorted"),
     Mutant("G07", GRAD, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
-    Mutant("G08", GRAD, "        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)",
-           "        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)",
+    Mutant("G08", ROUNDING, "        self.requant_stream = RoundingStream(seed, rank, STAGE_REQUANTIZE)",
+           "        self.requant_stream = RoundingStream(seed, rank, STAGE_QUANTIZE)",
            "requantization reuses the quantization stage's random numbers"),
     Mutant("G09", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:", "        if topo.nodes > 1:",
            "one rank per node takes the two-level path"),
@@ -196,10 +198,10 @@ MUTANTS = [
     Mutant("G16", GRAD, "            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, \"grad_inter\")",
            "            previous, inter = inter, _Exchange(*requantized, self.topo.intra, self.stats, \"grad_inter\")",
            "inter-node exchange over the intra-node group"),
-    Mutant("G17", GRAD, "        self.requant_stream.load_state_dict(state[\"requantize\"])",
+    Mutant("G17", ROUNDING, "        self.requant_stream.load_state_dict(state[\"requantize\"])",
            "        self.requant_stream.load_state_dict(state[\"requantize\"])\n        self.requant_stream.counter = 0",
            "resume restarts the requantization counter"),
-    Mutant("G18", GRAD, "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.requant_stream.state_dict()}",
+    Mutant("G18", ROUNDING, "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.requant_stream.state_dict()}",
            "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.quant_stream.state_dict()}",
            "checkpoint stores the quantization counter twice"),
     Mutant("G19", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:\n            self._account(layout, flat.element_size(), (\"grad_intra\", layout.world), (\"grad_inter\", topo.nodes))",

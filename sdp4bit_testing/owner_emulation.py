@@ -16,30 +16,15 @@ import torch
 
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.collectives.rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, derive_seed
+from sdp4bit_testing import tlq_emulation
 
 RunTuple = tuple[int, int, int]  # (owner, start, numel)
 _M64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
-class Settings:
-    """The reducer's parameters, as it takes them."""
-
-    nodes: int
-    ranks_per_node: int
-    bits_intra: int = 8
-    group_intra: int = 128
-    bits_inter: int = 4
-    group_inter: int = 128
-    hadamard: bool = False
-    pipeline: int = 1
-    stochastic: bool = True
-    seed: int = 0
-
-    @property
-    def world(self) -> int:
-        """W = nodes x ranks per node."""
-        return self.nodes * self.ranks_per_node
+class Settings(tlq_emulation.Settings):
+    """The reducer's parameters, as it takes them (TLq's), and what the owner reduce derives from them."""
 
     @property
     def unit(self) -> int:

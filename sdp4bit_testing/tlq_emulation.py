@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepspeed_sdp4bit.codec import reference
-from deepspeed_sdp4bit.collectives.grad_reduce import STAGE_QUANTIZE, STAGE_REQUANTIZE
-from deepspeed_sdp4bit.collectives.rounding import derive_seed
+from deepspeed_sdp4bit.collectives.rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, derive_seed
 
 
 @dataclass(frozen=True)

@@ -197,3 +197,33 @@ class LogCapture:
         from deepspeed_sdp4bit.log import logger
 
         logger.removeHandler(self.handler)
+
+
+def refusals(configs: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The error deepspeed.initialize raises for each config on this rank ('' if none), and the DeepSpeedEngine
+    classes whose __init__ was entered meanwhile (a refusal before DeepSpeed builds anything enters none)."""
+    import functools
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import deepspeed_sdp4bit  # noqa: F401  (installs its DeepSpeedEngine.__init__ wrapper first: the spy wraps it)
+
+    entered, init = [], DeepSpeedEngine.__init__
+
+    @functools.wraps(init)  # keeps the signature that the adapter checks
+    def spy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+        entered.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    DeepSpeedEngine.__init__ = spy
+    messages = []
+    try:
+        for config in configs:
+            try:
+                make_engine(config)
+                messages.append("")
+            except Exception as exc:  # the caller asserts on the message
+                messages.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        DeepSpeedEngine.__init__ = init
+    return messages, entered

@@ -34,3 +34,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     a failure in the fast lane shows first, and the JIT ops that scripts/test.sh builds beside the first tests are
     ready by the time the engines load them."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module whose parent process emulates collectives with many small ops: intra-op threads only add
+    contention on a shared 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

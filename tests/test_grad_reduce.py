@@ -23,6 +23,7 @@ from sdp4bit_testing.dist_harness import run_distributed
 from sdp4bit_testing.tlq_emulation import Settings, emulate_tlq, part_length
 
 # the 6- and 8-rank spawns are slow: the contributors' lane stops at 4 ranks
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the parent emulates every rank's calls
 WORLDS = tuple(pytest.param(w, marks=pytest.mark.slow) if w > 4 else w for w in (1, 2, 3, 4, 6, 8))
 BACKENDS = ("reference", "auto")
 BIG = (1 << 20) + 7
@@ -189,15 +190,6 @@ def _world_worker(world: int) -> dict:
 def _all_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
     """Every rank's inputs, regenerated in the parent."""
     return [make_inputs(case, world, r) for r in range(world)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The emulation runs many small ops: intra-op threads only add contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")

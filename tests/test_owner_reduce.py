@@ -24,6 +24,7 @@ from sdp4bit_testing.dist_harness import run_distributed
 from sdp4bit_testing.owner_emulation import RunTuple, Settings, emulate_owner_reduce, merged, piece_lengths
 
 # the 6- and 8-rank spawns are slow: the contributors' lane stops at 4 ranks
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the parent emulates every rank's calls
 WORLDS = tuple(pytest.param(w, marks=pytest.mark.slow) if w > 4 else w for w in (1, 2, 3, 4, 6, 8))
 SEED = 4321
 SPAWN_TIMEOUT = 300.0  # a layout mismatch that hung the exchanges would fail the spawn after this many seconds
@@ -248,15 +249,6 @@ def _world_worker(world: int) -> dict:
     if world > 1:
         results["mismatch"] = _mismatch_check(world)
     return results
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The emulation runs many small ops: intra-op threads only add contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")

@@ -3,9 +3,7 @@ the built engine shows; and the plan's decisions, without a process group."""
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from deepspeed_sdp4bit.topology import Topology
 from deepspeed_sdp4bit.zero12.plan import GroupFacts, make_plan
 from sdp4bit_testing import zero12_harness as H12
 from sdp4bit_testing.dist_harness import run_distributed
-from sdp4bit_testing.zero3_harness import make_engine
+from sdp4bit_testing.zero3_harness import refusals
 
 QG = {"quantized_gradients": True}
 QW = {"quantized_weights": True}
@@ -37,29 +35,8 @@ REFUSALS = [
 
 def _refusals() -> tuple[list[str], list[str]]:
     """Each refusal's message, and the DeepSpeedEngine classes whose __init__ was entered meanwhile."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    import deepspeed_sdp4bit  # noqa: F401  (installs its DeepSpeedEngine.__init__ wrapper first: the spy wraps it)
-
-    entered, init = [], DeepSpeedEngine.__init__
-
-    @functools.wraps(init)  # keeps the signature that the adapter checks
-    def spy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
-        entered.append(type(self).__name__)
-        init(self, *args, **kwargs)
-
-    DeepSpeedEngine.__init__ = spy
-    messages = []
-    try:
-        for _, stage, zero, block, extra in (r[:5] for r in REFUSALS):
-            try:
-                make_engine({**H12.ds_config(stage, sdp4bit=block, **zero), **extra})
-                messages.append("")
-            except Exception as exc:  # the test asserts on the message
-                messages.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        DeepSpeedEngine.__init__ = init
-    return messages, entered
+    return refusals([{**H12.ds_config(stage, sdp4bit=block, **zero), **extra}
+                     for _, stage, zero, block, extra, _ in REFUSALS])
 
 
 @pytest.mark.slow

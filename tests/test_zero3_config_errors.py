@@ -8,7 +8,6 @@ collectively), which also check that no DeepSpeedEngine was ever entered.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -129,33 +128,9 @@ REFUSALS = [
 ]
 
 
-def _engine_error(zero: dict, block: dict) -> str:
-    """The error message deepspeed.initialize raises for this config on a real rank ('' if none)."""
-    try:
-        H.make_engine(H.ds_config(sdp4bit=block, **zero))
-    except Exception as exc:  # the test asserts on the message
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
 def _all_refusals() -> tuple[list[str], list[str]]:
     """Each refusal's message, and the DeepSpeedEngine classes whose __init__ was entered meanwhile."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    import deepspeed_sdp4bit  # noqa: F401  (installs its DeepSpeedEngine.__init__ wrapper first: the spy wraps it)
-
-    entered, init = [], DeepSpeedEngine.__init__
-
-    @functools.wraps(init)  # keeps the signature that the adapter checks
-    def spy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
-        entered.append(type(self).__name__)
-        init(self, *args, **kwargs)
-
-    DeepSpeedEngine.__init__ = spy
-    try:
-        return [_engine_error(zero, block) for _, zero, block, _ in REFUSALS], entered
-    finally:
-        DeepSpeedEngine.__init__ = init
+    return H.refusals([H.ds_config(sdp4bit=block, **zero) for _, zero, block, _ in REFUSALS])
 
 
 def _named(name: str, key: str) -> str:

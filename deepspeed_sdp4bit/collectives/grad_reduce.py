@@ -42,7 +42,7 @@ from .accounting import CommStats
 from .levels import Exchange as _Exchange
 from .levels import Level, check_level, check_pipeline
 from .levels import codes_slice as _slice
-from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
+from .rounding import TwoLevelRounding
 from .sharding import shard_numel, valid_numel
 
 
@@ -140,7 +140,7 @@ def _check_group(group: object, world: int) -> None:
                          f"got a group of ranks {ranks}")
 
 
-class TLqReducer:
+class TLqReducer(TwoLevelRounding):
     """Quantized mean reduce-scatter over the world group on `topo`'s nodes, with exact-resume rounding streams."""
 
     def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
@@ -154,8 +154,7 @@ class TLqReducer:
         self.stochastic = bool(stochastic)
         self.stats = stats
         self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
-        self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
-        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
+        TwoLevelRounding.__init__(self, seed, topo.rank)
 
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
                                  group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -249,15 +248,3 @@ class TLqReducer:
             intra = following
         out.append(self._finish(inter, self.inter, self.topo.nodes, dtype, layout.slice_valid(layout.slices - 1)))
         return out
-
-    def state_dict(self) -> dict:
-        """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
-        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the counters written by `state_dict` (same seed and rank required)."""
-        missing = {"quantize", "requantize"} - set(state)
-        if missing:
-            raise KeyError(f"TLqReducer.load_state_dict: state lacks {sorted(missing)}; it has {sorted(state)}")
-        self.quant_stream.load_state_dict(state["quantize"])
-        self.requant_stream.load_state_dict(state["requantize"])

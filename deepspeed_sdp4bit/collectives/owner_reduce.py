@@ -49,7 +49,7 @@ from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .levels import Exchange, Level, Splits, check_level, check_pipeline, codes_slice
-from .rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, RoundingStream
+from .rounding import TwoLevelRounding
 
 _SHOWN_RUNS = 8  # runs listed in a layout summary
 
@@ -205,7 +205,7 @@ class _Idle:
         return self.codes, self.scales
 
 
-class OwnerReducer:
+class OwnerReducer(TwoLevelRounding):
     """Quantized sum of a ZeRO-1/2 gradient bucket onto the owners of its runs, over the world group on `topo`'s
     nodes, with exact-resume rounding streams."""
 
@@ -220,8 +220,7 @@ class OwnerReducer:
         self.stochastic = bool(stochastic)
         self.stats = stats
         self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline
-        self.quant_stream = RoundingStream(seed, topo.rank, STAGE_QUANTIZE)
-        self.requant_stream = RoundingStream(seed, topo.rank, STAGE_REQUANTIZE)
+        TwoLevelRounding.__init__(self, seed, topo.rank)
 
     def reduce(self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
                ) -> torch.Tensor:
@@ -352,15 +351,3 @@ class OwnerReducer:
             intra_pending = following
         out.append(self._finish(inter_pending, self.inter, topo.nodes, dtype, own))
         return out
-
-    def state_dict(self) -> dict:
-        """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
-        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the counters written by `state_dict` (same seed and rank required)."""
-        missing = {"quantize", "requantize"} - set(state)
-        if missing:
-            raise KeyError(f"OwnerReducer.load_state_dict: state lacks {sorted(missing)}; it has {sorted(state)}")
-        self.quant_stream.load_state_dict(state["quantize"])
-        self.requant_stream.load_state_dict(state["requantize"])

@@ -58,3 +58,28 @@ class RoundingStream:
             raise ValueError(f"rounding stream seed {state['seed']} in the checkpoint differs from {self.seed}: "
                              "the checkpoint was written with another sdp4bit.seed or on another rank")
         self.counter = int(state["counter"])
+
+
+class TwoLevelRounding:
+    """The rounding counters of a two-level gradient reducer (TLq's first quantization and its requantization), as
+    its checkpoint state: the reducers keep them as `quant_stream` and `requant_stream`."""
+
+    quant_stream: RoundingStream
+    requant_stream: RoundingStream
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.quant_stream = RoundingStream(seed, rank, STAGE_QUANTIZE)
+        self.requant_stream = RoundingStream(seed, rank, STAGE_REQUANTIZE)
+
+    def state_dict(self) -> dict:
+        """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
+        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters written by `state_dict` (same seed and rank required)."""
+        missing = {"quantize", "requantize"} - set(state)
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: state lacks {sorted(missing)}; it has "
+                           f"{sorted(state)}")
+        self.quant_stream.load_state_dict(state["quantize"])
+        self.requant_stream.load_state_dict(state["requantize"])
