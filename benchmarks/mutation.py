@@ -82,7 +82,7 @@ TARGETS = {
     "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
-    "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4")),
+    "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4 or merge")),
     "zero12_serving": Target("zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k",
                                                            "rpn2 or unstarted or comms")),
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),

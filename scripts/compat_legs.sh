@@ -6,7 +6,9 @@
 #   bash scripts/compat_legs.sh install   make (or update) every leg's environment
 #   bash scripts/compat_legs.sh test      run the compat tests in each; one summary line per leg (then its five
 #                                         slowest tests); fails if any leg does
-#   bash scripts/compat_legs.sh           both
+#   bash scripts/compat_legs.sh ci        each leg in turn: installed (the next one installing while it is tested),
+#                                         tested, then removed, so at most two environments are ever on disk
+#   bash scripts/compat_legs.sh           install, then test (the environments are kept)
 #   SDP4BIT_LEGS_DIR   where the environments go (default <repo>/.venv-legs; about 5.3 GB each)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +16,7 @@ legs_dir="${SDP4BIT_LEGS_DIR:-$root/.venv-legs}"
 # deepspeed torch (the default pair, DeepSpeed 0.19.8 with torch 2.14.1, is the main suite's)
 LEGS=("0.17.6 2.11.0" "0.18.9 2.11.0" "0.19.5 2.14.1" "0.19.8 2.15.0")
 phase="${1:-all}"
-case "$phase" in install|test|all) ;; *) echo "compat_legs: unknown phase '$phase': use install, test or all" >&2; exit 2;; esac
+case "$phase" in install|test|ci|all) ;; *) echo "compat_legs: unknown phase '$phase': use install, test, ci or all" >&2; exit 2;; esac
 
 install_leg() {
   local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS
@@ -51,10 +53,41 @@ test_leg() {
   return $rc
 }
 
+# Each leg installed while the one before it is tested, and removed once tested: a leg's environment is over 5 GB
+# (torch's CUDA build), and four of them beside the main one fill a CI machine's disk.
+run_ci() {
+  local i leg next pid rc
+  # shellcheck disable=SC2086
+  set -- ${LEGS[0]}
+  install_leg "$1" "$2" > "$legs_dir/leg0.out" 2>&1 &
+  pid=$!
+  for i in "${!LEGS[@]}"; do
+    leg="${LEGS[$i]}"
+    wait "$pid"; rc=$?
+    cat "$legs_dir/leg$i.out"; rm -f "$legs_dir/leg$i.out"
+    next=$((i + 1))
+    if [ "$next" -lt "${#LEGS[@]}" ]; then
+      # shellcheck disable=SC2086
+      set -- ${LEGS[$next]}
+      install_leg "$1" "$2" > "$legs_dir/leg$next.out" 2>&1 &
+      pid=$!
+    fi
+    # shellcheck disable=SC2086
+    set -- $leg
+    if [ $rc -eq 0 ]; then test_leg "$1" "$2" || failed=1; else failed=1; fi
+    rm -rf "$legs_dir/ds$1-torch$2"
+  done
+}
+
 mkdir -p "$legs_dir"
 extensions_root="$(mktemp -d "${TMPDIR:-/tmp}/sdp4bit-leg-extensions.XXXXXX")"
 trap 'rm -rf "$extensions_root"' EXIT
 failed=0
+if [ "$phase" = ci ]; then
+  export root legs_dir
+  run_ci
+  exit $failed
+fi
 if [ "$phase" != test ]; then
   # two environments at a time (an install keeps one core busy unpacking); xargs exits non-zero if any failed
   export root legs_dir

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_sdp4bit.collectives.accounting import CommStats
-from deepspeed_sdp4bit.collectives.owner_reduce import OwnerReducer, Run
+from deepspeed_sdp4bit.collectives.owner_reduce import OwnerReducer, Run, merge_runs
 from deepspeed_sdp4bit.topology import build_topology
 from sdp4bit_testing.dist_harness import run_distributed
 from sdp4bit_testing.owner_emulation import RunTuple, Settings, emulate_owner_reduce, merged, piece_lengths
@@ -477,3 +477,13 @@ def test_bad_arguments_are_rejected(world_run):
     assert len(messages) == len(expected)
     for message, want in zip(messages, expected, strict=True):
         assert want in message, (want, message)
+
+
+def test_merge_joins_only_touching_runs_of_one_owner():
+    """Runs are sorted by start; touching runs of one owner become one run, while runs of one owner with a gap
+    between them (elements nobody owns, or another owner's) stay apart, so no rank receives elements it does not
+    own."""
+    runs = [Run(1, 30, 10), Run(0, 0, 10), Run(0, 10, 5), Run(0, 20, 4), Run(1, 40, 2), Run(0, 42, 1)]
+    assert merge_runs(runs) == (Run(0, 0, 15), Run(0, 20, 4), Run(1, 30, 12), Run(0, 42, 1))
+    with pytest.raises(ValueError, match="must not overlap"):
+        merge_runs([Run(0, 0, 10), Run(1, 9, 2)])
