@@ -26,12 +26,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
 from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
 from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
 from .traffic import STAGES, Layout, Scheme, partition, zero12_step
 
-GAIN_WORTH_IT = 0.05  # below this projected gain the recommendation is to leave SDP4Bit off
+GAIN_WORTH_IT = sensitivity.GAIN_WORTH_IT  # below this projected gain the recommendation is to leave SDP4Bit off
 RANK_REPLICA_MEMORY_SHARE = 0.10  # the rank replica is recommended only if its model copy fits in this share
 OWNER_LOAD_NOTE = 2.0  # the table notes TLq's load on a bucket's owners when the busiest node carries this x the mean
 DEEPSPEED_VARIANTS = ("ZeRO-3", "ZeRO++", "SDP4Bit", "SDP4Bit (rank replica)", "qWD", "TLq-HS")
@@ -56,7 +57,8 @@ class Plan:
     @property
     def layout(self) -> Layout:
         per_node = self.cluster.gpus_per_node // self.job.tp
-        return Layout(self.cluster.nodes, per_node)
+        replicas = self.cluster.world // (self.job.tp * self.job.pp)  # data-parallel ranks
+        return Layout(replicas // per_node, per_node)
 
     @property
     def stage(self) -> int | None:
@@ -144,12 +146,29 @@ def project(plan: Plan) -> list[Row]:
     return [Row(name, step, base / step.step_s, plan.replica_bytes(name), plan.stage) for name, step in steps.items()]
 
 
+def candidates(plan: Plan, rows: Sequence[Row]) -> list[Row]:
+    """The rows the recommendation chooses from: SDP4Bit's variants whose replica fits the GPU's memory."""
+    memory = plan.cluster.gpu.memory_gb * 1e9
+    return [r for r in rows[1:] if r.variant != "ZeRO++"
+            and (r.replica_bytes <= RANK_REPLICA_MEMORY_SHARE * memory or "rank" not in r.variant)]
+
+
+def uncertainty(plan: Plan) -> sensitivity.Sensitivity:
+    """The best candidate's speed-up across the plausible achieved compute and link efficiency, and the values of
+    each at which the recommendation flips."""
+    peak = plan.cluster.gpu.peak_tflops
+
+    def speedup(fraction: float, efficiency: float) -> float:
+        point = replace(plan, cluster=replace(plan.cluster, tflops=fraction * peak, link_efficiency=efficiency))
+        return max(r.speedup for r in candidates(point, project(point)))
+
+    return sensitivity.analyse(speedup, plan.cluster.flops_s / 1e12 / peak, plan.cluster.link_efficiency)
+
+
 def recommend(plan: Plan, rows: Sequence[Row]) -> str:
     """One line: what to switch on, and why."""
     base = rows[0]
-    ours = [r for r in rows[1:] if r.variant != "ZeRO++"]
-    memory = plan.cluster.gpu.memory_gb * 1e9
-    fits = [r for r in ours if r.replica_bytes <= RANK_REPLICA_MEMORY_SHARE * memory or "rank" not in r.variant]
+    fits = candidates(plan, rows)
     best = max(fits, key=lambda r: r.speedup)
     exposed = base.step.exposed_s / base.step.step_s
     if best.speedup < 1 + GAIN_WORTH_IT:
@@ -191,7 +210,8 @@ def table(plan: Plan, rows: Sequence[Row]) -> str:
     lines = [f"{plan.cluster.describe()} ({plan.cluster.flops_s / 1e12:.0f} TFLOP/s achieved per GPU, links at "
              f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
              f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
-             f"micro-batch(es) per step, TP {plan.job.tp}, {plan.describe()}"
+             f"micro-batch(es) per step, TP {plan.job.tp}"
+             f"{f', PP {plan.job.pp}' if plan.job.pp > 1 else ''}, {plan.describe()}"
              f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
              "", "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -305,10 +325,16 @@ def parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
     cluster.add_argument("--tflops", type=float,
                          help="achieved TFLOP/s per GPU on this model (default: 40%% of the preset's dense bf16 peak)")
-    cluster.add_argument("--link-efficiency", type=float, default=LINK_EFFICIENCY,
+    cluster.add_argument("--link-efficiency", type=float,
                          help=f"share of the inter-node line rate the collectives reach (default {LINK_EFFICIENCY})")
+    cluster.add_argument("--measured-inter-node-gbps", type=float,
+                         help="the rate per node the collectives reached on these nodes, measured, Gbit/s (instead of "
+                              "--link-efficiency: it sets the efficiency to this rate / --inter-node-gbps)")
     job = p.add_argument_group("job")
     job.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a node (default 1)")
+    job.add_argument("--pp", type=int, default=1,
+                     help="pipeline parallelism across nodes (default 1; --system megatron, or ZeRO stage 1: "
+                          "DeepSpeed's pipeline engine takes stages 0 and 1 only)")
     job.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     job.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-batch (default 1, or the config's)")
     job.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1, or the config's)")
@@ -414,9 +440,38 @@ def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> 
     return zero12 and (args.round_robin_gradients or value)
 
 
+def _link_efficiency(args: argparse.Namespace) -> float:
+    """--link-efficiency, or --measured-inter-node-gbps over --inter-node-gbps, or the default (PlanError where both
+    are given)."""
+    if args.measured_inter_node_gbps is None:
+        return LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency
+    if args.link_efficiency is not None:
+        raise PlanError("--link-efficiency and --measured-inter-node-gbps: give one (the measured rate sets the "
+                        "efficiency)")
+    if not args.measured_inter_node_gbps > 0 or not args.inter_node_gbps > 0:
+        raise PlanError(f"--measured-inter-node-gbps {args.measured_inter_node_gbps}: must be > 0, with "
+                        "--inter-node-gbps > 0")
+    return args.measured_inter_node_gbps / args.inter_node_gbps
+
+
+def _pipeline(args: argparse.Namespace, stage: int, cluster: Cluster) -> None:
+    """--pp: on Megatron-LM or ZeRO stage 1, dividing the GPUs left by tensor parallelism into whole nodes' worth
+    of data-parallel ranks (PlanError naming the flag otherwise)."""
+    if args.pp == 1:
+        return
+    if args.system == "deepspeed" and stage != 1:
+        raise PlanError(f"--pp {args.pp} with ZeRO stage {stage}: allowed with --system megatron or --stage 1 only "
+                        "(DeepSpeed's pipeline engine takes ZeRO stages 0 and 1)")
+    per_node = cluster.gpus_per_node // args.tp
+    replicas, left = divmod(cluster.world, args.tp * args.pp)
+    if left or replicas % per_node:
+        raise PlanError(f"--pp {args.pp}: {cluster.world} GPUs / (--tp {args.tp} x --pp {args.pp}) must be a whole "
+                        f"number of nodes' {per_node} data-parallel ranks each")
+
+
 def build(args: argparse.Namespace) -> Plan:
     """The plan the flags describe (PlanError naming the flag for bad input)."""
-    for flag in ("tp", "seq", "micro_batch", "grad_accum"):
+    for flag in ("tp", "pp", "seq", "micro_batch", "grad_accum"):
         _at_least_one(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.gpus_per_node >= 1 and args.gpus_per_node % args.tp:
         divisors = [d for d in range(1, args.gpus_per_node + 1) if args.gpus_per_node % d == 0]
@@ -425,16 +480,17 @@ def build(args: argparse.Namespace) -> Plan:
     ds = _ds_config(args.config)
     zero = ds.get("zero_optimization", {})
     cluster = Cluster(args.nodes, args.gpus_per_node, gpu(args.gpu), args.inter_node_gbps, args.tflops,
-                      args.link_efficiency)
+                      _link_efficiency(args))
     comm = {"fp32": 4, "float32": 4}.get(str(ds.get("communication_data_type", "")).lower())
     live = min(int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
                int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)))
     megatron = args.system == "megatron"
     stage = _stage(args, zero)
+    _pipeline(args, stage, cluster)
     overlap_comm = zero.get("overlap_comm", stage == 3 or not zero)  # DeepSpeed's default: on for stage 3 only
     job = Job(_shape(args), seq=args.seq, micro_batch=args.micro_batch or int(ds.get(
                   "train_micro_batch_size_per_gpu", 1)),
-              grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp,
+              grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp, pp=args.pp,
               comm_bytes=4 if megatron else comm, live_parameters=live,
               overlap=not (args.no_overlap or megatron or overlap_comm is False))
     return Plan(job, cluster, args.system, replace(_block_scheme(ds), stage=stage,
@@ -466,6 +522,11 @@ def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:
     print(table(plan, rows))
     print()
     print(recommend(plan, rows))
+    found = uncertainty(plan)
+    print()
+    print(sensitivity.table(found, plan.cluster.gpu.peak_tflops, plan.baseline))
+    print()
+    print(sensitivity.describe_flips(found, plan.cluster.gpu.peak_tflops, plan.cluster.inter_node_gbps))
     if args.plot:
         print(f"plot: {args.plot}")
     sys.stdout.flush()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sdp4bit_benchmarks import cost_model
-from sdp4bit_cost import paper, plan, shapes, timing, traffic
+from sdp4bit_cost import paper, plan, sensitivity, shapes, timing, traffic
 from sdp4bit_cost.traffic import Layout, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +120,8 @@ def test_the_papers_measurements_are_predicted_within_the_bounds() -> None:
         assert abs(predicted / reported - 1) <= paper.SPEEDUP_BOUND, group
     text, ok = paper.report()
     assert ok and "leave-one-out" in text
+    for name, (efficiency, fraction) in constants.items():  # the planner's copy of the fit, to its 3 decimals
+        assert sensitivity.PAPER_FITS[name] == (round(efficiency, 3), round(fraction, 3)), name
 
 
 def test_without_the_paper_fp32_gradients_the_check_fails() -> None:

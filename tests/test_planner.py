@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp4bit_cost import plan, shapes, traffic
+from sdp4bit_cost import paper, plan, sensitivity, shapes, traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100"]
@@ -20,6 +20,11 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     code = plan.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _advice(out: str) -> str:
+    """The recommendation line of the planner's output (after the table, before the range of the inputs)."""
+    return out.split("How sure:")[0].strip().splitlines()[-1]
 
 
 def test_the_installed_console_script_documents_every_flag() -> None:
@@ -227,10 +232,79 @@ def test_the_recommendation_names_round_robin_where_it_beats_every_row(capsys: p
     the recommendation adds; on 16 x 8 SDP4Bit with it stays behind qWD and the recommendation says nothing of it."""
     flags = ["--model", "13b", "--nodes", "16", "--gpu", "h100", "--inter-node-gbps", "100", "--stage", "2"]
     code, out, _ = _run(capsys, *flags, "--gpus-per-node", "4")
-    advice = out.strip().splitlines()[-1]
+    advice = _advice(out)
     assert code == 0 and advice.startswith("use qWD")
     speedup = re.search(r"better: zero_optimization\.round_robin_gradients: true, which spreads each bucket's owners "
                         r"over more nodes, with SDP4Bit: (\d\.\d\d)x over ZeRO-2$", advice).group(1)
     assert float(speedup) > float(re.search(r"use qWD: (\d\.\d\d)x", advice).group(1))
     code, out, _ = _run(capsys, *flags, "--gpus-per-node", "8")
-    assert code == 0 and "better:" not in out.strip().splitlines()[-1]
+    assert code == 0 and "better:" not in _advice(out)
+
+
+@pytest.mark.parametrize("cluster", paper.CLUSTERS, ids=lambda c: c.name)
+def test_the_papers_fitted_constants_as_flags_reproduce_its_table_2(cluster: paper.PaperCluster) -> None:
+    """With the achieved compute and link efficiency fitted to a cluster of the paper passed as flags (and its tensor
+    and pipeline parallelism), the planner's Megatron-LM projection gives every Table 2 speed-up within 20%."""
+    efficiency, fraction = sensitivity.PAPER_FITS[cluster.name]
+    for model, (baseline, sdp4bit) in paper.TABLE2[cluster.name].items():
+        tp, pp = paper.PARALLEL[cluster.name][model]
+        argv = ["--system", "megatron", "--model", model, "--nodes", "16", "--gpus-per-node",
+                str(cluster.gpus_per_node), "--gpu", cluster.name.lower(), "--inter-node-gbps",
+                str(cluster.inter_node_gbps), "--tflops", str(fraction * cluster.peak_tflops), "--link-efficiency",
+                str(efficiency), "--tp", str(tp), "--pp", str(pp)]
+        rows = plan.project(plan.build(plan.parser().parse_args(argv)))
+        projected = next(r.speedup for r in rows if r.variant == "SDP4Bit")
+        assert abs(projected / (sdp4bit / baseline) - 1) <= paper.SPEEDUP_BOUND, (model, projected)
+
+
+def test_the_table_shows_the_range_of_the_uncertain_inputs_and_the_flip(capsys: pytest.CaptureFixture) -> None:
+    """Beside the projection: SDP4Bit's speed-up on the grid of the defaults and the paper's two fitted clusters, and
+    one line naming the input that flips the recommendation and its value, which the projection confirms on either
+    side."""
+    code, out, _ = _run(capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "3200")
+    assert code == 0 and "leave it off" in out
+    grid = out.split("How sure:")[1]
+    for source in ("the paper's H800 cluster", "the paper's A100 cluster", "this plan: the planner's defaults"):
+        assert source in grid
+    assert len([line for line in grid.splitlines() if line.startswith("| ") and "of peak" in line]) == 3
+    flip = re.search(r"turns from leave it off to use it if the links fall to (\d+)% of line rate \(([\d,]+) "
+                     r"Gbit/s per node\)", out)
+    assert flip, out
+    share = int(flip[2].replace(",", "")) / 3200  # the rate to the Gbit/s, the share to the percent
+    assert abs(share - int(flip[1]) / 100) <= 0.005
+    for nearby, wanted in ((share * 0.9, "\nuse "), (share * 1.1, "leave it off")):
+        code, out, _ = _run(capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "3200", "--link-efficiency",
+                            str(nearby))
+        assert wanted in out.split("How sure:")[0], nearby
+
+
+def test_the_flip_search_finds_a_crossing_or_says_none() -> None:
+    """The bisection returns the crossing of a monotone curve within 0.1%, and None where the curve stays on one
+    side of the threshold."""
+    threshold = 1 + sensitivity.GAIN_WORTH_IT
+    found = sensitivity.flip_value(lambda x: threshold * 0.37 / x, 0.01, 4.0)
+    assert found == pytest.approx(0.37, rel=1e-3)
+    assert sensitivity.flip_value(lambda x: 2.0, 0.01, 4.0) is None
+
+
+def test_a_measured_rate_sets_the_link_efficiency(capsys: pytest.CaptureFixture) -> None:
+    """--measured-inter-node-gbps 40 on a 100 Gbit/s line is --link-efficiency 0.4, and the two together are
+    refused."""
+    code, measured, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100",
+                             "--measured-inter-node-gbps", "40")
+    code2, given, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--link-efficiency", "0.4")
+    assert code == code2 == 0 and measured == given and "links at 40% of line rate" in measured
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--link-efficiency", "0.5", "--measured-inter-node-gbps", "40"],
+     "--link-efficiency and --measured-inter-node-gbps: give one"),
+    (["--measured-inter-node-gbps", "0"], "--measured-inter-node-gbps 0.0: must be > 0"),
+    (["--pp", "2"], "--pp 2 with ZeRO stage 3: allowed with --system megatron or --stage 1 only"),
+    (["--pp", "3", "--stage", "1"], "--pp 3: 128 GPUs / (--tp 1 x --pp 3) must be a whole number of nodes' 8"),
+    (["--pp", "0"], "--pp 0: must be an integer >= 1"),
+])
+def test_bad_measured_rate_or_pipeline_names_the_flag(capsys: pytest.CaptureFixture, argv: list[str],
+                                                      message: str) -> None:
+    code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
+    assert code == 2 and out == "" and message in err
