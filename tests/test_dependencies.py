@@ -84,3 +84,14 @@ def test_every_import_is_declared() -> None:
                     missing.append(f"{path.relative_to(ROOT)} imports {module} ({', '.join(sorted(names))}), "
                                    f"declared in none of {', '.join(scopes)}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_library_package_is_listed_for_the_wheel() -> None:
+    """Every folder of the library with Python files is a package pyproject.toml lists, so that a wheel (which takes
+    the listed packages only, where an editable install finds any folder) holds all of it."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for top in ("deepspeed_sdp4bit", "sdp4bit_cost"):
+        for folder in [ROOT / top, *(p for p in (ROOT / top).rglob("*") if p.is_dir())]:
+            if any(folder.glob("*.py")) and "__pycache__" not in folder.parts:
+                name = ".".join(folder.relative_to(ROOT).parts)
+                assert name in listed, f"{name} is not in pyproject.toml's [tool.setuptools] packages"
