@@ -87,6 +87,8 @@ class Cluster:
     tflops: float | None = None  # achieved per GPU; None: the GPU's default
     link_efficiency: float = LINK_EFFICIENCY
     nvlink_efficiency: float = NVLINK_EFFICIENCY
+    intra_gbs: float | None = None  # measured GB/s per GPU inside a node; None: the preset's NVLink at its efficiency
+    codec_gbs: float | None = None  # measured codec GB/s; None: the preset's
 
     def __post_init__(self) -> None:
         for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
@@ -114,7 +116,14 @@ class Cluster:
     @property
     def intra_bytes_s(self) -> float:
         """Bytes per second one GPU sends (and receives) to GPUs of its node."""
+        if self.intra_gbs is not None:
+            return self.intra_gbs * 1e9
         return self.gpu.nvlink_gbs * 1e9 * self.nvlink_efficiency
+
+    @property
+    def codec_bytes_s(self) -> float:
+        """Bytes per second (read + written) the codec kernels of one GPU move."""
+        return self.gpu.codec_bytes_s if self.codec_gbs is None else self.codec_gbs * 1e9
 
     def describe(self) -> str:
         return (f"{self.nodes} x {self.gpus_per_node} {self.gpu.name.upper()}, {self.inter_node_gbps:g} Gbit/s per "

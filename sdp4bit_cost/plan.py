@@ -13,6 +13,7 @@ cluster whose links are the bottleneck; `--no-overlap` shows the other bound.
     sdp4bit-plan --model 13b --nodes 16 --gpus-per-node 8 --gpu h100 --inter-node-gbps 100 --stage 2 \
         --round-robin-gradients
     sdp4bit-plan --model path/to/config.json --nodes 4 --gpus-per-node 8 --gpu a100 --inter-node-gbps 200 --json
+    sdp4bit-plan --measured measured.json --model 1.3b     # the file sdp4bit-measure wrote on your nodes
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Plan:
     cluster: Cluster
     system: str
     block: Scheme
+    measured: dict[str, Any] | None = None  # what sdp4bit-measure wrote, where the inputs come from it
 
     @property
     def layout(self) -> Layout:
@@ -79,7 +81,13 @@ class Plan:
     @property
     def rates(self) -> Rates:
         c = self.cluster
-        return Rates(c.flops_s, c.inter_bytes_s, c.intra_bytes_s, c.gpu.codec_bytes_s)
+        return Rates(c.flops_s, c.inter_bytes_s, c.intra_bytes_s, c.codec_bytes_s, shared_links=self.backend == "gloo")
+
+    @property
+    def backend(self) -> str:
+        """The collectives' library: gloo on measured CPU ranks (blocking, one set of cores for every link), else
+        NCCL."""
+        return "gloo" if self.measured and self.measured["device"] == "cpu" else "nccl"
 
     def variants(self) -> dict[str, Scheme]:
         """The schemes compared, by variant name."""
@@ -104,7 +112,7 @@ class Plan:
         work = self.job.workload(self.rates)
         if self.system == "megatron":
             return megatron_seconds(work, self.layout, scheme, self.rates, name)
-        return deepspeed_step(work, self.layout, scheme, self.rates, name)
+        return deepspeed_step(work, self.layout, scheme, self.rates, name, backend=self.backend)
 
     def replica_bytes(self, name: str) -> float:
         """Bytes of model-weight replica one GPU keeps (SDP4Bit's w~; Megatron and ZeRO-1/2 keep their full model
@@ -207,7 +215,11 @@ def _block(plan: Plan, variant: str) -> dict[str, Any]:
 
 def table(plan: Plan, rows: Sequence[Row]) -> str:
     """The projection as a markdown table."""
-    lines = [f"{plan.cluster.describe()} ({plan.cluster.flops_s / 1e12:.0f} TFLOP/s achieved per GPU, links at "
+    where = plan.cluster.describe()
+    if plan.measured:
+        where = (f"{plan.cluster.nodes} x {plan.cluster.gpus_per_node} {plan.measured['device_name']} ranks as "
+                 f"measured, {plan.cluster.inter_node_gbps:g} Gbit/s per node")
+    lines = [f"{where} ({plan.cluster.flops_s / 1e12:,.3g} TFLOP/s achieved per GPU, links at "
              f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
              f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
              f"micro-batch(es) per step, TP {plan.job.tp}"
@@ -318,10 +330,17 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--layers", type=int, help="transformer layers (with --params)")
     model.add_argument("--hidden", type=int, help="hidden size (with --params)")
     cluster = p.add_argument_group("cluster")
-    cluster.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    cluster.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    cluster.add_argument("--inter-node-gbps", type=float, required=True,
-                         help="inter-node bandwidth per node, Gbit/s each way (all its NICs together)")
+    cluster.add_argument("--measured", type=Path,
+                         help="the file sdp4bit-measure wrote on your nodes: its nodes and ranks per node (unless "
+                              "--nodes, --gpus-per-node), inter-node rate (the line rate at efficiency 1 without "
+                              "--inter-node-gbps, else --measured-inter-node-gbps), intra-node rate, codec throughput "
+                              "and achieved TFLOP/s (unless --tflops); CPU ranks are projected with gloo's blocking "
+                              "collectives")
+    cluster.add_argument("--nodes", type=int, help="number of nodes (required without --measured)")
+    cluster.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or --measured's ranks per node)")
+    cluster.add_argument("--inter-node-gbps", type=float,
+                         help="inter-node bandwidth per node, Gbit/s each way (all its NICs together; required "
+                              "without --measured)")
     cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
     cluster.add_argument("--tflops", type=float,
                          help="achieved TFLOP/s per GPU on this model (default: 40%% of the preset's dense bf16 peak)")
@@ -440,18 +459,68 @@ def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> 
     return zero12 and (args.round_robin_gradients or value)
 
 
-def _link_efficiency(args: argparse.Namespace) -> float:
-    """--link-efficiency, or --measured-inter-node-gbps over --inter-node-gbps, or the default (PlanError where both
-    are given)."""
+MEASURED_KEYS = {"format": int, "nodes": int, "ranks_per_node": int, "device": str, "inter_node_gbps": (float, None),
+                 "intra_node_gbs": (float, None), "codec_gbs": float, "tflops": (float, None)}
+
+
+def _measured(path: Path | None) -> dict[str, Any] | None:
+    """The file sdp4bit-measure wrote, checked (PlanError naming the file and the key otherwise), or None."""
+    if path is None:
+        return None
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--measured {path}: not a readable sdp4bit-measure file ({exc})") from None
+    if not isinstance(found, dict):
+        raise PlanError(f"--measured {path}: not a readable sdp4bit-measure file (a JSON object is expected)")
+    for key, kinds in MEASURED_KEYS.items():
+        allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+        value = found.get(key)
+        ok = any(value is None if kind is None else isinstance(value, (int, float) if kind is float else kind)
+                 and not isinstance(value, bool) for kind in allowed)
+        if ok and isinstance(value, (int, float)) and not value > 0:
+            ok = False
+        if not ok:
+            names = " or ".join("null" if k is None else "a positive number" if k is float else
+                                "a positive integer" if k is int else "a string" for k in allowed)
+            raise PlanError(f"--measured {path}: {key} = {value!r}: allowed: {names} (as sdp4bit-measure writes it)")
+    if found["format"] != 1:
+        raise PlanError(f"--measured {path}: format = {found['format']}: allowed: 1 (this sdp4bit-plan's)")
+    return found
+
+
+def _cluster(args: argparse.Namespace, measured: dict[str, Any] | None) -> Cluster:
+    """The cluster from the flags, with --measured's figures where the flags leave them open."""
+    m = measured or {}
+    nodes = args.nodes if args.nodes is not None else m.get("nodes")
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else m.get("ranks_per_node", 8)
+    line = args.inter_node_gbps if args.inter_node_gbps is not None else m.get("inter_node_gbps")
+    if nodes is None:
+        raise PlanError("--nodes is required (or --measured with a file of sdp4bit-measure)")
+    if line is None:
+        raise PlanError("--inter-node-gbps is required (or --measured with a file measured on several nodes)")
+    efficiency = _link_efficiency(args, m.get("inter_node_gbps"), line)
+    tflops = args.tflops if args.tflops is not None else m.get("tflops")
+    return Cluster(nodes, per_node, gpu(args.gpu), line, tflops, efficiency,
+                   intra_gbs=m.get("intra_node_gbs"), codec_gbs=m.get("codec_gbs"))
+
+
+def _link_efficiency(args: argparse.Namespace, measured_gbps: float | None, line_gbps: float) -> float:
+    """--link-efficiency, or a measured rate (--measured-inter-node-gbps, or --measured's) over the line rate, or the
+    default (PlanError where two are given)."""
+    if measured_gbps is not None and args.measured_inter_node_gbps is None:
+        if args.link_efficiency is not None:
+            raise PlanError("--link-efficiency and --measured: give one (the measured rate sets the efficiency)")
+        return measured_gbps / line_gbps
     if args.measured_inter_node_gbps is None:
         return LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency
     if args.link_efficiency is not None:
         raise PlanError("--link-efficiency and --measured-inter-node-gbps: give one (the measured rate sets the "
                         "efficiency)")
-    if not args.measured_inter_node_gbps > 0 or not args.inter_node_gbps > 0:
+    if not args.measured_inter_node_gbps > 0 or not line_gbps > 0:
         raise PlanError(f"--measured-inter-node-gbps {args.measured_inter_node_gbps}: must be > 0, with "
                         "--inter-node-gbps > 0")
-    return args.measured_inter_node_gbps / args.inter_node_gbps
+    return args.measured_inter_node_gbps / line_gbps
 
 
 def _pipeline(args: argparse.Namespace, stage: int, cluster: Cluster) -> None:
@@ -473,14 +542,14 @@ def build(args: argparse.Namespace) -> Plan:
     """The plan the flags describe (PlanError naming the flag for bad input)."""
     for flag in ("tp", "pp", "seq", "micro_batch", "grad_accum"):
         _at_least_one(f"--{flag.replace('_', '-')}", getattr(args, flag))
-    if args.gpus_per_node >= 1 and args.gpus_per_node % args.tp:
-        divisors = [d for d in range(1, args.gpus_per_node + 1) if args.gpus_per_node % d == 0]
-        raise PlanError(f"--tp {args.tp} does not divide --gpus-per-node {args.gpus_per_node}; allowed: "
+    measured = _measured(args.measured)
+    cluster = _cluster(args, measured)
+    if cluster.gpus_per_node >= 1 and cluster.gpus_per_node % args.tp:
+        divisors = [d for d in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % d == 0]
+        raise PlanError(f"--tp {args.tp} does not divide --gpus-per-node {cluster.gpus_per_node}; allowed: "
                         f"{', '.join(map(str, divisors))}")
     ds = _ds_config(args.config)
     zero = ds.get("zero_optimization", {})
-    cluster = Cluster(args.nodes, args.gpus_per_node, gpu(args.gpu), args.inter_node_gbps, args.tflops,
-                      _link_efficiency(args))
     comm = {"fp32": 4, "float32": 4}.get(str(ds.get("communication_data_type", "")).lower())
     live = min(int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
                int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)))
@@ -492,9 +561,10 @@ def build(args: argparse.Namespace) -> Plan:
                   "train_micro_batch_size_per_gpu", 1)),
               grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp, pp=args.pp,
               comm_bytes=4 if megatron else comm, live_parameters=live,
-              overlap=not (args.no_overlap or megatron or overlap_comm is False))
+              overlap=not (args.no_overlap or megatron or overlap_comm is False
+                           or (measured or {}).get("device") == "cpu"))
     return Plan(job, cluster, args.system, replace(_block_scheme(ds), stage=stage,
-                                                   round_robin=_round_robin(args, zero, stage)))
+                                                   round_robin=_round_robin(args, zero, stage)), measured)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -514,6 +584,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _measured_line(plan: Plan) -> str:
+    """Which inputs came from the measurement file, with their values."""
+    m, c = plan.measured, plan.cluster
+    tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model"
+    return (f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
+            f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "
+            f"GB/s per rank, codec {c.codec_bytes_s / 1e9:,.3g} GB/s{tflops}")
+
+
 def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:
     """The rows as JSON, or the table and the recommendation."""
     if args.json:
@@ -522,11 +601,14 @@ def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:
     print(table(plan, rows))
     print()
     print(recommend(plan, rows))
-    found = uncertainty(plan)
     print()
-    print(sensitivity.table(found, plan.cluster.gpu.peak_tflops, plan.baseline))
-    print()
-    print(sensitivity.describe_flips(found, plan.cluster.gpu.peak_tflops, plan.cluster.inter_node_gbps))
+    if plan.measured:
+        print(_measured_line(plan))
+    else:
+        found = uncertainty(plan)
+        print(sensitivity.table(found, plan.cluster.gpu.peak_tflops, plan.baseline))
+        print()
+        print(sensitivity.describe_flips(found, plan.cluster.gpu.peak_tflops, plan.cluster.inter_node_gbps))
     if args.plot:
         print(f"plot: {args.plot}")
     sys.stdout.flush()

@@ -62,24 +62,27 @@ def gather_seconds(group: ProcessGroup | None, size: int, nbytes: int, device: t
     return statistics.median(times)
 
 
-def _bytes_per_second(group: ProcessGroup | None, size: int, device: torch.device) -> tuple[int, float]:
-    """(message bytes, seconds) of the first all-gather over `group` that takes TARGET_S or uses MAX_BYTES."""
+def _bytes_per_second(group: ProcessGroup | None, size: int, device: torch.device, target_s: float,
+                      max_bytes: int) -> tuple[int, float]:
+    """(message bytes, seconds) of the first all-gather over `group` that takes `target_s` or uses `max_bytes`."""
     nbytes = FIRST_BYTES
     while True:
         seconds = gather_seconds(group, size, nbytes, device)
-        if seconds >= TARGET_S or nbytes >= MAX_BYTES:
+        if seconds >= target_s or nbytes >= max_bytes:
             return nbytes, seconds
-        nbytes = min(MAX_BYTES, nbytes * max(2, int(TARGET_S / max(seconds, 1e-6))))
+        nbytes = min(max_bytes, nbytes * max(2, int(target_s / max(seconds, 1e-6))))
 
 
-def measure_links(topology: Topology, device: torch.device) -> LinkRates:
-    """The job's inter-node bandwidth per node and intra-node bandwidth per rank (collective over the world)."""
+def measure_links(topology: Topology, device: torch.device, target_s: float = TARGET_S,
+                  max_bytes: int = MAX_BYTES) -> LinkRates:
+    """The job's inter-node bandwidth per node and intra-node bandwidth per rank (collective over the world); each
+    gather grows until it takes `target_s` (initialize keeps it short; `sdp4bit-measure` takes longer gathers)."""
     nodes, per_node = topology.nodes, topology.ranks_per_node
     inter = intra = float("inf")
     if nodes > 1:
-        nbytes, seconds = _bytes_per_second(topology.inter, nodes, device)
+        nbytes, seconds = _bytes_per_second(topology.inter, nodes, device, target_s, max_bytes)
         inter = per_node * (nodes - 1) * nbytes / seconds
     if per_node > 1:
-        nbytes, seconds = _bytes_per_second(topology.intra, per_node, device)
+        nbytes, seconds = _bytes_per_second(topology.intra, per_node, device, target_s, max_bytes)
         intra = (per_node - 1) * nbytes / seconds
     return LinkRates(inter, intra)

@@ -1,0 +1,104 @@
+"""sdp4bit-measure on real gloo ranks (4 CPU ranks as 2 nodes): the file it writes, what it prints, and the planner
+reading that file; and its refusal of bad flags before anything is measured."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from deepspeed_sdp4bit import measure
+from sdp4bit_cost import plan
+from sdp4bit_testing.dist_harness import run_distributed
+
+TINY_GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 64}
+
+
+def _measure(out: str, config: str) -> str:
+    """One rank's part of `sdp4bit-measure` with short gathers and the tiny model; rank 0's printed summary."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        measure.main(["--ranks-per-node", "2", "--target-s", "0.02", "--model", config, "--seq", "32",
+                      "--micro-batch", "2", "--out", out])
+    return printed.getvalue() if dist.get_rank() == 0 else ""
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, Path]:
+    folder = tmp_path_factory.mktemp("measure")
+    config = folder / "config.json"
+    config.write_text(json.dumps(TINY_GPT))
+    out = folder / "measured.json"
+    printed = run_distributed(4, functools.partial(_measure, str(out), str(config)), timeout=300)[0]
+    return out, printed, config
+
+
+def test_the_file_holds_every_figure_with_its_provenance(measured: tuple[Path, str, Path]) -> None:
+    """Two nodes of two ranks, both links' rates, the codec's and the timed model's, each positive and finite, with
+    the commit, versions and machine; rank 0 prints them and the planner command that reads the file."""
+    out, printed, config = measured
+    found = json.loads(out.read_text())
+    assert (found["format"], found["nodes"], found["ranks_per_node"], found["device"]) == (1, 2, 2, "cpu")
+    for key in ("inter_node_gbps", "intra_node_gbs", "codec_gbs", "tflops"):
+        assert 0 < found[key] < float("inf"), key
+    timed = found["timed_model"]
+    assert (timed["layers"], timed["seq"], timed["micro_batch"], timed["dtype"]) == (2, 32, 2, "float32")
+    assert timed["tflops"] == found["tflops"] and timed["pass_s"] > 0
+    assert {"commit", "versions", "machine", "command"} <= found["provenance"].keys()
+    assert f"sdp4bit-plan --measured {out} --model {config} --seq 32 --micro-batch 2" in printed
+    assert f"inter-node: {found['inter_node_gbps']:,.3f} Gbit/s per node" in printed
+
+
+def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], capsys: pytest.CaptureFixture) -> None:
+    """`sdp4bit-plan --measured FILE` takes the nodes, ranks, link rates, codec and achieved compute from the file and
+    projects CPU ranks with gloo's blocking collectives (no overlap)."""
+    out, _, config = measured
+    found = json.loads(out.read_text())
+    assert plan.main(["--measured", str(out), "--model", str(config), "--seq", "32", "--micro-batch", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("2 x 2 cpu ranks as measured") and "no overlap" in printed
+    assert "links at 100% of line rate" in printed and "inputs measured by sdp4bit-measure on 2 x 2 cpu" in printed
+    built = plan.build(plan.parser().parse_args(["--measured", str(out), "--model", str(config)]))
+    assert built.backend == "gloo" and built.rates.shared_links
+    assert built.rates.inter_bytes_s == pytest.approx(found["inter_node_gbps"] * 1e9 / 8)
+    assert built.rates.intra_bytes_s == pytest.approx(found["intra_node_gbs"] * 1e9)
+    assert built.rates.codec_bytes_s == pytest.approx(found["codec_gbs"] * 1e9)
+    assert built.rates.flops_s == pytest.approx(found["tflops"] * 1e12)
+    nominal = plan.build(plan.parser().parse_args(["--measured", str(out), "--model", str(config),
+                                                   "--inter-node-gbps", "10", "--nodes", "16"]))
+    assert nominal.cluster.link_efficiency == pytest.approx(found["inter_node_gbps"] / 10)
+    assert nominal.cluster.nodes == 16 and nominal.cluster.gpus_per_node == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seq", "0"], "--seq 0: must be an integer >= 1"),
+    (["--layers", "-1"], "--layers -1: must be an integer >= 1"),
+    (["--target-s", "0"], "--target-s 0.0: must be > 0"),
+    (["--ranks-per-node", "two"], "--ranks-per-node 'two': allowed: auto or an integer"),
+])
+def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        measure.main(argv)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("not json", "not a readable sdp4bit-measure file"),
+    (json.dumps({"format": 1}), "nodes = None: allowed: a positive integer"),
+    (json.dumps({"format": 2, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "inter_node_gbps": 1.0,
+                 "intra_node_gbs": 1.0, "codec_gbs": 1.0, "tflops": None}), "format = 2: allowed: 1"),
+    (json.dumps({"format": 1, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "inter_node_gbps": -1.0,
+                 "intra_node_gbs": 1.0, "codec_gbs": 1.0, "tflops": None}),
+     "inter_node_gbps = -1.0: allowed: a positive number or null"),
+])
+def test_a_bad_measurement_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture, content: str,
+                                              message: str) -> None:
+    path = tmp_path / "measured.json"
+    path.write_text(content)
+    assert plan.main(["--measured", str(path), "--model", "125m"]) == 2
+    assert message in capsys.readouterr().err
