@@ -4,7 +4,7 @@ The planner's answer rests on two inputs nobody knows before a job runs: the sha
 collectives reach, and the compute each GPU achieves on the model. Run this under the launcher you train with, on
 the nodes you train on; every rank takes part:
 
-    deepspeed --hostfile hosts -m deepspeed_sdp4bit.measure --out measured.json --model 1.3b
+    deepspeed --hostfile hosts --module deepspeed_sdp4bit.measure --out measured.json --model 1.3b
     torchrun --nnodes 2 --nproc-per-node 8 ... -m deepspeed_sdp4bit.measure --out measured.json
     sdp4bit-plan --measured measured.json --model 1.3b
 
@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="time this many of the model's layers (default: all)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length of the timed passes (default 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per timed pass (default 1)")
+    p.add_argument("--local_rank", type=int, help="passed by the deepspeed launcher; LOCAL_RANK gives the same")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="the timed passes' dtype (default bf16 on a GPU, fp32 "
                                                              "on CPU ranks)")
     return p
