@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.variants = args.variants or [name for name, v in VARIANTS.items() if v.stage == args.stage]
     for rate in args.rates:
-        if rate != "unshaped" and not _positive(rate):
+        if rate != "unshaped" and not positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")
     if args.ranks_per_node == 1 and "hpz" in args.variants:
         parser.error("--variants hpz needs --ranks_per_node 2 (hpZ's secondary partition spans the ranks of a "
@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _positive(text: str) -> bool:
+def positive(text: str) -> bool:
     """Whether `text` is a positive number."""
     try:
         return float(text) > 0

@@ -350,6 +350,9 @@ def parser() -> argparse.ArgumentParser:
                          help="the rate per node the collectives reached on these nodes, measured, Gbit/s (instead of "
                               "--link-efficiency: it sets the efficiency to this rate / --inter-node-gbps)")
     job = p.add_argument_group("job")
+    job.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+                     help="the weights' dtype (default: the config's bf16 or fp16 where enabled, else fp32, as in "
+                          "DeepSpeed; bf16 without --config)")
     job.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a node (default 1)")
     job.add_argument("--pp", type=int, default=1,
                      help="pipeline parallelism across nodes (default 1; --system megatron, or ZeRO stage 1: "
@@ -427,6 +430,21 @@ def _block_scheme(ds: dict[str, Any]) -> Scheme:
                   bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
                   pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica,
                   refresh_bucket=cfg.refresh_bucket_size, **sizes)
+
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _dtype_bytes(args: argparse.Namespace, ds: dict[str, Any]) -> int:
+    """Bytes per weight element: --dtype, or the config's (bf16 or fp16 where enabled, else fp32 as in DeepSpeed), or
+    bf16 without a config."""
+    if args.dtype is not None:
+        return DTYPE_BYTES[args.dtype]
+    if not ds:
+        return DTYPE_BYTES["bf16"]
+    enabled = [key for key in ("bf16", "fp16")  # "auto": the Hugging Face integration's, which fills it in
+               if isinstance(ds.get(key), dict) and ds[key].get("enabled") in (True, "auto")]
+    return DTYPE_BYTES[enabled[0]] if enabled else DTYPE_BYTES["fp32"]
 
 
 def _stage(args: argparse.Namespace, zero: dict[str, Any]) -> int:
@@ -560,7 +578,7 @@ def build(args: argparse.Namespace) -> Plan:
     job = Job(_shape(args), seq=args.seq, micro_batch=args.micro_batch or int(ds.get(
                   "train_micro_batch_size_per_gpu", 1)),
               grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp, pp=args.pp,
-              comm_bytes=4 if megatron else comm, live_parameters=live,
+              dtype_bytes=_dtype_bytes(args, ds), comm_bytes=4 if megatron else comm, live_parameters=live,
               overlap=not (args.no_overlap or megatron or overlap_comm is False
                            or (measured or {}).get("device") == "cpu"))
     return Plan(job, cluster, args.system, replace(_block_scheme(ds), stage=stage,

@@ -102,3 +102,24 @@ def test_a_bad_measurement_file_names_the_key(tmp_path: Path, capsys: pytest.Cap
     path.write_text(content)
     assert plan.main(["--measured", str(path), "--model", "125m"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_two_node_check_projects_from_the_file_and_judges_both_bounds(tmp_path: Path) -> None:
+    """benchmarks/measured_plan.py: the sweep model's config, the planner's ZeRO-3 and SDP4Bit steps from a
+    measurement (SDP4Bit faster on a 48 Mbit/s link), and a verdict that fails when a rate or a step is off."""
+    from sdp4bit_benchmarks import measured_plan
+
+    config = measured_plan.write_model_config(tmp_path, 2048)
+    assert json.loads(config.read_text())["n_layer"] == 2
+    found = {"format": 1, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "device_name": "cpu",
+             "inter_node_gbps": 0.048, "intra_node_gbs": 0.15, "codec_gbs": 1.0, "timed_model": None, "tflops": 0.01}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(found))
+    steps = measured_plan.projected(path, config, "fp32")
+    assert 0 < steps["SDP4Bit"] < steps["ZeRO-3"]
+    row = {"rate_mbit": 50.0, "measured_inter_gbps": 0.048, "rate_error": -0.04,
+           "ZeRO-3": {"measured_step_s": 1.0, "projected_step_s": 1.1, "error": 0.1},
+           "SDP4Bit": {"measured_step_s": 0.5, "projected_step_s": 0.45, "error": -0.1}}
+    assert measured_plan.table([row])[1]
+    assert not measured_plan.table([{**row, "rate_error": -0.15}])[1]
+    assert not measured_plan.table([{**row, "SDP4Bit": {**row["SDP4Bit"], "error": 0.25}}])[1]

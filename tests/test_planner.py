@@ -308,3 +308,20 @@ def test_bad_measured_rate_or_pipeline_names_the_flag(capsys: pytest.CaptureFixt
                                                       message: str) -> None:
     code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
     assert code == 2 and out == "" and message in err
+
+
+@pytest.mark.parametrize(("config", "flags", "expected"), [
+    (None, [], 2), ({"bf16": {"enabled": True}}, [], 2), ({"fp16": {"enabled": "auto"}}, [], 2),
+    ({"zero_optimization": {"stage": 3}}, [], 4), ({"bf16": {"enabled": False}}, [], 4),
+    ({"bf16": {"enabled": True}}, ["--dtype", "fp32"], 4),
+])
+def test_the_weights_dtype_comes_from_the_flag_or_the_config(tmp_path: Path, config: dict | None, flags: list[str],
+                                                             expected: int) -> None:
+    """--dtype, else the config's bf16 or fp16 block where enabled, else fp32 as DeepSpeed trains without them; bf16
+    without a config."""
+    argv = ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *flags]
+    if config is not None:
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(config))
+        argv += ["--config", str(path)]
+    assert plan.build(plan.parser().parse_args(argv)).job.dtype_bytes == expected
