@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from . import releases
 from .collectives.contract import InFlightGather
 
-SUPPORTED = SpecifierSet(">=0.17.6,<0.20")
-TESTED = ("0.17.6", "0.18.9", "0.19.5", "0.19.8")  # each run by CI with the compatibility tests and a training check
+SUPPORTED = releases.DEEPSPEED  # the one declaration (releases.py)
+TESTED = releases.TESTED  # each run by CI with the compatibility tests and a training check
 STRICT_VARIABLE = "SDP4BIT_STRICT_VERSION"
 
 # (module, attribute path, parameter names the callable must have, or None for "any attribute").
