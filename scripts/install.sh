@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment (.venv in the repository) if absent and install the project with its
-# example and test extras into it. Idempotent: when everything is installed and pyproject.toml has not changed
+# example and test extras into it, and the repository's test harness, benchmarks and examples (the development
+# project in dev/), both editable. Idempotent: when everything is installed and neither pyproject.toml has changed
 # since, it returns in a second.
 #   PYTHON          interpreter for a new venv (default python3, >= 3.10)
 #   SDP4BIT_VENV    venv location (default <repo>/.venv)
@@ -24,7 +25,8 @@ have_all() {
   "$py" - <<'PY'
 import importlib.util, sys
 mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "sdp4bit_cost", "scipy", "transformers", "accelerate", "datasets",
-        "tokenizers", "matplotlib", "pytest", "pytest_timeout", "hypothesis", "ninja"]
+        "tokenizers", "matplotlib", "pytest", "pytest_timeout", "hypothesis", "ninja", "sdp4bit_testing",
+        "sdp4bit_benchmarks", "sdp4bit_examples"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PY
 }
@@ -33,7 +35,8 @@ deepspeed_is_asked() {
   [ -z "${SDP4BIT_DEEPSPEED:-}" ] || [ "$("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null)" = "$SDP4BIT_DEEPSPEED" ]
 }
 
-if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && have_all && deepspeed_is_asked; then
+if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && [ "$stamp" -nt "$root/dev/pyproject.toml" ] &&
+    have_all && deepspeed_is_asked; then
   echo "install: $venv is up to date"
   exit 0
 fi
@@ -47,5 +50,7 @@ if [ -n "${SDP4BIT_DEEPSPEED:-}" ]; then
 fi
 echo "install: the project and its [test] extras (editable)"
 "$py" -m pip install -q -e "$root[test]"
+echo "install: the test harness, benchmarks and examples (dev/, editable)"
+"$py" -m pip install -q --no-deps -e "$root/dev"
 touch "$stamp"
 echo "install: done ($("$py" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1))"
