@@ -1,6 +1,6 @@
 """The DeepSpeed and torch releases this package supports and is tested on, declared once.
 
-Everything else follows this file: `adapter.py` refuses or self-tests DeepSpeed releases by `DEEPSPEED`,
+Everything else follows this file (no other module but `adapter.py`, which acts on DeepSpeed's, compares versions): `adapter.py` refuses or self-tests DeepSpeed releases by `DEEPSPEED`,
 `sdp4bit_report` prints it, and tests/test_releases.py fails if pyproject.toml's dependency bounds, the CI legs
 (scripts/compat_legs.sh), the default install (scripts/install.sh) or the README's table and ranges say otherwise.
 """
@@ -34,3 +34,10 @@ def describe_torch() -> str:
     """The torch range in words: "torch 2.11 to 2.15"."""
     low, high = _bounds(TORCH)
     return f"torch {low} to {high.major}.{high.minor - 1}"
+
+
+def torch_support(installed: str) -> str:
+    """Where an installed torch (its __version__) stands: supported or not, the range and the tested releases."""
+    where = "supported" if Version(installed.split("+")[0]) in TORCH else "NOT in the supported range"
+    tested = sorted({torch for _, torch in (DEFAULT, *LEGS)}, key=Version)
+    return f"{where}: {describe_torch()}, tested {', '.join(tested)}"

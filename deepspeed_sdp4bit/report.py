@@ -21,7 +21,6 @@ from pathlib import Path
 
 import hjson
 import torch
-from packaging.version import Version
 
 from . import __version__, releases
 from .adapter import describe_support
@@ -41,14 +40,6 @@ def _installed(distribution: str) -> str:
         return "not installed"
 
 
-def _torch_support() -> str:
-    """Whether the installed torch is inside the supported range, and the tested ones."""
-    release = Version(torch.__version__.split("+")[0])
-    where = "supported" if release in releases.TORCH else "NOT in the supported range"
-    tested = sorted({t for _, t in (releases.DEFAULT, *releases.LEGS)}, key=Version)
-    return f"{where}: {releases.describe_torch()}, tested {', '.join(tested)}"
-
-
 def versions() -> Section:
     """Python, this package, torch (and its CUDA), DeepSpeed (supported or why not) and the optional integrations."""
     support = describe_support()
@@ -56,7 +47,7 @@ def versions() -> Section:
             if torch.version.cuda else "CPU-only build")
     return [("python", f"{platform.python_version()} ({sys.executable})"),
             ("deepspeed-sdp4bit", f"{__version__} ({Path(__file__).resolve().parent})"),
-            ("torch", f"{torch.__version__} ({cuda}; {_torch_support()})"),
+            ("torch", f"{torch.__version__} ({cuda}; {releases.torch_support(torch.__version__)})"),
             ("deepspeed", support),
             ("transformers", _installed("transformers")),
             ("accelerate", _installed("accelerate"))]
