@@ -5,6 +5,10 @@ lets one machine act as several nodes), LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE 
 hostnames of all ranks. A launcher's value larger than the world (a 1-rank job on a machine the launcher calls
 4-wide) is taken as DeepSpeed takes it: the job's ranks share one node, with a warning. Whatever the source, ranks
 must be numbered node by node with equal nodes.
+
+SDP4Bit's groups wait as long as the job's default group does (the timeout DeepSpeed's `init_distributed` was given,
+`DEEPSPEED_TIMEOUT` by default): torch's `new_group` would otherwise give them its own default (30 minutes for gloo,
+10 for NCCL), so a collective of theirs stuck on a lost node would outwait the job's timeout.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
@@ -147,6 +153,22 @@ _GROUPS: dict[tuple[str | None, tuple[tuple[int, ...], ...]], list[ProcessGroup]
 _groups_world: ProcessGroup | None = None
 
 
+def group_timeout(group: ProcessGroup) -> timedelta | None:
+    """The timeout a process group's collectives wait (its CPU or CUDA backend's option), or None where torch keeps
+    it elsewhere."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def job_timeout() -> timedelta | None:
+    """The timeout of the job's default group, which SDP4Bit's groups take (None: torch's default for them)."""
+    return group_timeout(dist.distributed_c10d._get_default_group())
+
+
 def _my_group(groups: list[list[int]], rank: int, backend: str | None = None) -> ProcessGroup | None:
     """The group holding `rank` among `groups` (of the default backend, or `backend`), creating all of them on first
     use (creation is collective: every rank builds the same layouts in the same order, so every rank creates or
@@ -157,7 +179,8 @@ def _my_group(groups: list[list[int]], rank: int, backend: str | None = None) ->
         _groups_world = dist.group.WORLD
     key = (backend, tuple(map(tuple, groups)))
     if key not in _GROUPS:
-        _GROUPS[key] = [dist.new_group(ranks, backend=backend) for ranks in groups]
+        timeout = job_timeout()
+        _GROUPS[key] = [dist.new_group(ranks, timeout=timeout, backend=backend) for ranks in groups]
     return next((group for ranks, group in zip(groups, _GROUPS[key]) if rank in ranks), None)
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
+import pytest
 import torch.distributed as dist
 
 from deepspeed_sdp4bit.topology import TopologyError, build_topology
-from sdp4bit_testing.dist_harness import run_distributed
+from sdp4bit_testing.dist_harness import free_port, run_distributed
 from sdp4bit_testing.zero3_harness import LogCapture
 
 WORLD = 4
@@ -117,3 +120,24 @@ def test_topology_detection_and_errors():
         assert "different numbers of ranks" in res["hosts_unequal"]["error"]
         assert "puts ranks of different hosts ['a', 'b'] on node 1" in res["explicit_spans_hosts"]["error"]
         assert "(from LOCAL_WORLD_SIZE) puts ranks of different hosts" in res["lws_spans_hosts"]["error"]
+
+
+TIMEOUT_PROBE = """
+import datetime, os, sys
+import torch.distributed as dist
+from deepspeed_sdp4bit.topology import build_topology, group_timeout
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1],
+                        timeout=datetime.timedelta(seconds=77))
+topology = build_topology(1, host_flags=True)
+print([group_timeout(g).total_seconds() for g in (topology.intra, topology.inter, topology.flags)])
+"""
+
+
+@pytest.mark.compat  # reads the timeout where each torch release keeps it
+def test_sdp4bit_groups_wait_as_long_as_the_jobs_default_group() -> None:
+    """A job whose default group was made with a 77 s timeout gets SDP4Bit's node, cross-node and flag groups with
+    77 s, not torch's 30-minute default for new groups (so a collective stuck on a lost node ends with the job's
+    timeout)."""
+    done = subprocess.run([sys.executable, "-c", TIMEOUT_PROBE, str(free_port())], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[77.0, 77.0, 77.0]"
