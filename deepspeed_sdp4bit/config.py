@@ -8,11 +8,14 @@ defaults; the keys after them are this package's own. Every invalid value or unk
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from .codec.spec import MAX_GROUP, MIN_GROUP
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 CONFIG_KEY = "sdp4bit"
 _U64_MAX = (1 << 64) - 1
@@ -197,14 +200,14 @@ def key_table() -> str:
     """The README's table of keys (markdown), generated from the fields: key, default, description, original flag."""
     rows = ["| key | default | meaning | original flag |", "|---|---|---|---|"]
     for name, field in SDP4BitConfig.model_fields.items():
-        extra = field.json_schema_extra or {}
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         flag = f"`{extra['flag']}`" if "flag" in extra else "—"
         note = f" ({extra['flag_note']})" if "flag_note" in extra else ""
         rows.append(f"| `{name}` | `{json.dumps(field.default)}` | {field.description} | {flag}{note} |")
     return "\n".join(rows)
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     """One line per pydantic error: which key, which value, what is allowed."""
     key = str(error["loc"][0]) if error["loc"] else "<block>"
     message = error["msg"].removeprefix("Value error, ")
