@@ -43,8 +43,10 @@ def _builders() -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except ImportError as err:
-        raise SystemExit(f"SDP4BIT_BUILD_OPS=1 needs torch and deepspeed at build time ({err}); install them first "
-                         "and run pip with --no-build-isolation") from err
+        raise SystemExit(
+            f"SDP4BIT_BUILD_OPS=1 needs torch and deepspeed at build time ({err}); install them first "
+            "and run pip with --no-build-isolation"
+        ) from err
     return module
 
 

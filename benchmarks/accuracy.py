@@ -72,9 +72,10 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -84,19 +85,29 @@ from sdp4bit_testing.dist_harness import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 WORLD, RANKS_PER_NODE = 4, 2
-ZERO3_VARIANTS = {"baseline": "ablation_baseline", "qW": "ablation_qw", "qWD": "ablation_qwd", "TLq": "ablation_tlq",
-                  "TLq-HS": "ablation_tlq_hs", "SDP4Bit": "ablation_sdp4bit", "ZeRO++-4bit": "ablation_zeropp4",
-                  "hpZ": "ablation_hpz"}
-ZERO2_VARIANTS = {"ZeRO-2": "ablation_zero2_baseline", "ZeRO-2+qWD": "ablation_zero2_qwd",
-                  "ZeRO-2+TLq-HS": "ablation_zero2_tlq_hs", "ZeRO-2+SDP4Bit": "ablation_zero2_sdp4bit"}
+ZERO3_VARIANTS = {
+    "baseline": "ablation_baseline",
+    "qW": "ablation_qw",
+    "qWD": "ablation_qwd",
+    "TLq": "ablation_tlq",
+    "TLq-HS": "ablation_tlq_hs",
+    "SDP4Bit": "ablation_sdp4bit",
+    "ZeRO++-4bit": "ablation_zeropp4",
+    "hpZ": "ablation_hpz",
+}
+ZERO2_VARIANTS = {
+    "ZeRO-2": "ablation_zero2_baseline",
+    "ZeRO-2+qWD": "ablation_zero2_qwd",
+    "ZeRO-2+TLq-HS": "ablation_zero2_tlq_hs",
+    "ZeRO-2+SDP4Bit": "ablation_zero2_sdp4bit",
+}
 VARIANTS = {**ZERO3_VARIANTS, **ZERO2_VARIANTS}
 # one table per stage: its title, its plain run (the gaps' reference) and its variants
 TABLES = (("ZeRO-3", "baseline", tuple(ZERO3_VARIANTS)), ("ZeRO-2", "ZeRO-2", tuple(ZERO2_VARIANTS)))
 TOLERANCE_PCT = 0.5  # how close to its stage's plain run SDP4Bit and qWD must end
 PROBE_VARIANT = "TLq-HS"
 LOSSY_WEIGHTS = ("qW", "ZeRO++-4bit")  # left out of the zoomed panel: far above the others
-PAPER_125M = {"baseline": 2.29392, "qW": 2.57312, "qWD": 2.29274, "TLq": 2.30479, "TLq-HS": 2.29528,
-              "SDP4Bit": 2.29590}
+PAPER_125M = {"baseline": 2.29392, "qW": 2.57312, "qWD": 2.29274, "TLq": 2.30479, "TLq-HS": 2.29528, "SDP4Bit": 2.29590}
 
 
 @dataclass(frozen=True)
@@ -116,27 +127,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/accuracy", help="folder of the runs, the table and the plot")
-    p.add_argument("--data", default="data/pydoc/tokens",
-                   help="token file prefix from examples/prepare_data.py (default: the offline corpus)")
+    p.add_argument(
+        "--data",
+        default="data/pydoc/tokens",
+        help="token file prefix from examples/prepare_data.py (default: the offline corpus)",
+    )
     p.add_argument("--model", default="tiny", help="model card of examples/gpt_models.py")
-    p.add_argument("--global_batch", type=int, default=64,
-                   help=f"sequences per optimizer step, a multiple of the {WORLD} ranks, each rank's micro-batch "
-                        f"1/{WORLD} of it (0: the model card's batch)")
+    p.add_argument(
+        "--global_batch",
+        type=int,
+        default=64,
+        help=f"sequences per optimizer step, a multiple of the {WORLD} ranks, each rank's micro-batch "
+        f"1/{WORLD} of it (0: the model card's batch)",
+    )
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the schedule decays over them)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                   help="the weights' dtype (bf16, the published setting; fp32 where the CPU has no fast bf16)")
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the weights' dtype (bf16, the published setting; fp32 where the CPU has no fast bf16)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
-                   help=f"subset of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help=f"subset of {', '.join(VARIANTS)}",
+    )
     p.add_argument("--eval_interval", type=int, default=50, help="validation every N steps (and at the end)")
-    p.add_argument("--eval_samples", type=int, default=256,
-                   help="validation windows per evaluation (at most the whole held-out split)")
-    p.add_argument("--grad_error_steps", type=int, nargs="*",
-                   help="steps of the first seed's TLq-HS run at which the real buckets' errors are measured "
-                        "(default: after 1/60, 1/12, 1/4, 1/2, 3/4 and all of the run; the first, step 10 of 600, just "
-                        "after the warm-up, where the gradients are lighter-tailed than Gaussian)")
-    p.add_argument("--trainer_args", default="",
-                   help="more train_gpt.py flags for every run, e.g. \"--micro_batch 4 --lr 1e-3\"")
+    p.add_argument(
+        "--eval_samples",
+        type=int,
+        default=256,
+        help="validation windows per evaluation (at most the whole held-out split)",
+    )
+    p.add_argument(
+        "--grad_error_steps",
+        type=int,
+        nargs="*",
+        help="steps of the first seed's TLq-HS run at which the real buckets' errors are measured "
+        "(default: after 1/60, 1/12, 1/4, 1/2, 3/4 and all of the run; the first, step 10 of 600, just "
+        "after the warm-up, where the gradients are lighter-tailed than Gaussian)",
+    )
+    p.add_argument(
+        "--trainer_args", default="", help='more train_gpt.py flags for every run, e.g. "--micro_batch 4 --lr 1e-3"'
+    )
     p.add_argument("--report", action="store_true", help="only write the table and plot from the finished runs")
     args = p.parse_args(argv)
     if args.steps < 1 or args.seeds < 1 or args.eval_interval < 1:
@@ -154,10 +191,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def trainer_argv(args: argparse.Namespace, run: Run, out: Path) -> list[str]:
     """train_gpt.py's flags for one run."""
     config = ROOT / "configs" / "cpu" / f"{VARIANTS[run.variant]}.json"
-    argv = ["--model", args.model, "--deepspeed_config", str(config), "--data", args.data, "--precision", args.precision,
-            "--seed", str(run.seed), "--train_iters", str(args.steps), "--lr_decay_iters", str(args.steps),
-            "--eval_interval", str(args.eval_interval), "--eval_samples", str(args.eval_samples),
-            "--out", str(out / run.folder), *shlex.split(args.trainer_args)]
+    argv = [
+        "--model",
+        args.model,
+        "--deepspeed_config",
+        str(config),
+        "--data",
+        args.data,
+        "--precision",
+        args.precision,
+        "--seed",
+        str(run.seed),
+        "--train_iters",
+        str(args.steps),
+        "--lr_decay_iters",
+        str(args.steps),
+        "--eval_interval",
+        str(args.eval_interval),
+        "--eval_samples",
+        str(args.eval_samples),
+        "--out",
+        str(out / run.folder),
+        *shlex.split(args.trainer_args),
+    ]
     if args.global_batch:
         argv += ["--global_batch", str(args.global_batch), "--micro_batch", str(args.global_batch // WORLD)]
     if "sdp4bit" in json.loads(config.read_text()):
@@ -173,9 +229,17 @@ def _data_name(data: str) -> str:
 
 def fingerprint(args: argparse.Namespace) -> dict[str, Any]:
     """The settings a result depends on besides its variant and seed: results of other settings are not mixed."""
-    settings = {"model": args.model, "global_batch": args.global_batch, "steps": args.steps,
-                "data": _data_name(args.data), "eval_interval": args.eval_interval, "eval_samples": args.eval_samples,
-                "trainer_args": args.trainer_args, "world": WORLD, "ranks_per_node": RANKS_PER_NODE}
+    settings = {
+        "model": args.model,
+        "global_batch": args.global_batch,
+        "steps": args.steps,
+        "data": _data_name(args.data),
+        "eval_interval": args.eval_interval,
+        "eval_samples": args.eval_samples,
+        "trainer_args": args.trainer_args,
+        "world": WORLD,
+        "ranks_per_node": RANKS_PER_NODE,
+    }
     return settings if args.precision == "bf16" else {**settings, "precision": args.precision}
 
 
@@ -192,13 +256,17 @@ def load_result(out: Path, run: Run, expected: dict[str, Any], probe_steps: Sequ
         return None
     result = json.loads(path.read_text())
     if result["settings"] != expected:
-        raise SystemExit(f"{path} was made with other settings ({result['settings']}) than this invocation "
-                         f"({expected}); use another --out or remove that folder")
+        raise SystemExit(
+            f"{path} was made with other settings ({result['settings']}) than this invocation "
+            f"({expected}); use another --out or remove that folder"
+        )
     measured = sorted(int(step) for step in result.get("grad_error") or {})
     if probed(run) and measured != sorted(probe_steps):
-        raise SystemExit(f"{path} measured the gradient errors at steps {measured}, this invocation's "
-                         f"--grad_error_steps are {sorted(probe_steps)}; pass those steps, use another --out or "
-                         "remove that folder")
+        raise SystemExit(
+            f"{path} measured the gradient errors at steps {measured}, this invocation's "
+            f"--grad_error_steps are {sorted(probe_steps)}; pass those steps, use another --out or "
+            "remove that folder"
+        )
     return result
 
 
@@ -214,11 +282,20 @@ class BucketErrorProbe:
         runtime = engine.sdp4bit
         self.engine, self.inner, self.steps = engine, runtime.reducer, set(steps)
         cfg, seed = runtime.config, runtime.config.seed + 0x9E3779B9
-        level = {"bits_intra": cfg.gradient_quantization_bits_intra, "group_intra": cfg.gq_group_size_intra,
-                 "bits_inter": cfg.gradient_quantization_bits_inter, "group_inter": cfg.gq_group_size_inter,
-                 "pipeline": 1, "stochastic": True, "seed": seed, "stats": CommStats()}
-        self.reducers = {name: TLqReducer(runtime.topology, hadamard=hadamard, **level)
-                         for name, hadamard in (("TLq", False), ("TLq-HS", True))}
+        level = {
+            "bits_intra": cfg.gradient_quantization_bits_intra,
+            "group_intra": cfg.gq_group_size_intra,
+            "bits_inter": cfg.gradient_quantization_bits_inter,
+            "group_inter": cfg.gq_group_size_inter,
+            "pipeline": 1,
+            "stochastic": True,
+            "seed": seed,
+            "stats": CommStats(),
+        }
+        self.reducers = {
+            name: TLqReducer(runtime.topology, hadamard=hadamard, **level)
+            for name, hadamard in (("TLq", False), ("TLq-HS", True))
+        }
         self.group = cfg.gq_group_size_inter
         self.sums: dict[int, dict[str, float]] = {}
 
@@ -240,18 +317,18 @@ class BucketErrorProbe:
             full.div_(world)
         sums = self.sums.setdefault(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
         mine = []
-        for t, full in zip(tensors, exact):
+        for t, full in zip(tensors, exact, strict=True):
             local = t.detach().reshape(-1).double()
             peak_sq, total_sq = peak_sums(local, self.group)
             sums["peak_sq"] += peak_sq
             sums["local_sq"] += total_sq
             sums["spread"] += float((local - full.double()).square().sum())
             chunk = -(-full.numel() // world)
-            mine.append(full[rank * chunk:(rank + 1) * chunk])
+            mine.append(full[rank * chunk : (rank + 1) * chunk])
         sums["exact"] += sum(float(m.double().square().sum()) for m in mine)
         for name, reducer in self.reducers.items():
             parts = reducer.reduce_scatter_coalesced([fp32_copy(t) for t in tensors], group)
-            sums[name] += sum(float((p.double() - m.double()).square().sum()) for p, m in zip(parts, mine))
+            sums[name] += sum(float((p.double() - m.double()).square().sum()) for p, m in zip(parts, mine, strict=True))
         sums["buckets"] += 1
         sums["elements"] += sum(t.numel() for t in tensors)
 
@@ -264,14 +341,18 @@ class BucketErrorProbe:
             sums = self.sums.get(step, dict.fromkeys(SUMMED, 0.0) | {"buckets": 0, "elements": 0})
             totals = torch.tensor([sums[key] for key in SUMMED], dtype=torch.float64)
             dist.all_reduce(totals)
-            total = dict(zip(SUMMED, totals.tolist()))
+            total = dict(zip(SUMMED, totals.tolist(), strict=True))
             exact, local = total["exact"], total["local_sq"]
-            out[step] = {"TLq": math.sqrt(total["TLq"] / exact) if exact else math.nan,
-                         "TLq-HS": math.sqrt(total["TLq-HS"] / exact) if exact else math.nan,
-                         "peak_factor": math.sqrt(total["peak_sq"] / local) if local else math.nan,
-                         "sampling_noise": math.sqrt(total["spread"] / (world * (world - 1)) / exact)
-                         if exact and world > 1 else math.nan,
-                         "buckets": sums["buckets"], "elements": sums["elements"]}
+            out[step] = {
+                "TLq": math.sqrt(total["TLq"] / exact) if exact else math.nan,
+                "TLq-HS": math.sqrt(total["TLq-HS"] / exact) if exact else math.nan,
+                "peak_factor": math.sqrt(total["peak_sq"] / local) if local else math.nan,
+                "sampling_noise": math.sqrt(total["spread"] / (world * (world - 1)) / exact)
+                if exact and world > 1
+                else math.nan,
+                "buckets": sums["buckets"],
+                "elements": sums["elements"],
+            }
         return out
 
 
@@ -322,21 +403,27 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
         (out / run.folder).mkdir(parents=True, exist_ok=True)
         (out / run.folder / "log.csv").unlink(missing_ok=True)
     trainer = train_gpt.Trainer(targs, settings, engine, data, world, rank)
-    bar = tqdm(total=settings.train_iters, desc=f"{run.variant} seed {run.seed}", mininterval=30.0,
-               disable=rank != 0)
+    bar = tqdm(total=settings.train_iters, desc=f"{run.variant} seed {run.seed}", mininterval=30.0, disable=rank != 0)
     trainer.run(0, bar)
     bar.close()
     grad_error = probe.errors() if probe is not None else None
     trainer.close()
     engine.destroy()
     rows = trainer.rows
-    return {"variant": run.variant, "seed": run.seed, "settings": fingerprint(args), "parameters": n_params,
-            "trainer": asdict(settings), "config": str(Path(targs.deepspeed_config).relative_to(ROOT)),
-            "sdp4bit_block": ds_config.get("sdp4bit"),
-            "val_curve": [[r["step"] + 1, r["val_loss"]] for r in rows if r["val_loss"] is not None],
-            "train_loss_last50": statistics.fmean(r["loss"] for r in rows[-50:]),
-            "final_val_loss": rows[-1]["val_loss"], "grad_error": grad_error,
-            "wall_s": time.perf_counter() - began}
+    return {
+        "variant": run.variant,
+        "seed": run.seed,
+        "settings": fingerprint(args),
+        "parameters": n_params,
+        "trainer": asdict(settings),
+        "config": str(Path(targs.deepspeed_config).relative_to(ROOT)),
+        "sdp4bit_block": ds_config.get("sdp4bit"),
+        "val_curve": [[r["step"] + 1, r["val_loss"]] for r in rows if r["val_loss"] is not None],
+        "train_loss_last50": statistics.fmean(r["loss"] for r in rows[-50:]),
+        "final_val_loss": rows[-1]["val_loss"],
+        "grad_error": grad_error,
+        "wall_s": time.perf_counter() - began,
+    }
 
 
 def _worker(args: argparse.Namespace, pending: list[Run], out: Path) -> None:
@@ -348,8 +435,12 @@ def _worker(args: argparse.Namespace, pending: list[Run], out: Path) -> None:
         gc.collect()
         if dist.get_rank() == 0:
             write_result(out / run.folder / "result.json", result)
-            print(f"accuracy: {run.variant} seed {run.seed}: final validation loss {result['final_val_loss']:.4f} "
-                  f"({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"accuracy: {run.variant} seed {run.seed}: final validation loss {result['final_val_loss']:.4f} "
+                f"({result['wall_s']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -358,8 +449,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def same_seed_difference(stats: dict[str, dict[str, Any]], a: str,
-                         b: str) -> tuple[float, float, int, int] | None:
+def same_seed_difference(stats: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, float, int, int] | None:
     """Variant a's final loss minus variant b's over the seeds both ran: mean, std, seeds where a is higher, seeds;
     None when they share no seed. Runs of one seed share the initialisation and data order, so this leaves out that
     part of the seeds' spread; what stochastic rounding adds to it remains."""
@@ -377,8 +467,10 @@ def same_seed_text(stats: dict[str, dict[str, Any]], a: str, b: str) -> str | No
     if found is None:
         return None
     mean, std, higher, seeds = found
-    return (f"{a} - {b}, final validation loss of the same seed: {mean:+.4f} ± {std:.4f} (mean ± std over "
-            f"{seeds} seeds); {a} higher in {higher} of them.")
+    return (
+        f"{a} - {b}, final validation loss of the same seed: {mean:+.4f} ± {std:.4f} (mean ± std over "
+        f"{seeds} seeds); {a} higher in {higher} of them."
+    )
 
 
 def aggregate(results: dict[Run, dict[str, Any]], variants: Sequence[str], baseline: str) -> dict[str, dict[str, Any]]:
@@ -386,8 +478,11 @@ def aggregate(results: dict[Run, dict[str, Any]], variants: Sequence[str], basel
     plain run), and the paired gap (mean and std of same_seed_difference to it)."""
     stats: dict[str, dict[str, Any]] = {}
     for variant in variants:
-        finals = {run.seed: r["final_val_loss"] for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
-                  if run.variant == variant}
+        finals = {
+            run.seed: r["final_val_loss"]
+            for run, r in sorted(results.items(), key=lambda kv: kv[0].seed)
+            if run.variant == variant
+        }
         if finals:
             mean, std = _mean_std(list(finals.values()))
             stats[variant] = {"finals": finals, "mean": mean, "std": std}
@@ -416,8 +511,10 @@ def checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     gap = {v: stats[v]["gap_pct"] for v in stats}
     return [
         (f"qW is the worst of Table 1's variants (worst: {worst}, {stats[worst]['mean']:.4f})", worst == "qW"),
-        (f"qW's gap {qw['mean'] - base['mean']:+.4f} = {sigmas:.1f} x the baseline's std {base['std']:.4f} (> 3)",
-         sigmas > 3),
+        (
+            f"qW's gap {qw['mean'] - base['mean']:+.4f} = {sigmas:.1f} x the baseline's std {base['std']:.4f} (> 3)",
+            sigmas > 3,
+        ),
         _within(stats, "SDP4Bit", "baseline"),
         _within(stats, "qWD", "baseline"),
         (f"TLq-HS's gap <= TLq's: {gap['TLq-HS']:+.2f}% vs {gap['TLq']:+.2f}%", gap["TLq-HS"] <= gap["TLq"]),
@@ -431,24 +528,43 @@ def zero2_checks(stats: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     return [_within(stats, "ZeRO-2+SDP4Bit", "ZeRO-2"), _within(stats, "ZeRO-2+qWD", "ZeRO-2")]
 
 
-def _stage_table(title: str, stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
-                 model: str, baseline: str) -> list[str]:
+def _stage_table(
+    title: str, stats: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]], model: str, baseline: str
+) -> list[str]:
     """One stage's Table 1: means, gaps and paired gaps to its plain run, the paper's figures, every seed."""
     variants = list(stats)
     seeds = max(len(s["finals"]) for s in stats.values())
-    lines = [f"| {title}: GPT ({model}) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
-             f"| final validation loss, mean ± std over {seeds} seeds | "
-             + " | ".join(f"{stats[v]['mean']:.4f} ± {stats[v]['std']:.4f}" for v in variants) + " |",
-             f"| gap to {baseline} | " + " | ".join("—" if v == baseline or stats[v]["gap_pct"] is None
-                                                     else f"{stats[v]['gap_pct']:+.2f}%" for v in variants) + " |",
-             f"| paired gap: variant - {baseline} of the same seed, mean ± std | "
-             + " | ".join("—" if v == baseline or stats[v]["paired_gap"] is None
-                          else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"]) for v in variants) + " |"]
+    lines = [
+        f"| {title}: GPT ({model}) | " + " | ".join(variants) + " |",
+        "|---|" + "---:|" * len(variants),
+        f"| final validation loss, mean ± std over {seeds} seeds | "
+        + " | ".join(f"{stats[v]['mean']:.4f} ± {stats[v]['std']:.4f}" for v in variants)
+        + " |",
+        f"| gap to {baseline} | "
+        + " | ".join(
+            "—" if v == baseline or stats[v]["gap_pct"] is None else f"{stats[v]['gap_pct']:+.2f}%" for v in variants
+        )
+        + " |",
+        f"| paired gap: variant - {baseline} of the same seed, mean ± std | "
+        + " | ".join(
+            "—"
+            if v == baseline or stats[v]["paired_gap"] is None
+            else "{:+.4f} ± {:.4f}".format(*stats[v]["paired_gap"])
+            for v in variants
+        )
+        + " |",
+    ]
     if title == "ZeRO-3":
-        lines.append("| paper, GPT-125M (Table 1) | " + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M
-                                                                   else "—" for v in variants) + " |")
-    lines += ["", "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time, all seeds |",
-              "|---|" + "---:|" * (seeds + 1)]
+        lines.append(
+            "| paper, GPT-125M (Table 1) | "
+            + " | ".join(f"{PAPER_125M[v]:.5f}" if v in PAPER_125M else "—" for v in variants)
+            + " |"
+        )
+    lines += [
+        "",
+        "| variant | " + " | ".join(f"seed {s}" for s in range(seeds)) + " | run time, all seeds |",
+        "|---|" + "---:|" * (seeds + 1),
+    ]
     for v in variants:
         runs = {run.seed: r for run, r in results.items() if run.variant == v}
         cells = [f"{runs[s]['final_val_loss']:.4f}" if s in runs else "" for s in range(seeds)]
@@ -468,28 +584,36 @@ def markdown(tables: dict[str, dict[str, dict[str, Any]]], results: dict[Run, di
     t = any_result["trainer"]
     # results trained before the trainer recorded its shape flags name only the card
     shape = f"{t['n_layer']} layers, width {t['n_embd']}, " if "n_layer" in t else ""
-    model = (f"{any_result['settings']['model']}: {shape}{any_result['parameters'] / 1e6:.2f}M params, seq "
-             f"{t['seq_len']}, batch {t['global_batch']}, {t['train_iters']} steps")
+    model = (
+        f"{any_result['settings']['model']}: {shape}{any_result['parameters'] / 1e6:.2f}M params, seq "
+        f"{t['seq_len']}, batch {t['global_batch']}, {t['train_iters']} steps"
+    )
     lines: list[str] = []
     for title, baseline, _ in TABLES:
         if tables.get(title):
             lines += ([""] if lines else []) + _stage_table(title, tables[title], results, model, baseline)
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
-        lines += ["", f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
-                  "||q - exact|| / ||exact|| over all buckets and ranks of the step; peak factor: "
-                  "sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares) of the ranks' gradients, "
-                  f"{gaussian_peak_factor(128):.2f} for Gaussian values: Hadamard smoothing lowers the error only "
-                  "where the gradients' tails are heavier than that; sampling noise: the standard error of the "
-                  "step's mean gradient over the ranks' micro-batches, relative to its norm, which a quantization "
-                  "error adds variance to in the ratio of their squares):", "",
-                  "| step | buckets | elements per rank | peak factor | sampling noise | TLq | TLq-HS | TLq-HS / TLq |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Gradient relative error on the real buckets ({PROBE_VARIANT} run, seed 0; "
+            "||q - exact|| / ||exact|| over all buckets and ranks of the step; peak factor: "
+            "sqrt(sum over groups of 128 of 128 x absmax^2 / sum of squares) of the ranks' gradients, "
+            f"{gaussian_peak_factor(128):.2f} for Gaussian values: Hadamard smoothing lowers the error only "
+            "where the gradients' tails are heavier than that; sampling noise: the standard error of the "
+            "step's mean gradient over the ranks' micro-batches, relative to its norm, which a quantization "
+            "error adds variance to in the ratio of their squares):",
+            "",
+            "| step | buckets | elements per rank | peak factor | sampling noise | TLq | TLq-HS | TLq-HS / TLq |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for step, e in sorted(errors.items(), key=lambda kv: int(kv[0])):
             peak = f"{e['peak_factor']:.2f}" if "peak_factor" in e else "—"
             noise = f"{e['sampling_noise']:.3f}" if "sampling_noise" in e else "—"
-            lines.append(f"| {step} | {e['buckets']} | {e['elements']:,} | {peak} | {noise} | {e['TLq']:.4f} | "
-                         f"{e['TLq-HS']:.4f} | {e['TLq-HS'] / e['TLq']:.3f} |")
+            lines.append(
+                f"| {step} | {e['buckets']} | {e['elements']:,} | {peak} | {noise} | {e['TLq']:.4f} | "
+                f"{e['TLq-HS']:.4f} | {e['TLq-HS'] / e['TLq']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -508,9 +632,9 @@ def plot(results: dict[Run, dict[str, Any]], variants: list[str], path: Path) ->
             continue
         steps = [s for s, _ in curves[0]]
         table = [[v for _, v in c] for c in curves if len(c) == len(steps)]
-        mean = [statistics.fmean(col) for col in zip(*table)]
-        low, high = [min(col) for col in zip(*table)], [max(col) for col in zip(*table)]
-        for ax, zoom in zip(axes, (False, True)):
+        mean = [statistics.fmean(col) for col in zip(*table, strict=True)]
+        low, high = [min(col) for col in zip(*table, strict=True)], [max(col) for col in zip(*table, strict=True)]
+        for ax, zoom in zip(axes, (False, True), strict=True):
             if zoom and variant in LOSSY_WEIGHTS:
                 continue
             first = len(steps) // 2 if zoom else 0
@@ -535,20 +659,30 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
     if not results:
         raise SystemExit(f"no finished runs in {out}")
     variants = [v for v in args.variants if any(run.variant == v for run in results)]
-    tables = {title: aggregate(results, [v for v in members if v in variants], baseline)
-              for title, baseline, members in TABLES}
+    tables = {
+        title: aggregate(results, [v for v in members if v in variants], baseline)
+        for title, baseline, members in TABLES
+    }
     text = markdown(tables, results)
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
     found = checks(tables["ZeRO-3"]) + zero2_checks(tables["ZeRO-2"])
-    write_result(out / "summary.json", {
-        "settings": expected, "variants": {v: e for stats in tables.values() for v, e in stats.items()},
-        "checks": [{"check": c, "holds": ok} for c, ok in found],
-        "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
-        "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60})
+    write_result(
+        out / "summary.json",
+        {
+            "settings": expected,
+            "variants": {v: e for stats in tables.values() for v, e in stats.items()},
+            "checks": [{"check": c, "holds": ok} for c, ok in found],
+            "grad_error": next((r["grad_error"] for r in results.values() if r.get("grad_error")), None),
+            "run_minutes_total": sum(r["wall_s"] for r in results.values()) / 60,
+        },
+    )
     print(text, flush=True)
-    print(f"wrote {out / 'table.md'}, {out / 'curves.png'} and {out / 'summary.json'} "
-          f"({len(results)} of {len(runs)} runs finished)", flush=True)
+    print(
+        f"wrote {out / 'table.md'}, {out / 'curves.png'} and {out / 'summary.json'} "
+        f"({len(results)} of {len(runs)} runs finished)",
+        flush=True,
+    )
 
 
 def launches(pending: list[Run]) -> list[list[Run]]:
@@ -572,15 +706,22 @@ def main() -> None:
     pending = [run for run in runs if load_result(out, run, expected, args.grad_error_steps) is None]
     if not args.report and pending:
         began = time.perf_counter()
-        print(f"accuracy: {len(pending)} of {len(runs)} runs to train on {WORLD} CPU ranks as "
-              f"{WORLD // RANKS_PER_NODE} nodes", file=sys.stderr, flush=True)
+        print(
+            f"accuracy: {len(pending)} of {len(runs)} runs to train on {WORLD} CPU ranks as "
+            f"{WORLD // RANKS_PER_NODE} nodes",
+            file=sys.stderr,
+            flush=True,
+        )
         # LOCAL_SIZE as the deepspeed launcher sets it: without it DeepSpeed's CPU accelerator runs
         # `numactl --hardware` for every gradient bucket (device_count); SDP4Bit's nodes come from ranks_per_node
         env = {"TOKENIZERS_PARALLELISM": "false", "LOCAL_SIZE": str(WORLD)}
         for launch in launches(pending):
             run_distributed(WORLD, _worker, args, launch, out, env=env, timeout=48 * 3600.0)
-        print(f"accuracy: trained {len(pending)} runs in {(time.perf_counter() - began) / 60:.1f} min",
-              file=sys.stderr, flush=True)
+        print(
+            f"accuracy: trained {len(pending)} runs in {(time.perf_counter() - began) / 60:.1f} min",
+            file=sys.stderr,
+            flush=True,
+        )
     report(args, runs, out)
 
 

@@ -22,17 +22,41 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from deepspeed_sdp4bit.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-FUNCTIONS = ("quantize", "dequantize", "hadamard32", "diff_quantize", "dequantize_add_", "swizzle_quantize",
-             "dequantize_reduce_quantize", "dequantize_reduce")
-DEFAULT_TRAIN = ["--model", "tiny", "--precision", "fp32", "--train_iters", "20", "--lr_decay_iters", "20",
-                 "--eval_interval", "1000", "--steady_from", "3", "--deepspeed_config",
-                 str(ROOT / "configs/cpu/tiny_sdp4bit.json"), "--data", str(ROOT / "data/pydoc/tokens")]
+FUNCTIONS = (
+    "quantize",
+    "dequantize",
+    "hadamard32",
+    "diff_quantize",
+    "dequantize_add_",
+    "swizzle_quantize",
+    "dequantize_reduce_quantize",
+    "dequantize_reduce",
+)
+DEFAULT_TRAIN = [
+    "--model",
+    "tiny",
+    "--precision",
+    "fp32",
+    "--train_iters",
+    "20",
+    "--lr_decay_iters",
+    "20",
+    "--eval_interval",
+    "1000",
+    "--steady_from",
+    "3",
+    "--deepspeed_config",
+    str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
+    "--data",
+    str(ROOT / "data/pydoc/tokens"),
+]
 LINE = re.compile(r"^CODEC_SHARE (\{.*\})$", re.MULTILINE)
 
 
@@ -46,6 +70,7 @@ def _timed(fn: Callable, totals: dict[str, list[float]], name: str) -> Callable:
             entry = totals[name]
             entry[0] += time.perf_counter() - began
             entry[1] += 1
+
     return wrapper
 
 
@@ -67,19 +92,37 @@ def worker(train_args: Sequence[str]) -> None:
 
 def launch(train_args: Sequence[str], out: Path) -> dict:
     """Run the 4-rank job and combine the ranks' totals with the run's summary."""
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_accelerators", "4", "--master_port", "29613",
-           __file__, "--worker", "--", *train_args, "--ds_set", "sdp4bit.ranks_per_node=2", "--out", str(out)]
+    cmd = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_accelerators",
+        "4",
+        "--master_port",
+        "29613",
+        __file__,
+        "--worker",
+        "--",
+        *train_args,
+        "--ds_set",
+        "sdp4bit.ranks_per_node=2",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the job failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     ranks = [json.loads(m) for m in LINE.findall(done.stdout)]
     summary = json.loads((out / "summary.json").read_text())
     steps = summary["steps"]
-    per_step = {name: sum(r["totals"].get(name, [0.0, 0])[0] for r in ranks) / len(ranks) / steps
-                for name in FUNCTIONS}
+    per_step = {name: sum(r["totals"].get(name, [0.0, 0])[0] for r in ranks) / len(ranks) / steps for name in FUNCTIONS}
     calls = {name: sum(r["totals"].get(name, [0.0, 0])[1] for r in ranks) / len(ranks) / steps for name in FUNCTIONS}
-    return {"ranks": len(ranks), "steps": steps, "step_time_s": summary["step_time_s"],
-            "train_s_per_step": summary["train_s"] / steps, "codec_s_per_step": per_step, "calls_per_step": calls}
+    return {
+        "ranks": len(ranks),
+        "steps": steps,
+        "step_time_s": summary["step_time_s"],
+        "train_s_per_step": summary["train_s"] / steps,
+        "codec_s_per_step": per_step,
+        "calls_per_step": calls,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,8 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in FUNCTIONS:
         if result["calls_per_step"][name]:
             print(f"{name:<28} {1e3 * result['codec_s_per_step'][name]:8.2f} {result['calls_per_step'][name]:10.1f}")
-    print(f"codec total {1e3 * total:.1f} ms per step per rank; median step {result['step_time_s'] * 1e3:.1f} ms; "
-          f"share {total / result['step_time_s']:.1%} (4 CPU ranks on this machine, 2 simulated nodes)")
+    print(
+        f"codec total {1e3 * total:.1f} ms per step per rank; median step {result['step_time_s'] * 1e3:.1f} ms; "
+        f"share {total / result['step_time_s']:.1%} (4 CPU ranks on this machine, 2 simulated nodes)"
+    )
     return 0
 
 

@@ -29,19 +29,18 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from deepspeed_sdp4bit.provenance import write_result
+from sdp4bit_benchmarks.timing import time_ms
+from sdp4bit_testing.dist_harness import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
-
-from sdp4bit_benchmarks.timing import time_ms
-
-from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
-from sdp4bit_testing.dist_harness import run_distributed  # noqa: E402
 
 JSON_WORLD, JSON_RANKS_PER_NODE = 4, 2
 ERROR_NODES, ERROR_RANKS_PER_NODE, ERROR_NUMEL = 4, 8, 1 << 20
@@ -135,11 +134,19 @@ def _tlq_row(name: str, hadamard: bool, pipeline: int) -> Callable[[BenchContext
         snap = stats.snapshot()
         ms = median_ms(ctx, lambda: reducer.reduce_scatter_coalesced(ctx.tensors))
         intra, inter = snap["grad_intra"], snap["grad_inter"]
-        return {"name": name, "ms": ms, "wire_bytes": intra["wire_bytes"] + inter["wire_bytes"],
-                "logical_bytes": intra["logical_bytes"] + inter["logical_bytes"],
-                "intra_ratio": intra["ratio"], "inter_ratio": inter["ratio"],
-                "inter_wire_bytes": inter["wire_bytes"], "inter_logical_bytes": inter["logical_bytes"],
-                "hadamard": hadamard, "pipeline": pipeline, "codec": codec.backend_name(ctx.tensors[0])}
+        return {
+            "name": name,
+            "ms": ms,
+            "wire_bytes": intra["wire_bytes"] + inter["wire_bytes"],
+            "logical_bytes": intra["logical_bytes"] + inter["logical_bytes"],
+            "intra_ratio": intra["ratio"],
+            "inter_ratio": inter["ratio"],
+            "inter_wire_bytes": inter["wire_bytes"],
+            "inter_logical_bytes": inter["logical_bytes"],
+            "hadamard": hadamard,
+            "pipeline": pipeline,
+            "codec": codec.backend_name(ctx.tensors[0]),
+        }
 
     row.__name__ = f"row_{name.replace(' ', '_')}"
     return row
@@ -150,8 +157,18 @@ def _weight_store(ctx: BenchContext, stats: object) -> tuple[object, dict[int, t
     synced in full precision, and a next step's own shards (the current ones plus an Adam-sized update)."""
     from deepspeed_sdp4bit.collectives.weight_store import WeightStore
 
-    store = WeightStore(ctx.topo, replica="node", bits=4, group_size=2048, stochastic=True, seed=0, stats=stats,
-                        bucket_numel=1 << 30, dtype=ctx.dtype, device=torch.device("cpu"))
+    store = WeightStore(
+        ctx.topo,
+        replica="node",
+        bits=4,
+        group_size=2048,
+        stochastic=True,
+        seed=0,
+        stats=stats,
+        bucket_numel=1 << 30,
+        dtype=ctx.dtype,
+        device=torch.device("cpu"),
+    )
     for key, tensor in enumerate(ctx.tensors):
         store.add(key, tensor.numel())
     store.finalize()
@@ -160,7 +177,7 @@ def _weight_store(ctx: BenchContext, stats: object) -> tuple[object, dict[int, t
     for key, tensor in enumerate(ctx.tensors):
         ps, valid = store.shard_numel(key), store.valid_numel(key, rank)
         shards[key] = torch.zeros(ps, dtype=ctx.dtype)
-        shards[key][:valid] = tensor[rank * ps:rank * ps + valid]
+        shards[key][:valid] = tensor[rank * ps : rank * ps + valid]
     store.resync(shards)
     return store, {k: (v.float() + 1e-3 * torch.randn(v.numel())).to(ctx.dtype) for k, v in shards.items()}
 
@@ -179,8 +196,14 @@ def row_qwd_refresh(ctx: BenchContext) -> dict:
     stats.reset()
     ms = median_ms(ctx, lambda: store.refresh(new))
     wire, logical = _per_call(stats.snapshot(), "weight_refresh", ctx.warmup + ctx.iters)
-    return {"name": "qWD refresh", "ms": ms, "wire_bytes": wire, "logical_bytes": logical,
-            "ratio": wire / logical, "replica": "node"}
+    return {
+        "name": "qWD refresh",
+        "ms": ms,
+        "wire_bytes": wire,
+        "logical_bytes": logical,
+        "ratio": wire / logical,
+        "replica": "node",
+    }
 
 
 def row_replica_gather(ctx: BenchContext) -> dict:
@@ -230,8 +253,9 @@ def _json_worker(dtype_names: list[str], numel: int, warmup: int, iters: int) ->
 
 def run_json(numel: int, warmup: int, iters: int) -> list[dict]:
     """Print one JSON line per row and dtype, then check the inter-node ratios against their targets; the rows."""
-    rows = run_distributed(JSON_WORLD, _json_worker, list(INTER_TARGETS), numel, warmup, iters,
-                           env={"DS_ACCELERATOR": "cpu"})[0]
+    rows = run_distributed(
+        JSON_WORLD, _json_worker, list(INTER_TARGETS), numel, warmup, iters, env={"DS_ACCELERATOR": "cpu"}
+    )[0]
     failed = []
     for row in rows:
         if "inter_ratio" in row:
@@ -243,10 +267,12 @@ def run_json(numel: int, warmup: int, iters: int) -> list[dict]:
             if row["ratio"] > row["target"]:
                 failed.append(f"qWD refresh {row['dtype']}: ratio {row['ratio']:.4f}")
         print(json.dumps(row), flush=True)
-    print(f"# {JSON_WORLD} CPU ranks as {JSON_WORLD // JSON_RANKS_PER_NODE} nodes x {JSON_RANKS_PER_NODE}; "
-          f"wire/logical targets: TLq inter-node {INTER_TARGETS}, qWD refresh {REFRESH_TARGETS}: "
-          + ("FAILED " + "; ".join(failed) if failed else "met"),
-          file=sys.stderr)
+    print(
+        f"# {JSON_WORLD} CPU ranks as {JSON_WORLD // JSON_RANKS_PER_NODE} nodes x {JSON_RANKS_PER_NODE}; "
+        f"wire/logical targets: TLq inter-node {INTER_TARGETS}, qWD refresh {REFRESH_TARGETS}: "
+        + ("FAILED " + "; ".join(failed) if failed else "met"),
+        file=sys.stderr,
+    )
     return rows
 
 
@@ -256,8 +282,7 @@ def heavy_tailed_gradients(world: int, numel: int) -> torch.Tensor:
     torch.manual_seed(0)
     base = torch.distributions.StudentT(3.0).sample((numel,))
     rowscale = torch.exp(torch.randn(numel // 1024).repeat_interleave(1024))
-    grads = [(base * 0.5 + torch.distributions.StudentT(3.0).sample((numel,))) * rowscale * 1e-3
-             for _ in range(world)]
+    grads = [(base * 0.5 + torch.distributions.StudentT(3.0).sample((numel,))) * rowscale * 1e-3 for _ in range(world)]
     return torch.stack(grads)
 
 
@@ -342,11 +367,16 @@ def run_error(processes: bool) -> list[dict]:
     ref = sum(grads[r] for r in range(world)) / world
     start = time.perf_counter()
     parts = _run_processes(world, grads) if processes else _run_threads(world, grads)
-    how = ("real gloo processes" if processes else
-           "threads of one process on torch's threaded process group (in-process fake group; same code path)")
-    print(f"TLq through TLqReducer, {world} ranks ({ERROR_NODES} nodes x {ERROR_RANKS_PER_NODE}) as {how}; "
-          f"{ERROR_NUMEL} values per rank, 8/4 bits, groups 128/128, stochastic rounding "
-          f"({time.perf_counter() - start:.0f} s)")
+    how = (
+        "real gloo processes"
+        if processes
+        else "threads of one process on torch's threaded process group (in-process fake group; same code path)"
+    )
+    print(
+        f"TLq through TLqReducer, {world} ranks ({ERROR_NODES} nodes x {ERROR_RANKS_PER_NODE}) as {how}; "
+        f"{ERROR_NUMEL} values per rank, 8/4 bits, groups 128/128, stochastic rounding "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
     rows = []
     for hadamard, label, target in ((False, "tlq (8/4 SR, g=128)", 0.18), (True, "tlq_hs (8/4 SR, g=128, H32)", 0.11)):
         out = torch.cat([p[hadamard] for p in parts])
@@ -362,18 +392,27 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--json", action="store_true", help="timings and bytes, one JSON object per line")
     mode.add_argument("--error", action="store_true", help="TLq accuracy on heavy-tailed gradients (32 ranks)")
-    parser.add_argument("--processes", action="store_true",
-                        help="--error on 32 real processes (about 16 GB of memory) instead of 32 threads")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="--error on 32 real processes (about 16 GB of memory) instead of 32 threads",
+    )
     parser.add_argument("--numel", type=int, default=1 << 21, help="elements in the benchmark bucket (--json)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "collectives",
-                        help="folder of json.json or error.json: the settings and rows with their provenance")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "runs" / "collectives",
+        help="folder of json.json or error.json: the settings and rows with their provenance",
+    )
     args = parser.parse_args()
     rows = run_json(args.numel, args.warmup, args.iters) if args.json else run_error(args.processes)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    write_result(args.out / f"{'json' if args.json else 'error'}.json",
-                 {"benchmark": "collectives", "settings": settings, "rows": rows})
+    write_result(
+        args.out / f"{'json' if args.json else 'error'}.json",
+        {"benchmark": "collectives", "settings": settings, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy
 
@@ -37,10 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 _CPU = {"persistence_threshold": 1280, "reduce_bucket": 500_000}
 _ZERO2 = {"reduce_bucket": 500_000, "stage": 2}
 SWEEP_SCHEMES = {
-    "zero3": Scheme(**_CPU), "hpz": Scheme(**_CPU),
-    "sdp4bit_node": Scheme(True, True, **_CPU), "sdp4bit_rank": Scheme(True, True, replica="rank", **_CPU),
-    "qwd": Scheme(True, False, **_CPU), "tlq_hs": Scheme(False, True, **_CPU),
-    "zero2": Scheme(**_ZERO2), "zero2_sdp4bit": Scheme(True, True, **_ZERO2),
+    "zero3": Scheme(**_CPU),
+    "hpz": Scheme(**_CPU),
+    "sdp4bit_node": Scheme(True, True, **_CPU),
+    "sdp4bit_rank": Scheme(True, True, replica="rank", **_CPU),
+    "qwd": Scheme(True, False, **_CPU),
+    "tlq_hs": Scheme(False, True, **_CPU),
+    "zero2": Scheme(**_ZERO2),
+    "zero2_sdp4bit": Scheme(True, True, **_ZERO2),
 }
 AUTO_STAGES = {"auto": _CPU, "zero2_auto": _ZERO2}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -59,8 +63,7 @@ def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
     """The model's bytes for one optimizer step of a run of the CPU sweep (its summary.json gives the shape, layout,
     gradient accumulation and auto decision)."""
     settings = summary["settings"]
-    shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"],
-                settings["seq_len"])
+    shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"], settings["seq_len"])
     layout = Layout(2, summary["world_size"] // 2)
     scheme = scheme_of(variant, summary.get("sdp4bit_auto"))
     if scheme.stage == 3:
@@ -107,9 +110,17 @@ def shaped_points(runs: Sequence[dict]) -> list[dict]:
         same = [r for r in runs if (r["variant"], r["dtype"], r["rate"]) == key]
         times = [r["step_s"] for r in same]
         cross = statistics.median(r["accounted_cross"] for r in same)
-        points.append({"variant": variant, "dtype": dtype, "rate": rate, "measured": statistics.median(times),
-                       "spread": (min(times), max(times)), "cross": cross,
-                       "unshaped": _median_by(runs, (variant, dtype, "unshaped"))})
+        points.append(
+            {
+                "variant": variant,
+                "dtype": dtype,
+                "rate": rate,
+                "measured": statistics.median(times),
+                "spread": (min(times), max(times)),
+                "cross": cross,
+                "unshaped": _median_by(runs, (variant, dtype, "unshaped")),
+            }
+        )
     return points
 
 
@@ -123,7 +134,7 @@ def solve(points: Sequence[dict]) -> tuple[dict[tuple[str, str], float], float]:
         design[row, -1] = link_seconds(p["cross"], float(p["rate"]), 1.0)
     measured = numpy.array([p["measured"] for p in points])
     solution = numpy.linalg.lstsq(design / measured[:, None], numpy.ones(len(points)), rcond=None)[0]
-    return dict(zip(groups, solution[:-1].tolist())), 1.0 / float(solution[-1])
+    return dict(zip(groups, solution[:-1].tolist(), strict=True)), 1.0 / float(solution[-1])
 
 
 def _predict(point: dict, compute: dict[tuple[str, str], float], efficiency: float) -> float:
@@ -143,7 +154,7 @@ def fit(runs: Sequence[dict]) -> tuple[dict[tuple[str, str], float], float, list
     compute, efficiency = solve(points)
     for index, p in enumerate(points):
         p["fitted"] = _predict(p, compute, efficiency)
-        p["predicted"] = _predict(p, *solve(points[:index] + points[index + 1:]))
+        p["predicted"] = _predict(p, *solve(points[:index] + points[index + 1 :]))
         p["error"] = p["predicted"] / p["measured"] - 1
     return compute, efficiency, points
 
@@ -151,8 +162,10 @@ def fit(runs: Sequence[dict]) -> tuple[dict[tuple[str, str], float], float, list
 def _kind_difference(run: dict, kind: str) -> float:
     """Relative difference between the model's bytes of one SDP4Bit kind and the run's own accounting of them."""
     measured = run["sdp4bit_bytes"]
-    pairs = ((run["model_wire"].get(kind, 0.0), measured[f"{kind}_wire"]),
-             (run["model_cross"].get(kind, 0.0), measured[f"{kind}_cross"] * run["world"]))
+    pairs = (
+        (run["model_wire"].get(kind, 0.0), measured[f"{kind}_wire"]),
+        (run["model_cross"].get(kind, 0.0), measured[f"{kind}_cross"] * run["world"]),
+    )
     return max(abs(model - counted) / counted if counted else float(model != 0) for model, counted in pairs)
 
 
@@ -160,43 +173,61 @@ def check(runs_path: Path) -> int:
     """Print the byte check (model vs SDP4Bit's accounting, accounting vs link) and the fit; 0 if all within bounds."""
     runs = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
     runs = [r for r in runs if "error" not in r]
-    worst_kind = max((_kind_difference(r, kind) for r in runs if r.get("sdp4bit_bytes") for kind in SDP4BIT_KINDS),
-                     default=0.0)
-    print(f"model bytes per SDP4Bit kind (wire per rank, cross-node in total) vs SDP4Bit's accounting: worst "
-          f"difference {worst_kind:.2%}")
+    worst_kind = max(
+        (_kind_difference(r, kind) for r in runs if r.get("sdp4bit_bytes") for kind in SDP4BIT_KINDS), default=0.0
+    )
+    print(
+        f"model bytes per SDP4Bit kind (wire per rank, cross-node in total) vs SDP4Bit's accounting: worst "
+        f"difference {worst_kind:.2%}"
+    )
     worst_link = max(abs(r["accounted_vs_link"]) for r in runs)
     print(f"accounted vs link payload: worst {worst_link:.2%} over {len(runs)} runs")
     for variant in SWEEP_SCHEMES:
         gaps = [(r["link_payload"] - r["accounted_cross"]) / 1e3 for r in runs if r["variant"] == variant]
         payloads = [r["link_payload"] / 1e6 for r in runs if r["variant"] == variant]
         if gaps:
-            print(f"  {variant:13s} link payload {min(payloads):7.3f}-{max(payloads):7.3f} MB/step, not in the "
-                  f"accounting {min(gaps):5.1f}-{max(gaps):5.1f} KB/step")
+            print(
+                f"  {variant:13s} link payload {min(payloads):7.3f}-{max(payloads):7.3f} MB/step, not in the "
+                f"accounting {min(gaps):5.1f}-{max(gaps):5.1f} KB/step"
+            )
     compute, efficiency, points = fit(runs)
-    print(f"fitted link efficiency {efficiency:.3f} (TCP goodput {TCP_GOODPUT:.3f} already applied); compute per "
-          f"step, fitted vs the unshaped median:")
+    print(
+        f"fitted link efficiency {efficiency:.3f} (TCP goodput {TCP_GOODPUT:.3f} already applied); compute per "
+        f"step, fitted vs the unshaped median:"
+    )
     for (variant, dtype), seconds in compute.items():
         unshaped = _median_by(runs, (variant, dtype, "unshaped"))
-        print(f"  {dtype} {variant:13s} {seconds:.3f} s vs {unshaped:.3f} s" if unshaped else
-              f"  {dtype} {variant:13s} {seconds:.3f} s")
-    print("| dtype | variant | Mbit/s | measured s (runs' min-max) | fitted s | left-out prediction s | error |\n"
-          "|---|---|---:|---:|---:|---:|---:|")
+        print(
+            f"  {dtype} {variant:13s} {seconds:.3f} s vs {unshaped:.3f} s"
+            if unshaped
+            else f"  {dtype} {variant:13s} {seconds:.3f} s"
+        )
+    print(
+        "| dtype | variant | Mbit/s | measured s (runs' min-max) | fitted s | left-out prediction s | error |\n"
+        "|---|---|---:|---:|---:|---:|---:|"
+    )
     for p in points:
         low, high = p["spread"]
-        print(f"| {p['dtype']} | {p['variant']} | {p['rate']} | {p['measured']:.3f} ({low:.3f}-{high:.3f}) | "
-              f"{p['fitted']:.3f} | {p['predicted']:.3f} | {p['error']:+.1%} |")
+        print(
+            f"| {p['dtype']} | {p['variant']} | {p['rate']} | {p['measured']:.3f} ({low:.3f}-{high:.3f}) | "
+            f"{p['fitted']:.3f} | {p['predicted']:.3f} | {p['error']:+.1%} |"
+        )
     worst = max(abs(p["error"]) for p in points) if points else float("nan")
     within = sum(abs(p["error"]) <= 0.20 for p in points)
-    print(f"worst left-out prediction error over {len(points)} shaped points: {worst:.1%} (bound 20%); "
-          f"{within} within")
+    print(f"worst left-out prediction error over {len(points)} shaped points: {worst:.1%} (bound 20%); {within} within")
     return 0 if worst <= 0.20 and worst_link <= 0.05 and worst_kind == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["check", "paper"])
-    parser.add_argument("runs", type=Path, nargs="?", default=ROOT / "runs" / "speed_sweep" / "runs.jsonl",
-                        help="runs.jsonl of benchmarks/speed_sweep.py (check)")
+    parser.add_argument(
+        "runs",
+        type=Path,
+        nargs="?",
+        default=ROOT / "runs" / "speed_sweep" / "runs.jsonl",
+        help="runs.jsonl of benchmarks/speed_sweep.py (check)",
+    )
     args = parser.parse_args(argv)
     if args.command == "check":
         return check(args.runs)

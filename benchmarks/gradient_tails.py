@@ -39,8 +39,16 @@ from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_benchmarks.accuracy import peak_sums
 from sdp4bit_examples.gpt_models import CARDS, build_model, gpt2_config
 from sdp4bit_examples.token_dataset import SampleOrder
-from sdp4bit_examples.train_gpt import (build_parser, lr_multiplier, open_data, padded_vocab, param_groups, resolve,
-                                        sequence_loss, stack)
+from sdp4bit_examples.train_gpt import (
+    build_parser,
+    lr_multiplier,
+    open_data,
+    padded_vocab,
+    param_groups,
+    resolve,
+    sequence_loss,
+    stack,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +67,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule_steps", type=int, default=600, help="length of the warm-up + cosine schedule")
     p.add_argument("--data", default="data/pydoc/tokens", help="token file prefix from examples/prepare_data.py")
     p.add_argument("--seed", type=int, default=0, help="model initialisation, data order and rounding draws")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gradient_tails",
-                   help="folder of result.json: the settings and the table's rows with their provenance")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "runs" / "gradient_tails",
+        help="folder of result.json: the settings and the table's rows with their provenance",
+    )
     args = p.parse_args()
     if args.global_batch < RANKS or args.global_batch % RANKS:
         p.error(f"--global_batch {args.global_batch}: must be a positive multiple of {RANKS}")
@@ -104,8 +116,10 @@ def measure(model: torch.nn.Module, tokens: torch.Tensor, step: int, seed: int) 
     emb = model.get_input_embeddings().weight.grad
     top, top_peak = embedding_structure(emb)
     share = float(emb.square().sum() / flat.square().sum())
-    return (f"| {step} | {peak_factor(flat):.2f} | {plain:.4f} | {smoothed:.4f} | {smoothed / plain:.3f} | "
-            f"{share:.3f} | {top:.3f} | {top_peak:.2f} |")
+    return (
+        f"| {step} | {peak_factor(flat):.2f} | {plain:.4f} | {smoothed:.4f} | {smoothed / plain:.3f} | "
+        f"{share:.3f} | {top:.3f} | {top_peak:.2f} |"
+    )
 
 
 def one_process_model(args: argparse.Namespace, vocab: int, seq_len: int, eod_id: int) -> torch.nn.Module:
@@ -119,31 +133,53 @@ def one_process_model(args: argparse.Namespace, vocab: int, seq_len: int, eod_id
 def main() -> None:
     """Train in one process and print a table row at each measured step."""
     args = parse_args()
-    trainer = build_parser().parse_args(["--model", args.model, "--data", args.data, "--seed", str(args.seed),
-                                         "--global_batch", str(args.global_batch),
-                                         "--micro_batch", str(args.global_batch // RANKS),
-                                         "--train_iters", str(args.schedule_steps),
-                                         "--lr_decay_iters", str(args.schedule_steps)])
+    trainer = build_parser().parse_args(
+        [
+            "--model",
+            args.model,
+            "--data",
+            args.data,
+            "--seed",
+            str(args.seed),
+            "--global_batch",
+            str(args.global_batch),
+            "--micro_batch",
+            str(args.global_batch // RANKS),
+            "--train_iters",
+            str(args.schedule_steps),
+            "--lr_decay_iters",
+            str(args.schedule_steps),
+        ]
+    )
     settings = resolve(trainer, RANKS)
     data = open_data(trainer, settings.seq_len)
-    model = one_process_model(args, padded_vocab(data.vocab_size, trainer.pad_vocab_multiple), settings.seq_len,
-                              data.eod_id)
-    optimizer = torch.optim.AdamW(param_groups(model, trainer.weight_decay), lr=settings.lr,
-                                  betas=(trainer.beta1, trainer.beta2), eps=trainer.eps)
+    model = one_process_model(
+        args, padded_vocab(data.vocab_size, trainer.pad_vocab_multiple), settings.seq_len, data.eod_id
+    )
+    optimizer = torch.optim.AdamW(
+        param_groups(model, trainer.weight_decay), lr=settings.lr, betas=(trainer.beta1, trainer.beta2), eps=trainer.eps
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(settings))
     order = SampleOrder(data.train.num_samples, args.seed)
     c = model.config
-    print(f"{args.model}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters; {args.global_batch} sequences per step, "
-          f"one micro-batch of {args.global_batch // RANKS}\n\n| step | peak factor | 4-bit error | with HS | "
-          "HS / plain | embedding's share | top direction's share | its peak factor |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print(
+        f"{args.model}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters; {args.global_batch} sequences per step, "
+        f"one micro-batch of {args.global_batch // RANKS}\n\n| step | peak factor | 4-bit error | with HS | "
+        "HS / plain | embedding's share | top direction's share | its peak factor |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        flush=True,
+    )
     rows = []
     for step in range(max(args.at) + 1):
-        batch = stack(data, data.train, [order(step * args.global_batch + j) for j in range(args.global_batch)],
-                      torch.device("cpu"))
+        batch = stack(
+            data,
+            data.train,
+            [order(step * args.global_batch + j) for j in range(args.global_batch)],
+            torch.device("cpu"),
+        )
         if step in args.at:
-            rows.append(measure(model, batch[:args.global_batch // RANKS], step, args.seed))
+            rows.append(measure(model, batch[: args.global_batch // RANKS], step, args.seed))
             print(rows[-1], flush=True)
         model.zero_grad()
         sequence_loss(model, batch).backward()

@@ -36,12 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout when imported; stdout carries the rows
-    from sdp4bit_benchmarks.timing import interleaved_ms  # noqa: E402
-
     from deepspeed_sdp4bit.codec import reference  # noqa: E402
     from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
     from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
     from deepspeed_sdp4bit.provenance import write_result  # noqa: E402
+    from sdp4bit_benchmarks.timing import interleaved_ms  # noqa: E402
 
 Row = dict[str, Any]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,20 +81,40 @@ def copy_anchor(bench: Bench) -> Anchor:
     return lambda: dst.copy_(src), 2 * nbytes(src)
 
 
-def measure(op: str, backend: str, bench: Bench, bits: int | None, numel: int, fn: Callable[[], object],
-            moved: int, repeat: int, anchor: Anchor | None = None, **fields: Any) -> Row:
+def measure(
+    op: str,
+    backend: str,
+    bench: Bench,
+    bits: int | None,
+    numel: int,
+    fn: Callable[[], object],
+    moved: int,
+    repeat: int,
+    anchor: Anchor | None = None,
+    **fields: Any,
+) -> Row:
     """One row: the median time of `fn` and the bandwidth for `moved` bytes read + written per call; with an anchor,
     also the bandwidth of that copy timed in the same rounds (copy_gbps)."""
     ms, *anchor_ms = interleaved_ms([fn] + ([anchor[0]] if anchor else []), bench.device, rounds=repeat)
     dtype = next(k for k, v in DTYPES.items() if v == bench.dtype)
-    row = {"op": op, "backend": backend, "device": bench.device.type, "dtype": dtype, "bits": bits, "numel": numel,
-           **fields, "ms": round(ms, 3), "gbps": round(moved / ms / 1e6, 2)}
+    row = {
+        "op": op,
+        "backend": backend,
+        "device": bench.device.type,
+        "dtype": dtype,
+        "bits": bits,
+        "numel": numel,
+        **fields,
+        "ms": round(ms, 3),
+        "gbps": round(moved / ms / 1e6, 2),
+    }
     if anchor:
         row["copy_gbps"] = round(anchor[1] / anchor_ms[0] / 1e6, 2)
     return row
 
 
 # ------------------------------------------------------------------------------------------------------- cases
+
 
 @dataclass
 class Case:
@@ -119,8 +138,15 @@ def _quantize_case(bits: int, group: int, stochastic: bool, hadamard: bool = Fal
         kw = dict(bits=bits, group_size=group, stochastic=stochastic, seed=SEED, hadamard=hadamard)
         codes, scales = api.quantize(x, **kw)
         reuse = None if op is None else (lambda: api.quantize(x, **kw, out=(codes, scales)))
-        return Case(bits, x.numel(), nbytes(x, codes, scales), lambda: api.quantize(x, **kw), reuse,
-                    dict(group_size=group, stochastic=stochastic, hadamard=hadamard))
+        return Case(
+            bits,
+            x.numel(),
+            nbytes(x, codes, scales),
+            lambda: api.quantize(x, **kw),
+            reuse,
+            dict(group_size=group, stochastic=stochastic, hadamard=hadamard),
+        )
+
     return make
 
 
@@ -131,18 +157,31 @@ def _dequantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     out = torch.empty_like(x)
     kw = dict(numel=x.numel(), bits=4, group_size=2048, dtype=bench.dtype)
     reuse = None if op is None else (lambda: api.dequantize(codes, scales, **kw, out=out))
-    return Case(4, x.numel(), nbytes(codes, scales, out), lambda: api.dequantize(codes, scales, **kw), reuse,
-                dict(group_size=2048))
+    return Case(
+        4,
+        x.numel(),
+        nbytes(codes, scales, out),
+        lambda: api.dequantize(codes, scales, **kw),
+        reuse,
+        dict(group_size=2048),
+    )
 
 
 def _dequantize_add_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     weights = bench.values()
-    codes, scales = reference.quantize(torch.randn(weights.numel()) * 1e-3, bits=4, group_size=2048,
-                                       stochastic=True, seed=SEED)
+    codes, scales = reference.quantize(
+        torch.randn(weights.numel()) * 1e-3, bits=4, group_size=2048, stochastic=True, seed=SEED
+    )
     codes, scales = codes.to(bench.device), scales.to(bench.device)
-    return Case(4, weights.numel(), nbytes(codes, scales) + 2 * nbytes(weights),
-                lambda: api.dequantize_add_(weights, codes, scales, bits=4, group_size=2048), None,
-                dict(group_size=2048), in_place=True)
+    return Case(
+        4,
+        weights.numel(),
+        nbytes(codes, scales) + 2 * nbytes(weights),
+        lambda: api.dequantize_add_(weights, codes, scales, bits=4, group_size=2048),
+        None,
+        dict(group_size=2048),
+        in_place=True,
+    )
 
 
 def _diff_quantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
@@ -151,28 +190,47 @@ def _diff_quantize_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     kw = dict(bits=4, group_size=2048, stochastic=True, seed=SEED)
     codes, scales = api.diff_quantize(master, weights, **kw)
     reuse = None if op is None else (lambda: api.diff_quantize(master, weights, **kw, out=(codes, scales)))
-    return Case(4, master.numel(), nbytes(master, weights, codes, scales),
-                lambda: api.diff_quantize(master, weights, **kw), reuse, dict(group_size=2048, new_dtype="fp32"))
+    return Case(
+        4,
+        master.numel(),
+        nbytes(master, weights, codes, scales),
+        lambda: api.diff_quantize(master, weights, **kw),
+        reuse,
+        dict(group_size=2048, new_dtype="fp32"),
+    )
 
 
 def _hadamard_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     x = bench.values(bench.numel // 32 * 32)
     out = torch.empty(x.numel(), dtype=torch.float32, device=bench.device)
     reuse = None if op is None else (lambda: api.hadamard32(x, inverse=True, out=out))
-    return Case(None, x.numel(), nbytes(x, out), lambda: api.hadamard32(x, inverse=True), reuse,
-                dict(inverse=True))
+    return Case(None, x.numel(), nbytes(x, out), lambda: api.hadamard32(x, inverse=True), reuse, dict(inverse=True))
 
 
 def _swizzle_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     nodes, rpn, slices = LAYOUT
     unit = nodes * rpn * slices * 128
     x = bench.values(bench.numel // unit * unit)
-    kw = dict(bits=8, group_size=128, nodes=nodes, ranks_per_node=rpn, slices=slices, stochastic=True, seed=SEED,
-              hadamard=True)
+    kw = dict(
+        bits=8,
+        group_size=128,
+        nodes=nodes,
+        ranks_per_node=rpn,
+        slices=slices,
+        stochastic=True,
+        seed=SEED,
+        hadamard=True,
+    )
     codes, scales = api.swizzle_quantize(x, **kw)
     reuse = None if op is None else (lambda: api.swizzle_quantize(x, **kw, out=(codes, scales)))
-    return Case(8, x.numel(), nbytes(x, codes, scales), lambda: api.swizzle_quantize(x, **kw), reuse,
-                dict(group_size=128, layout=f"{nodes}x{rpn}x{slices}", stochastic=True, hadamard=True))
+    return Case(
+        8,
+        x.numel(),
+        nbytes(x, codes, scales),
+        lambda: api.swizzle_quantize(x, **kw),
+        reuse,
+        dict(group_size=128, layout=f"{nodes}x{rpn}x{slices}", stochastic=True, hadamard=True),
+    )
 
 
 def _pieces(bench: Bench, pieces: int, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -187,11 +245,19 @@ def _drq_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     codes, scales, numel = _pieces(bench, PIECES_INTRA, 8, 128)
     kw = dict(pieces=PIECES_INTRA, in_bits=8, in_group=128, out_bits=4, out_group=128, stochastic=True, seed=SEED)
     out_codes, out_scales = api.dequantize_reduce_quantize(codes, scales, **kw)
-    reuse = None if op is None else (lambda: api.dequantize_reduce_quantize(codes, scales, **kw,
-                                                                            out=(out_codes, out_scales)))
-    return Case(4, numel, nbytes(codes, scales, out_codes, out_scales),
-                lambda: api.dequantize_reduce_quantize(codes, scales, **kw), reuse,
-                dict(pieces=PIECES_INTRA, in_bits=8, in_group=128, group_size=128, stochastic=True))
+    reuse = (
+        None
+        if op is None
+        else (lambda: api.dequantize_reduce_quantize(codes, scales, **kw, out=(out_codes, out_scales)))
+    )
+    return Case(
+        4,
+        numel,
+        nbytes(codes, scales, out_codes, out_scales),
+        lambda: api.dequantize_reduce_quantize(codes, scales, **kw),
+        reuse,
+        dict(pieces=PIECES_INTRA, in_bits=8, in_group=128, group_size=128, stochastic=True),
+    )
 
 
 def _dr_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
@@ -199,8 +265,14 @@ def _dr_case(bench: Bench, api: Api, op: ModuleType | None) -> Case:
     kw = dict(pieces=PIECES_INTER, bits=4, group_size=128, dtype=bench.dtype, hadamard=True, mul=1.0 / 32)
     out = api.dequantize_reduce(codes, scales, **kw)
     reuse = None if op is None else (lambda: api.dequantize_reduce(codes, scales, **kw, out=out))
-    return Case(4, numel, nbytes(codes, scales, out), lambda: api.dequantize_reduce(codes, scales, **kw), reuse,
-                dict(pieces=PIECES_INTER, group_size=128, hadamard=True))
+    return Case(
+        4,
+        numel,
+        nbytes(codes, scales, out),
+        lambda: api.dequantize_reduce(codes, scales, **kw),
+        reuse,
+        dict(pieces=PIECES_INTER, group_size=128, hadamard=True),
+    )
 
 
 CASES: dict[str, Callable[[Bench, Api, ModuleType | None], Case]] = {
@@ -220,20 +292,48 @@ CASES: dict[str, Callable[[Bench, Api, ModuleType | None], Case]] = {
 
 # -------------------------------------------------------------------------------------------------- providers
 
+
 def copy_rows(bench: Bench) -> list[Row]:
     """The bandwidth anchor on its own: the copy every ratio is taken against."""
     fn, moved = copy_anchor(bench)
     return [measure("copy", "torch", bench, None, bench.numel, fn, moved, bench.repeat, outputs="reused")]
 
 
-def _case_rows(bench: Bench, name: str, backend: str, api: Api, op: ModuleType | None, repeat: int,
-               anchor: Anchor) -> list[Row]:
+def _case_rows(
+    bench: Bench, name: str, backend: str, api: Api, op: ModuleType | None, repeat: int, anchor: Anchor
+) -> list[Row]:
     case = CASES[name](bench, api, op)
-    rows = [measure(name, backend, bench, case.bits, case.numel, case.call, case.moved, repeat, anchor,
-                    outputs="in-place" if case.in_place else "new", **case.fields)]
+    rows = [
+        measure(
+            name,
+            backend,
+            bench,
+            case.bits,
+            case.numel,
+            case.call,
+            case.moved,
+            repeat,
+            anchor,
+            outputs="in-place" if case.in_place else "new",
+            **case.fields,
+        )
+    ]
     if case.reuse is not None:
-        rows.append(measure(name, backend, bench, case.bits, case.numel, case.reuse, case.moved, repeat, anchor,
-                            outputs="reused", **case.fields))
+        rows.append(
+            measure(
+                name,
+                backend,
+                bench,
+                case.bits,
+                case.numel,
+                case.reuse,
+                case.moved,
+                repeat,
+                anchor,
+                outputs="reused",
+                **case.fields,
+            )
+        )
     return rows
 
 
@@ -249,8 +349,11 @@ def compiled_rows(bench: Bench) -> list[Row]:
 def reference_rows(bench: Bench) -> list[Row]:
     """The plain-torch reference on the same device for the --ref-ops (it is slow: its own repeat count)."""
     anchor = copy_anchor(bench)
-    return [row for name in bench.ref_ops
-            for row in _case_rows(bench, name, "reference", reference, None, bench.ref_repeat, anchor)]
+    return [
+        row
+        for name in bench.ref_ops
+        for row in _case_rows(bench, name, "reference", reference, None, bench.ref_repeat, anchor)
+    ]
 
 
 ROW_PROVIDERS: list[Callable[[Bench], list[Row]]] = [copy_rows, compiled_rows, reference_rows]
@@ -275,11 +378,23 @@ def add_ratios(rows: list[Row]) -> None:
 
 def table(rows: list[Row]) -> str:
     """The rows as an aligned text table."""
-    cols = ["op", "backend", "outputs", "dtype", "bits", "numel", "ms", "gbps", "copy_gbps", "vs_reference",
-            "vs_copy", "vs_copy_paired"]
+    cols = [
+        "op",
+        "backend",
+        "outputs",
+        "dtype",
+        "bits",
+        "numel",
+        "ms",
+        "gbps",
+        "copy_gbps",
+        "vs_reference",
+        "vs_copy",
+        "vs_copy_paired",
+    ]
     cells = [cols] + [["" if r.get(c) is None else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells)
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in cells)
 
 
 def _names(text: str, allowed: list[str], flag: str) -> tuple[str, ...]:
@@ -300,20 +415,33 @@ def parse(argv: list[str] | None = None) -> tuple[Bench, argparse.Namespace]:
     parser.add_argument("--repeat", type=int, default=10, help="timed calls per compiled row and copy (median)")
     parser.add_argument("--ref-repeat", type=int, default=3, help="timed calls per reference row (median)")
     parser.add_argument("--ops", default="all", help=f"comma-separated from {list(CASES)}, or 'all'")
-    parser.add_argument("--ref-ops", default="quantize,dequantize_add",
-                        help="ops that also get a reference row (default: the two with H200 speed targets), 'all', "
-                             "'none'")
+    parser.add_argument(
+        "--ref-ops",
+        default="quantize,dequantize_add",
+        help="ops that also get a reference row (default: the two with H200 speed targets), 'all', 'none'",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "kernels",
-                        help="folder of result.json: the settings and rows with their provenance")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "runs" / "kernels",
+        help="folder of result.json: the settings and rows with their provenance",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         parser.error(f"--device {args.device}: needs 'cpu', or 'cuda' with a CUDA device present")
     if args.numel < 8192 or args.repeat < 1 or args.ref_repeat < 1:
         parser.error("--numel must be >= 8192, --repeat and --ref-repeat >= 1")
-    bench = Bench(device, DTYPES[args.dtype], args.numel, args.repeat, args.ref_repeat,
-                  _names(args.ops, list(CASES), "--ops"), _names(args.ref_ops, list(CASES), "--ref-ops"))
+    bench = Bench(
+        device,
+        DTYPES[args.dtype],
+        args.numel,
+        args.repeat,
+        args.ref_repeat,
+        _names(args.ops, list(CASES), "--ops"),
+        _names(args.ref_ops, list(CASES), "--ref-ops"),
+    )
     return bench, args
 
 

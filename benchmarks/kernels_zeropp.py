@@ -23,21 +23,37 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from sdp4bit_benchmarks.kernels import nbytes
-from sdp4bit_benchmarks.timing import time_ms
 
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
 from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
+from sdp4bit_benchmarks.kernels import nbytes
+from sdp4bit_benchmarks.timing import time_ms
 
 Row = dict[str, Any]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}
 
 
-def measure(op: str, backend: str, dtype: torch.dtype, bits: int, numel: int, fn: Callable[[], object],
-            moved: Callable[[], int], device: torch.device, **params: Any) -> Row:
+def measure(
+    op: str,
+    backend: str,
+    dtype: torch.dtype,
+    bits: int,
+    numel: int,
+    fn: Callable[[], object],
+    moved: Callable[[], int],
+    device: torch.device,
+    **params: Any,
+) -> Row:
     """One row: time `fn`, count `moved()` bytes (read + written per call); an exception becomes an error row."""
-    row: Row = {"op": op, "backend": backend, "device": device.type, "dtype": _DTYPE_NAMES[dtype], "bits": bits,
-                "numel": numel, **params}
+    row: Row = {
+        "op": op,
+        "backend": backend,
+        "device": device.type,
+        "dtype": _DTYPE_NAMES[dtype],
+        "bits": bits,
+        "numel": numel,
+        **params,
+    }
     try:
         ms = time_ms(fn, device, batch=20, rounds=7, warmup=3)
         row.update(ms=round(ms, 5), gbps=round(moved() / ms / 1e6, 1))
@@ -53,8 +69,18 @@ def copy_rows(numel: int, device: torch.device) -> list[Row]:
     for dtype in (torch.float16, torch.float32):
         src = torch.randn(numel, device=device).to(dtype)
         dst = torch.empty_like(src)
-        rows.append(measure("copy", "torch", dtype, 8 * src.element_size(), numel, lambda: dst.copy_(src),
-                            lambda: 2 * nbytes(src), device))
+        rows.append(
+            measure(
+                "copy",
+                "torch",
+                dtype,
+                8 * src.element_size(),
+                numel,
+                lambda dst=dst, src=src: dst.copy_(src),
+                lambda src=src: 2 * nbytes(src),
+                device,
+            )
+        )
     return rows
 
 
@@ -82,23 +108,65 @@ def zeropp_rows(numel: int, group_size: int, nodes: int, ranks_per_node: int) ->
     rows = []
     for bits in (8, 4):
         q, s = ds.quantize(x, groups, bits, sym)
-        rows.append(measure("quantize", "deepspeed", torch.float16, bits, numel,
-                            lambda b=bits: ds.quantize(x, groups, b, sym), lambda q=q, s=s: nbytes(x, q, s), cuda,
-                            group_size=group_size))
-        rows.append(measure("dequantize", "deepspeed", torch.float16, bits, numel,
-                            lambda q=q, s=s, b=bits: ds.dequantize(q, s, groups, b, sym),
-                            lambda q=q, s=s: nbytes(q, s) + 2 * numel, cuda, group_size=group_size))
+        rows.append(
+            measure(
+                "quantize",
+                "deepspeed",
+                torch.float16,
+                bits,
+                numel,
+                lambda b=bits: ds.quantize(x, groups, b, sym),
+                lambda q=q, s=s: nbytes(x, q, s),
+                cuda,
+                group_size=group_size,
+            )
+        )
+        rows.append(
+            measure(
+                "dequantize",
+                "deepspeed",
+                torch.float16,
+                bits,
+                numel,
+                lambda q=q, s=s, b=bits: ds.dequantize(q, s, groups, b, sym),
+                lambda q=q, s=s: nbytes(q, s) + 2 * numel,
+                cuda,
+                group_size=group_size,
+            )
+        )
     layout = f"{nodes}x{ranks_per_node}x1"
     sq, ss = ds.swizzle_quant(x, groups, 4, sym, 1, nodes, ranks_per_node)
-    rows.append(measure("swizzle_quantize", "deepspeed", torch.float16, 4, numel,
-                        lambda: ds.swizzle_quant(x, groups, 4, sym, 1, nodes, ranks_per_node),
-                        lambda: nbytes(x, sq, ss), cuda, group_size=group_size, layout=layout))
+    rows.append(
+        measure(
+            "swizzle_quantize",
+            "deepspeed",
+            torch.float16,
+            4,
+            numel,
+            lambda: ds.swizzle_quant(x, groups, 4, sym, 1, nodes, ranks_per_node),
+            lambda: nbytes(x, sq, ss),
+            cuda,
+            group_size=group_size,
+            layout=layout,
+        )
+    )
     out_groups = groups // ranks_per_node
     rq, rs = ds.quantized_reduction(sq, ss, groups, out_groups, 4, sym, ranks_per_node)
-    rows.append(measure("dequantize_reduce_quantize", "deepspeed", torch.float16, 4, numel,
-                        lambda: ds.quantized_reduction(sq, ss, groups, out_groups, 4, sym, ranks_per_node),
-                        lambda: nbytes(sq, ss, rq, rs), cuda, group_size=group_size, pieces=ranks_per_node,
-                        in_bits=4))
+    rows.append(
+        measure(
+            "dequantize_reduce_quantize",
+            "deepspeed",
+            torch.float16,
+            4,
+            numel,
+            lambda: ds.quantized_reduction(sq, ss, groups, out_groups, 4, sym, ranks_per_node),
+            lambda: nbytes(sq, ss, rq, rs),
+            cuda,
+            group_size=group_size,
+            pieces=ranks_per_node,
+            in_bits=4,
+        )
+    )
     return rows
 
 
@@ -118,10 +186,12 @@ def sdp4bit_rows(numel: int, group_size: int, nodes: int, ranks_per_node: int, d
         codec = CompiledBackend(load_codec_op(device.type), device.type)
     except Exception as exc:  # reported as a row; the other rows still run
         return _build_error("build", "sdp4bit", device, exc)
-    return (_quantize_rows(codec, numel, group_size, device)
-            + _hadamard_rows(codec, numel, group_size, nodes, ranks_per_node, device)
-            + _reduce_rows(codec, numel, group_size, nodes, ranks_per_node, device)
-            + _qwd_rows(codec, numel, device))
+    return (
+        _quantize_rows(codec, numel, group_size, device)
+        + _hadamard_rows(codec, numel, group_size, nodes, ranks_per_node, device)
+        + _reduce_rows(codec, numel, group_size, nodes, ranks_per_node, device)
+        + _qwd_rows(codec, numel, device)
+    )
 
 
 def _quantize_rows(codec: CompiledBackend, numel: int, g: int, device: torch.device) -> list[Row]:
@@ -132,55 +202,119 @@ def _quantize_rows(codec: CompiledBackend, numel: int, g: int, device: torch.dev
         for bits in (8, 4):
             for stochastic in (False, True):
                 codes, scales = codec.quantize(x, bits=bits, group_size=g, stochastic=stochastic)
-                rows.append(measure("quantize", "sdp4bit", dtype, bits, numel,
-                                    lambda x=x, b=bits, sr=stochastic: codec.quantize(x, bits=b, group_size=g,
-                                                                                      stochastic=sr),
-                                    lambda x=x, c=codes, s=scales: nbytes(x, c, s), device, group_size=g,
-                                    stochastic=stochastic))
-            rows.append(measure("dequantize", "sdp4bit", dtype, bits, numel,
-                                lambda c=codes, s=scales, b=bits, d=dtype: codec.dequantize(
-                                    c, s, numel=numel, bits=b, group_size=g, dtype=d),
-                                lambda c=codes, s=scales, d=dtype: nbytes(c, s) + numel * d.itemsize, device,
-                                group_size=g))
+                rows.append(
+                    measure(
+                        "quantize",
+                        "sdp4bit",
+                        dtype,
+                        bits,
+                        numel,
+                        lambda x=x, b=bits, sr=stochastic: codec.quantize(x, bits=b, group_size=g, stochastic=sr),
+                        lambda x=x, c=codes, s=scales: nbytes(x, c, s),
+                        device,
+                        group_size=g,
+                        stochastic=stochastic,
+                    )
+                )
+            rows.append(
+                measure(
+                    "dequantize",
+                    "sdp4bit",
+                    dtype,
+                    bits,
+                    numel,
+                    lambda c=codes, s=scales, b=bits, d=dtype: codec.dequantize(
+                        c, s, numel=numel, bits=b, group_size=g, dtype=d
+                    ),
+                    lambda c=codes, s=scales, d=dtype: nbytes(c, s) + numel * d.itemsize,
+                    device,
+                    group_size=g,
+                )
+            )
     return rows
 
 
-def _hadamard_rows(codec: CompiledBackend, numel: int, g: int, nodes: int, ranks_per_node: int,
-                   device: torch.device) -> list[Row]:
+def _hadamard_rows(
+    codec: CompiledBackend, numel: int, g: int, nodes: int, ranks_per_node: int, device: torch.device
+) -> list[Row]:
     """Stochastic 4-bit quantize and swizzle-quantize of fp16, without and with the fused Hadamard transform."""
     rows = []
     x = torch.randn(numel, device=device, dtype=torch.float16)
     for hadamard in (False, True):
         codes, scales = codec.quantize(x, bits=4, group_size=g, stochastic=True, hadamard=hadamard)
-        rows.append(measure("quantize", "sdp4bit", torch.float16, 4, numel,
-                            lambda h=hadamard: codec.quantize(x, bits=4, group_size=g, stochastic=True, hadamard=h),
-                            lambda c=codes, s=scales: nbytes(x, c, s), device, group_size=g, stochastic=True,
-                            hadamard=hadamard))
-        swz = dict(bits=4, group_size=g, nodes=nodes, ranks_per_node=ranks_per_node, slices=1, stochastic=True,
-                   hadamard=hadamard)
+        rows.append(
+            measure(
+                "quantize",
+                "sdp4bit",
+                torch.float16,
+                4,
+                numel,
+                lambda h=hadamard: codec.quantize(x, bits=4, group_size=g, stochastic=True, hadamard=h),
+                lambda c=codes, s=scales: nbytes(x, c, s),
+                device,
+                group_size=g,
+                stochastic=True,
+                hadamard=hadamard,
+            )
+        )
+        swz = dict(
+            bits=4,
+            group_size=g,
+            nodes=nodes,
+            ranks_per_node=ranks_per_node,
+            slices=1,
+            stochastic=True,
+            hadamard=hadamard,
+        )
         sq, ss = codec.swizzle_quantize(x, **swz)
-        rows.append(measure("swizzle_quantize", "sdp4bit", torch.float16, 4, numel,
-                            lambda swz=swz: codec.swizzle_quantize(x, **swz), lambda c=sq, s=ss: nbytes(x, c, s),
-                            device, group_size=g, layout=f"{nodes}x{ranks_per_node}x1", stochastic=True,
-                            hadamard=hadamard))
+        rows.append(
+            measure(
+                "swizzle_quantize",
+                "sdp4bit",
+                torch.float16,
+                4,
+                numel,
+                lambda swz=swz: codec.swizzle_quantize(x, **swz),
+                lambda c=sq, s=ss: nbytes(x, c, s),
+                device,
+                group_size=g,
+                layout=f"{nodes}x{ranks_per_node}x1",
+                stochastic=True,
+                hadamard=hadamard,
+            )
+        )
     return rows
 
 
-def _reduce_rows(codec: CompiledBackend, numel: int, g: int, nodes: int, ranks_per_node: int,
-                 device: torch.device) -> list[Row]:
+def _reduce_rows(
+    codec: CompiledBackend, numel: int, g: int, nodes: int, ranks_per_node: int, device: torch.device
+) -> list[Row]:
     """dequantize-reduce-quantize over ranks_per_node pieces (ZeRO++'s 4 -> 4 sizes, and TLq's default 8/512 ->
     4/128); the final dequantize-reduce over `nodes` pieces, without and with the inverse Hadamard transform."""
     rows = []
     x = torch.randn(numel, device=device, dtype=torch.float16)
     for in_bits, in_group, out_group in ((4, g, g), (8, 512, 128)):
         codes, scales = codec.quantize(x, bits=in_bits, group_size=in_group)
-        kw = dict(pieces=ranks_per_node, in_bits=in_bits, in_group=in_group, out_bits=4, out_group=out_group,
-                  stochastic=True)
+        kw = dict(
+            pieces=ranks_per_node, in_bits=in_bits, in_group=in_group, out_bits=4, out_group=out_group, stochastic=True
+        )
         out_codes, out_scales = codec.dequantize_reduce_quantize(codes, scales, **kw)
-        rows.append(measure("dequantize_reduce_quantize", "sdp4bit", torch.float16, 4, numel,
-                            lambda c=codes, s=scales, kw=kw: codec.dequantize_reduce_quantize(c, s, **kw),
-                            lambda c=codes, s=scales, oc=out_codes, os=out_scales: nbytes(c, s, oc, os), device,
-                            group_size=out_group, in_group=in_group, pieces=ranks_per_node, in_bits=in_bits))
+        rows.append(
+            measure(
+                "dequantize_reduce_quantize",
+                "sdp4bit",
+                torch.float16,
+                4,
+                numel,
+                lambda c=codes, s=scales, kw=kw: codec.dequantize_reduce_quantize(c, s, **kw),
+                lambda c=codes, s=scales, oc=out_codes, os=out_scales: nbytes(c, s, oc, os),
+                device,
+                group_size=out_group,
+                in_group=in_group,
+                pieces=ranks_per_node,
+                in_bits=in_bits,
+            )
+        )
     pieces = max(nodes, 2)
     y = torch.randn(numel // ranks_per_node * pieces, device=device)
     codes, scales = codec.quantize(y, bits=4, group_size=128)
@@ -188,10 +322,21 @@ def _reduce_rows(codec: CompiledBackend, numel: int, g: int, nodes: int, ranks_p
         for hadamard in (False, True):
             kw = dict(pieces=pieces, bits=4, group_size=128, dtype=dtype, hadamard=hadamard, mul=1.0 / 32)
             out = codec.dequantize_reduce(codes, scales, **kw)
-            rows.append(measure("dequantize_reduce", "sdp4bit", dtype, 4, y.numel(),
-                                lambda kw=kw: codec.dequantize_reduce(codes, scales, **kw),
-                                lambda o=out: nbytes(codes, scales, o), device, group_size=128, pieces=pieces,
-                                hadamard=hadamard))
+            rows.append(
+                measure(
+                    "dequantize_reduce",
+                    "sdp4bit",
+                    dtype,
+                    4,
+                    y.numel(),
+                    lambda kw=kw: codec.dequantize_reduce(codes, scales, **kw),
+                    lambda o=out: nbytes(codes, scales, o),
+                    device,
+                    group_size=128,
+                    pieces=pieces,
+                    hadamard=hadamard,
+                )
+            )
     return rows
 
 
@@ -202,11 +347,29 @@ def _qwd_rows(codec: CompiledBackend, numel: int, device: torch.device) -> list[
     kw = dict(bits=4, group_size=2048, stochastic=True)
     codes, scales = codec.diff_quantize(master, weights, **kw)
     return [
-        measure("diff_quantize", "sdp4bit", torch.float32, 4, numel, lambda: codec.diff_quantize(master, weights, **kw),
-                lambda: nbytes(master, weights, codes, scales), device, group_size=2048, ref_dtype="bf16"),
-        measure("dequantize_add", "sdp4bit", torch.bfloat16, 4, numel,
-                lambda: codec.dequantize_add_(weights, codes, scales, bits=4, group_size=2048),
-                lambda: nbytes(codes, scales) + 2 * nbytes(weights), device, group_size=2048),
+        measure(
+            "diff_quantize",
+            "sdp4bit",
+            torch.float32,
+            4,
+            numel,
+            lambda: codec.diff_quantize(master, weights, **kw),
+            lambda: nbytes(master, weights, codes, scales),
+            device,
+            group_size=2048,
+            ref_dtype="bf16",
+        ),
+        measure(
+            "dequantize_add",
+            "sdp4bit",
+            torch.bfloat16,
+            4,
+            numel,
+            lambda: codec.dequantize_add_(weights, codes, scales, bits=4, group_size=2048),
+            lambda: nbytes(codes, scales) + 2 * nbytes(weights),
+            device,
+            group_size=2048,
+        ),
     ]
 
 
@@ -230,8 +393,14 @@ def target_rows(rows: list[Row]) -> list[Row]:
     checks: list[Row] = []
 
     def check(name: str, value: float | None, goal: str, ok: Callable[[float], bool]) -> None:
-        checks.append({"target": name, "value": None if value is None else round(value, 3), "goal": goal,
-                       "passed": None if value is None else ok(value)})
+        checks.append(
+            {
+                "target": name,
+                "value": None if value is None else round(value, 3),
+                "goal": goal,
+                "passed": None if value is None else ok(value),
+            }
+        )
 
     for dtype in ("fp16", "fp32"):
         for bits in (4, 8):
@@ -243,16 +412,23 @@ def target_rows(rows: list[Row]) -> list[Row]:
                 check(name, _ratio(ours, ref, "gbps"), ">= 0.85", lambda v: v >= 0.85)
     ds = _find(rows, op="dequantize_reduce_quantize", backend="deepspeed")
     ours = _find(rows, op="dequantize_reduce_quantize", backend="sdp4bit", in_bits=4)
-    check("dequantize_reduce_quantize 4->4 / ZeRO++ quantized_reduction",
-          _ratio(ours, ds, "gbps"), ">= 2.5", lambda v: v >= 2.5)
-    for op, key in (("quantize", {"dtype": "fp16", "stochastic": True}),
-                    ("swizzle_quantize", {}),
-                    ("dequantize_reduce", {"dtype": "fp32"})):
+    check(
+        "dequantize_reduce_quantize 4->4 / ZeRO++ quantized_reduction",
+        _ratio(ours, ds, "gbps"),
+        ">= 2.5",
+        lambda v: v >= 2.5,
+    )
+    for op, key in (
+        ("quantize", {"dtype": "fp16", "stochastic": True}),
+        ("swizzle_quantize", {}),
+        ("dequantize_reduce", {"dtype": "fp32"}),
+    ):
         plain = _find(rows, op=op, backend="sdp4bit", hadamard=False, **key)
         fused = _find(rows, op=op, backend="sdp4bit", hadamard=True, **key)
         ratio = _ratio(fused, plain, "ms")
-        check(f"{op} fused Hadamard time overhead", None if ratio is None else ratio - 1, "<= 0.05",
-              lambda v: v <= 0.05)
+        check(
+            f"{op} fused Hadamard time overhead", None if ratio is None else ratio - 1, "<= 0.05", lambda v: v <= 0.05
+        )
     return checks
 
 
@@ -262,8 +438,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2048)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ZeRO++ supports 8 or 16")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a dry run of our rows with the CPU op (ZeRO++ has no CPU kernels)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: a dry run of our rows with the CPU op (ZeRO++ has no CPU kernels)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_benchmarks.speed_sweep import DATA, SDP4BIT, VARIANTS, measure, positive
@@ -47,8 +47,19 @@ def measure_nodes(nodes: TwoNodes, config: Path, dtype: str, rate: str, out: Pat
     """`sdp4bit-measure` on both nodes at one shaped rate; what it wrote."""
     card = CARDS[MODEL]
     target = out / f"measured-{rate}.json"
-    args = ["deepspeed_sdp4bit.measure", "--model", str(config), "--seq", str(card.seq_len), "--micro-batch",
-            str(card.micro_batch), "--dtype", dtype, "--out", str(target)]
+    args = [
+        "deepspeed_sdp4bit.measure",
+        "--model",
+        str(config),
+        "--seq",
+        str(card.seq_len),
+        "--micro-batch",
+        str(card.micro_batch),
+        "--dtype",
+        dtype,
+        "--out",
+        str(target),
+    ]
     job = run_job(nodes, "--module", args, out / "logs" / f"measure-{rate}", timeout=900)
     if any(job["exit_codes"]) or not target.exists():
         raise TwoNodesError(f"sdp4bit-measure failed at {rate} Mbit/s; see {out}/logs/measure-{rate}")
@@ -58,8 +69,22 @@ def measure_nodes(nodes: TwoNodes, config: Path, dtype: str, rate: str, out: Pat
 def projected(measured_file: Path, config: Path, dtype: str) -> dict[str, float]:
     """The planner's ZeRO-3 and SDP4Bit steps from the measurement, with the sweep's block and batch."""
     card = CARDS[MODEL]
-    argv = ["--measured", str(measured_file), "--model", str(config), "--seq", str(card.seq_len), "--micro-batch",
-            str(card.micro_batch), "--grad-accum", "1", "--config", SDP4BIT, "--dtype", dtype]
+    argv = [
+        "--measured",
+        str(measured_file),
+        "--model",
+        str(config),
+        "--seq",
+        str(card.seq_len),
+        "--micro-batch",
+        str(card.micro_batch),
+        "--grad-accum",
+        "1",
+        "--config",
+        SDP4BIT,
+        "--dtype",
+        dtype,
+    ]
     rows = plan.project(plan.build(plan.parser().parse_args(argv)))
     return {r.variant: r.step.step_s for r in rows}
 
@@ -68,8 +93,7 @@ def run_rate(nodes: TwoNodes, rate: str, args: argparse.Namespace) -> dict:
     """One rate: the plain run (whose summary gives the vocabulary), the measurement, SDP4Bit's run, the
     projection."""
     nodes.shape(Link(float(rate)))
-    runs = {name: measure(nodes, VARIANTS[name], args.dtype, rate, 0, args.steps, args.out)
-            for name in VARIANT_ROWS}
+    runs = {name: measure(nodes, VARIANTS[name], args.dtype, rate, 0, args.steps, args.out) for name in VARIANT_ROWS}
     failed = [r["error"] for r in runs.values() if "error" in r]
     if failed:
         raise TwoNodesError("; ".join(failed))
@@ -79,18 +103,29 @@ def run_rate(nodes: TwoNodes, rate: str, args: argparse.Namespace) -> dict:
     found = measure_nodes(nodes, config, args.dtype, rate, args.out)
     steps = projected(args.out / f"measured-{rate}.json", config, args.dtype)
     shaped = float(rate) / 1e3
-    row = {"rate_mbit": float(rate), "measured_inter_gbps": found["inter_node_gbps"],
-           "rate_error": found["inter_node_gbps"] / shaped - 1, "measurement": found, "runs": runs}
+    row = {
+        "rate_mbit": float(rate),
+        "measured_inter_gbps": found["inter_node_gbps"],
+        "rate_error": found["inter_node_gbps"] / shaped - 1,
+        "measurement": found,
+        "runs": runs,
+    }
     for name, variant in VARIANT_ROWS.items():
-        row[variant] = {"measured_step_s": runs[name]["step_s"], "projected_step_s": steps[variant],
-                        "error": steps[variant] / runs[name]["step_s"] - 1}
+        row[variant] = {
+            "measured_step_s": runs[name]["step_s"],
+            "projected_step_s": steps[variant],
+            "error": steps[variant] / runs[name]["step_s"] - 1,
+        }
     return row
 
 
 def table(rows: Sequence[dict]) -> tuple[str, bool]:
     """The comparison as markdown, and whether every figure is within its bound."""
-    lines = ["| shaped Mbit/s | measured Mbit/s | error | ZeRO-3 step s: measured | projected | error | "
-             "SDP4Bit step s: measured | projected | error |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| shaped Mbit/s | measured Mbit/s | error | ZeRO-3 step s: measured | projected | error | "
+        "SDP4Bit step s: measured | projected | error |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     ok = True
     for r in rows:
         cells = [f"{r['rate_mbit']:g}", f"{r['measured_inter_gbps'] * 1e3:.1f}", f"{r['rate_error']:+.1%}"]
@@ -100,8 +135,10 @@ def table(rows: Sequence[dict]) -> tuple[str, bool]:
             cells += [f"{v['measured_step_s']:.3f}", f"{v['projected_step_s']:.3f}", f"{v['error']:+.1%}"]
             ok &= abs(v["error"]) <= STEP_BOUND
         lines.append("| " + " | ".join(cells) + " |")
-    verdict = (f"measured rates within {RATE_BOUND:.0%} of the shaped and projected steps within {STEP_BOUND:.0%} of "
-               f"the measured: {'yes' if ok else 'NO'}")
+    verdict = (
+        f"measured rates within {RATE_BOUND:.0%} of the shaped and projected steps within {STEP_BOUND:.0%} of "
+        f"the measured: {'yes' if ok else 'NO'}"
+    )
     return "\n".join(lines) + "\n\n" + verdict + "\n", ok
 
 

@@ -67,15 +67,36 @@ SERVING12 = "deepspeed_sdp4bit/zero12/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
 TIMING = "sdp4bit_cost/timing.py"
 AUTO = "deepspeed_sdp4bit/core/auto.py"
-RUNTIME_TESTS = ("tests/test_zero3_training.py", "-k",
-                 "every_replica_mode or verify_finds or paper_setting_trains and float32")
+RUNTIME_TESTS = (
+    "tests/test_zero3_training.py",
+    "-k",
+    "every_replica_mode or verify_finds or paper_setting_trains and float32",
+)
 COST_TESTS = ("tests/test_cost_model.py", "tests/test_planner.py", "-k", "not console_script")
 
 TARGETS = {
-    "reference": Target("reference", REF, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
-                                           "tests/test_codec_backends.py", "-k", "not cuda")),
-    "spec": Target("spec", SPEC, ("tests/test_codec_literals.py", "tests/test_codec_reference.py",
-                                  "tests/test_codec_backends.py", "-k", "not cuda")),
+    "reference": Target(
+        "reference",
+        REF,
+        (
+            "tests/test_codec_literals.py",
+            "tests/test_codec_reference.py",
+            "tests/test_codec_backends.py",
+            "-k",
+            "not cuda",
+        ),
+    ),
+    "spec": Target(
+        "spec",
+        SPEC,
+        (
+            "tests/test_codec_literals.py",
+            "tests/test_codec_reference.py",
+            "tests/test_codec_backends.py",
+            "-k",
+            "not cuda",
+        ),
+    ),
     "grad_reduce": Target("grad_reduce", GRAD, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "rounding": Target("rounding", ROUNDING, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
@@ -83,8 +104,9 @@ TARGETS = {
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
     "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4 or merge")),
-    "zero12_serving": Target("zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k",
-                                                           "rpn2 or unstarted or comms")),
+    "zero12_serving": Target(
+        "zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k", "rpn2 or unstarted or comms")
+    ),
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
@@ -92,285 +114,812 @@ TARGETS = {
 
 MUTANTS = [
     # codec/reference.py
-    Mutant("R01", SPEC, "    hi = ((x * (c >> 16)) & 0xFFFF) << 16", "    hi = ((x * (c >> 16)) & 0xFFFF) << 15",
-           "32-bit multiply: high half shifted by 15"),
+    Mutant(
+        "R01",
+        SPEC,
+        "    hi = ((x * (c >> 16)) & 0xFFFF) << 16",
+        "    hi = ((x * (c >> 16)) & 0xFFFF) << 15",
+        "32-bit multiply: high half shifted by 15",
+    ),
     Mutant("R02", SPEC, "    x = x ^ (x >> 15)", "    x = x ^ (x >> 16)", "hash: second xor-shift by 16"),
     Mutant("R03", SPEC, "    x = _mul32(x, 0x846CA68B)", "    x = _mul32(x, 0x846CA68A)", "hash: constant off by one"),
-    Mutant("R04", REF, "    return (h >> 8).to(torch.float32) * (2.0**-24)",
-           "    return (h >> 9).to(torch.float32) * (2.0**-24)", "uniforms from 23 bits: u < 0.5 always"),
+    Mutant(
+        "R04",
+        REF,
+        "    return (h >> 8).to(torch.float32) * (2.0**-24)",
+        "    return (h >> 9).to(torch.float32) * (2.0**-24)",
+        "uniforms from 23 bits: u < 0.5 always",
+    ),
     Mutant("R05", REF, "    hi = (lo >> 32) + hi0", "    hi = hi0 + 0 * lo", "counter: carry into the high word lost"),
-    Mutant("R06", REF, "        y = torch.stack((a + b, a - b), dim=2).reshape(-1)",
-           "        y = torch.stack((a + b, b - a), dim=2).reshape(-1)", "Hadamard butterfly: b - a"),
-    Mutant("R07", REF, "        y = y * (1.0 / HADAMARD_BLOCK)", "        y = y * (1.0 / 16)",
-           "inverse Hadamard scaled by 1/16"),
-    Mutant("R08", REF, "    scale = torch.where(scale < _FLT_MIN, torch.zeros_like(scale), scale)",
-           "    scale = torch.where(scale <= _FLT_MIN, torch.zeros_like(scale), scale)",
-           "FLT_MIN rule: scale FLT_MIN itself zeroed"),
-    Mutant("R09", REF, "    return torch.where(nonfinite, torch.full_like(scale, float(\"nan\")), scale)",
-           "    return scale", "a NaN/Inf group keeps a finite scale"),
-    Mutant("R10", REF, "        return torch.round(v)", "        return torch.floor(v + 0.5)",
-           "nearest rounding: ties away from zero upwards instead of to even"),
-    Mutant("R11", REF, "    return fl + (u < (v - fl)).to(torch.float32)", "    return fl + (u <= (v - fl)).to(torch.float32)",
-           "stochastic rounding: u <= frac"),
-    Mutant("R12", REF, "    u = uniform(seed, offset, v.numel(), v.device).view_as(v)",
-           "    u = uniform(seed, offset + 1, v.numel(), v.device).view_as(v)", "stochastic rounding: counter + 1"),
-    Mutant("R13", REF, "    return (((pairs[:, 0] & 0xF) << 4) | (pairs[:, 1] & 0xF)).to(torch.uint8)",
-           "    return (((pairs[:, 1] & 0xF) << 4) | (pairs[:, 0] & 0xF)).to(torch.uint8)", "nibble order swapped"),
-    Mutant("R14", REF, "        q = torch.where(q >= 8, q - 16, q)", "        q = torch.where(q >= 9, q - 16, q)",
-           "4-bit unpack: -8 read as +8"),
-    Mutant("R15", REF, "        q = torch.where(c >= 128, c - 256, c)", "        q = torch.where(c > 128, c - 256, c)",
-           "8-bit unpack: -128 read as +128"),
-    Mutant("R16", REF, "    qmax = qmax_for(bits)\n    groups = xf.view(-1, group_size)",
-           "    qmax = 100 if bits == 8 else qmax_for(bits)\n    groups = xf.view(-1, group_size)",
-           "8-bit levels +-100 instead of +-127"),
-    Mutant("R17", REF, "    q = _round(v, stochastic, seed, offset).clamp(-qmax, qmax)",
-           "    q = _round(v, stochastic, seed, offset).clamp(-qmax - 1, qmax)", "clamp admits -qmax - 1"),
-    Mutant("R18", REF, "    v = groups * inv[:, None]",
-           "    v = groups / torch.where(usable, scale, torch.ones_like(scale))[:, None]",
-           "v = x / scale (one rounding) instead of x * fl(1/scale)"),
-    Mutant("R19", REF, "    valid = part if valid is None else valid", "    valid = part",
-           "valid ignored: padding read"),
-    Mutant("R20", REF, "        view[:, :whole] = hadamard32(view[:, :whole].reshape(-1)).view(partitions, whole)",
-           "        view[:, :whole] = hadamard32(view[:, :whole].reshape(-1), inverse=True).view(partitions, whole)",
-           "quantize applies the inverse Hadamard transform"),
-    Mutant("R21", REF, "    ref.view(-1).copy_((delta + ref.view(-1).to(torch.float32)).to(ref.dtype))",
-           "    ref.view(-1).copy_(delta.to(ref.dtype) + ref.view(-1))", "dequantize_add_: two roundings"),
-    Mutant("R22", REF, "    d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)",
-           "    d = _prepared(new - ref.to(new.dtype), valid, False, 1, padded)",
-           "diff_quantize subtracts in the input dtype"),
+    Mutant(
+        "R06",
+        REF,
+        "        y = torch.stack((a + b, a - b), dim=2).reshape(-1)",
+        "        y = torch.stack((a + b, b - a), dim=2).reshape(-1)",
+        "Hadamard butterfly: b - a",
+    ),
+    Mutant(
+        "R07",
+        REF,
+        "        y = y * (1.0 / HADAMARD_BLOCK)",
+        "        y = y * (1.0 / 16)",
+        "inverse Hadamard scaled by 1/16",
+    ),
+    Mutant(
+        "R08",
+        REF,
+        "    scale = torch.where(scale < _FLT_MIN, torch.zeros_like(scale), scale)",
+        "    scale = torch.where(scale <= _FLT_MIN, torch.zeros_like(scale), scale)",
+        "FLT_MIN rule: scale FLT_MIN itself zeroed",
+    ),
+    Mutant(
+        "R09",
+        REF,
+        '    return torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)',
+        "    return scale",
+        "a NaN/Inf group keeps a finite scale",
+    ),
+    Mutant(
+        "R10",
+        REF,
+        "        return torch.round(v)",
+        "        return torch.floor(v + 0.5)",
+        "nearest rounding: ties away from zero upwards instead of to even",
+    ),
+    Mutant(
+        "R11",
+        REF,
+        "    return fl + (u < (v - fl)).to(torch.float32)",
+        "    return fl + (u <= (v - fl)).to(torch.float32)",
+        "stochastic rounding: u <= frac",
+    ),
+    Mutant(
+        "R12",
+        REF,
+        "    u = uniform(seed, offset, v.numel(), v.device).view_as(v)",
+        "    u = uniform(seed, offset + 1, v.numel(), v.device).view_as(v)",
+        "stochastic rounding: counter + 1",
+    ),
+    Mutant(
+        "R13",
+        REF,
+        "    return (((pairs[:, 0] & 0xF) << 4) | (pairs[:, 1] & 0xF)).to(torch.uint8)",
+        "    return (((pairs[:, 1] & 0xF) << 4) | (pairs[:, 0] & 0xF)).to(torch.uint8)",
+        "nibble order swapped",
+    ),
+    Mutant(
+        "R14",
+        REF,
+        "        q = torch.where(q >= 8, q - 16, q)",
+        "        q = torch.where(q >= 9, q - 16, q)",
+        "4-bit unpack: -8 read as +8",
+    ),
+    Mutant(
+        "R15",
+        REF,
+        "        q = torch.where(c >= 128, c - 256, c)",
+        "        q = torch.where(c > 128, c - 256, c)",
+        "8-bit unpack: -128 read as +128",
+    ),
+    Mutant(
+        "R16",
+        REF,
+        "    qmax = qmax_for(bits)\n    groups = xf.view(-1, group_size)",
+        "    qmax = 100 if bits == 8 else qmax_for(bits)\n    groups = xf.view(-1, group_size)",
+        "8-bit levels +-100 instead of +-127",
+    ),
+    Mutant(
+        "R17",
+        REF,
+        "    q = _round(v, stochastic, seed, offset).clamp(-qmax, qmax)",
+        "    q = _round(v, stochastic, seed, offset).clamp(-qmax - 1, qmax)",
+        "clamp admits -qmax - 1",
+    ),
+    Mutant(
+        "R18",
+        REF,
+        "    v = groups * inv[:, None]",
+        "    v = groups / torch.where(usable, scale, torch.ones_like(scale))[:, None]",
+        "v = x / scale (one rounding) instead of x * fl(1/scale)",
+    ),
+    Mutant(
+        "R19", REF, "    valid = part if valid is None else valid", "    valid = part", "valid ignored: padding read"
+    ),
+    Mutant(
+        "R20",
+        REF,
+        "        view[:, :whole] = hadamard32(view[:, :whole].reshape(-1)).view(partitions, whole)",
+        "        view[:, :whole] = hadamard32(view[:, :whole].reshape(-1), inverse=True).view(partitions, whole)",
+        "quantize applies the inverse Hadamard transform",
+    ),
+    Mutant(
+        "R21",
+        REF,
+        "    ref.view(-1).copy_((delta + ref.view(-1).to(torch.float32)).to(ref.dtype))",
+        "    ref.view(-1).copy_(delta.to(ref.dtype) + ref.view(-1))",
+        "dequantize_add_: two roundings",
+    ),
+    Mutant(
+        "R22",
+        REF,
+        "    d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)",
+        "    d = _prepared(new - ref.to(new.dtype), valid, False, 1, padded)",
+        "diff_quantize subtracts in the input dtype",
+    ),
     Mutant("R23", REF, "    z = n * ranks_per_node + l", "    z = l * nodes + n", "swizzle: node-major partitions"),
-    Mutant("R24", REF, "    for k in range(1, pieces):\n        acc = acc + values[k]",
-           "    for k in range(2, pieces):\n        acc = acc + values[k]", "reduction drops piece 1"),
-    Mutant("R25", REF, "        factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)",
-           "        factor[:whole] = factor[:whole] * 1.0",
-           "dequantize_reduce forgets the 1/32 of the inverse transform"),
-    Mutant("R26", SPEC, "    if block % group_size or block % HADAMARD_BLOCK:", "    if block % group_size:",
-           "swizzle check: blocks not a multiple of 32 accepted",
-           "group sizes are multiples of 32 (check_group_size runs first), so whole groups are whole 32-blocks"),
-    Mutant("R27", REF, "    out[0].copy_(result[0])\n    out[1].copy_(result[1])", "    out[0].copy_(result[0])",
-           "out=: scales not written"),
-    Mutant("R28", REF, "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]",
-           "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[-numel:]",
-           "dequantize: scales aligned to the end"),
+    Mutant(
+        "R24",
+        REF,
+        "    for k in range(1, pieces):\n        acc = acc + values[k]",
+        "    for k in range(2, pieces):\n        acc = acc + values[k]",
+        "reduction drops piece 1",
+    ),
+    Mutant(
+        "R25",
+        REF,
+        "        factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)",
+        "        factor[:whole] = factor[:whole] * 1.0",
+        "dequantize_reduce forgets the 1/32 of the inverse transform",
+    ),
+    Mutant(
+        "R26",
+        SPEC,
+        "    if block % group_size or block % HADAMARD_BLOCK:",
+        "    if block % group_size:",
+        "swizzle check: blocks not a multiple of 32 accepted",
+        "group sizes are multiples of 32 (check_group_size runs first), so whole groups are whole 32-blocks",
+    ),
+    Mutant(
+        "R27",
+        REF,
+        "    out[0].copy_(result[0])\n    out[1].copy_(result[1])",
+        "    out[0].copy_(result[0])",
+        "out=: scales not written",
+    ),
+    Mutant(
+        "R28",
+        REF,
+        "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]",
+        "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[-numel:]",
+        "dequantize: scales aligned to the end",
+    ),
     # collectives/grad_reduce.py
-    Mutant("G01", GRAD, "    chunks = tuple(shard_numel(n, world) for n in numels)", "    chunks = tuple(n // world + 1 for n in numels)",
-           "chunk size n // W + 1 (wrong when W divides n)"),
-    Mutant("G02", GRAD, "    part = max(1, -(-(lead + used) // unit)) * unit",
-           "    part = max(1, (lead + used) // unit) * unit",
-           "part rounded down"),
-    Mutant("G03", GRAD, "        if rest:\n            buf[full, offset:offset + rest] = flat[full * chunk:]",
-           "        if rest and False:\n            buf[full, offset:offset + rest] = flat[full * chunk:]",
-           "the last, partial chunk of a tensor is dropped"),
-    Mutant("G04", GRAD, "    return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]",
-           "    return [part.narrow(0, offset, layout.chunks[i]) for i, offset in enumerate(layout.offsets)]",
-           "outputs not trimmed to the rank's partition"),
-    Mutant("G05", GRAD, "        return valid_numel(self.numels[index], self.world, rank)",
-           "        return min(self.chunks[index], valid_numel(self.numels[index], self.world, rank) + 1)",
-           "partition length one too long at the end"),
-    Mutant("G06", GRAD, "    if ranks != list(range(world)):", "    if len(ranks) != world:",
-           "group check: any group of W ranks accepted",
-           "in a world of W ranks the only group of W ranks is the world, and torch lists a group's ranks sorted"),
+    Mutant(
+        "G01",
+        GRAD,
+        "    chunks = tuple(shard_numel(n, world) for n in numels)",
+        "    chunks = tuple(n // world + 1 for n in numels)",
+        "chunk size n // W + 1 (wrong when W divides n)",
+    ),
+    Mutant(
+        "G02",
+        GRAD,
+        "    part = max(1, -(-(lead + used) // unit)) * unit",
+        "    part = max(1, (lead + used) // unit) * unit",
+        "part rounded down",
+    ),
+    Mutant(
+        "G03",
+        GRAD,
+        "        if rest:",
+        "        if rest and False:",
+        "the last, partial chunk of a tensor is dropped",
+    ),
+    Mutant(
+        "G04",
+        GRAD,
+        "    return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]",
+        "    return [part.narrow(0, offset, layout.chunks[i]) for i, offset in enumerate(layout.offsets)]",
+        "outputs not trimmed to the rank's partition",
+    ),
+    Mutant(
+        "G05",
+        GRAD,
+        "        return valid_numel(self.numels[index], self.world, rank)",
+        "        return min(self.chunks[index], valid_numel(self.numels[index], self.world, rank) + 1)",
+        "partition length one too long at the end",
+    ),
+    Mutant(
+        "G06",
+        GRAD,
+        "    if ranks != list(range(world)):",
+        "    if len(ranks) != world:",
+        "group check: any group of W ranks accepted",
+        "in a world of W ranks the only group of W ranks is the world, and torch lists a group's ranks sorted",
+    ),
     Mutant("G07", GRAD, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
-    Mutant("G08", ROUNDING, "        self.requant_stream = RoundingStream(seed, rank, STAGE_REQUANTIZE)",
-           "        self.requant_stream = RoundingStream(seed, rank, STAGE_QUANTIZE)",
-           "requantization reuses the quantization stage's random numbers"),
-    Mutant("G09", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:", "        if topo.nodes > 1:",
-           "one rank per node takes the two-level path"),
-    Mutant("G10", GRAD, "            self.stats.add_logical(kind, dests * layout.used * elem_size)",
-           "            self.stats.add_logical(kind, dests * layout.part * elem_size)", "logical bytes include padding"),
-    Mutant("G11", GRAD, "        seed, offset = self.quant_stream.take(flat.numel())",
-           "        seed, offset = self.quant_stream.take(layout.part)", "quantization counter advances by one part"),
-    Mutant("G12", GRAD, "        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,",
-           "        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.nodes,",
-           "requantization sums `nodes` pieces instead of ranks per node"),
-    Mutant("G13", GRAD,
-           "                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world, "
-           "valid=valid)",
-           "                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.nodes, "
-           "valid=valid)",
-           "mean over nodes instead of over all ranks (scale off)"),
-    Mutant("G14", GRAD, "            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)",
-           "            return _Exchange(*_slice(codes, scales, level, run, 0), group, self.stats, kind)",
-           "one-level pipeline sends slice 0 every time"),
-    Mutant("G15", GRAD, "            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)",
-           "            requantized = self._requantize(*intra.wait(), layout.world * layout.slice_len)",
-           "requantization told the wrong length"),
-    Mutant("G16", GRAD, "            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, \"grad_inter\")",
-           "            previous, inter = inter, _Exchange(*requantized, self.topo.intra, self.stats, \"grad_inter\")",
-           "inter-node exchange over the intra-node group"),
-    Mutant("G17", ROUNDING, "        self.requant_stream.load_state_dict(state[\"requantize\"])",
-           "        self.requant_stream.load_state_dict(state[\"requantize\"])\n        self.requant_stream.counter = 0",
-           "resume restarts the requantization counter"),
-    Mutant("G18", ROUNDING, "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.requant_stream.state_dict()}",
-           "        return {\"quantize\": self.quant_stream.state_dict(), \"requantize\": self.quant_stream.state_dict()}",
-           "checkpoint stores the quantization counter twice"),
-    Mutant("G19", GRAD, "        if topo.nodes > 1 and topo.ranks_per_node > 1:\n            self._account(layout, flat.element_size(), (\"grad_intra\", layout.world), (\"grad_inter\", topo.nodes))",
-           "        if topo.nodes > 1 and topo.ranks_per_node > 1:\n            self._account(layout, flat.element_size(), (\"grad_intra\", layout.world), (\"grad_inter\", layout.world))",
-           "inter-node logical bytes counted for W destinations"),
-    Mutant("G20", GRAD, "            out.append(self._finish(pending, level, layout.world, dtype, layout.slice_valid(y)))",
-           "            out.append(self._finish(pending, level, layout.world - 1, dtype, layout.slice_valid(y)))",
-           "one-level reduction drops the last rank's piece"),
-    Mutant("G21", GRAD, "    if len(dtypes) != 1 or not dtypes <= FLOAT_DTYPES:", "    if not dtypes <= FLOAT_DTYPES:",
-           "tensors of mixed dtypes accepted"),
-    Mutant("G22", GRAD, "        return [t.reshape(-1).clone() for t in tensors]", "        return [t.reshape(-1)[:1].clone() for t in tensors]",
-           "one rank: outputs truncated"),
+    Mutant(
+        "G08",
+        ROUNDING,
+        "        self.requant_stream = RoundingStream(seed, rank, STAGE_REQUANTIZE)",
+        "        self.requant_stream = RoundingStream(seed, rank, STAGE_QUANTIZE)",
+        "requantization reuses the quantization stage's random numbers",
+    ),
+    Mutant(
+        "G09",
+        GRAD,
+        "        if topo.nodes > 1 and topo.ranks_per_node > 1:",
+        "        if topo.nodes > 1:",
+        "one rank per node takes the two-level path",
+    ),
+    Mutant(
+        "G10",
+        GRAD,
+        "            self.stats.add_logical(kind, dests * layout.used * elem_size)",
+        "            self.stats.add_logical(kind, dests * layout.part * elem_size)",
+        "logical bytes include padding",
+    ),
+    Mutant(
+        "G11",
+        GRAD,
+        "        seed, offset = self.quant_stream.take(flat.numel())",
+        "        seed, offset = self.quant_stream.take(layout.part)",
+        "quantization counter advances by one part",
+    ),
+    Mutant(
+        "G12",
+        GRAD,
+        "            pieces=self.topo.ranks_per_node,",
+        "            pieces=self.topo.nodes,",
+        "requantization sums `nodes` pieces instead of ranks per node",
+    ),
+    Mutant(
+        "G13",
+        GRAD,
+        "            mul=1.0 / self.topo.world,",
+        "            mul=1.0 / self.topo.nodes,",
+        "mean over nodes instead of over all ranks (scale off)",
+    ),
+    Mutant(
+        "G14",
+        GRAD,
+        "            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)",
+        "            return _Exchange(*_slice(codes, scales, level, run, 0), group, self.stats, kind)",
+        "one-level pipeline sends slice 0 every time",
+    ),
+    Mutant(
+        "G15",
+        GRAD,
+        "            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)",
+        "            requantized = self._requantize(*intra.wait(), layout.world * layout.slice_len)",
+        "requantization told the wrong length",
+    ),
+    Mutant(
+        "G16",
+        GRAD,
+        '            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")',
+        '            previous, inter = inter, _Exchange(*requantized, self.topo.intra, self.stats, "grad_inter")',
+        "inter-node exchange over the intra-node group",
+    ),
+    Mutant(
+        "G17",
+        ROUNDING,
+        '        self.requant_stream.load_state_dict(state["requantize"])',
+        '        self.requant_stream.load_state_dict(state["requantize"])\n        self.requant_stream.counter = 0',
+        "resume restarts the requantization counter",
+    ),
+    Mutant(
+        "G18",
+        ROUNDING,
+        '        return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}',
+        '        return {"quantize": self.quant_stream.state_dict(), "requantize": self.quant_stream.state_dict()}',
+        "checkpoint stores the quantization counter twice",
+    ),
+    Mutant(
+        "G19",
+        GRAD,
+        (
+            '            self._account(layout, flat.element_size(), ("grad_intra", layout.world), ("grad_inter", top'
+            "o.nodes))"
+        ),
+        (
+            '            self._account(layout, flat.element_size(), ("grad_intra", layout.world), ("grad_inter", lay'
+            "out.world))"
+        ),
+        "inter-node logical bytes counted for W destinations",
+    ),
+    Mutant(
+        "G20",
+        GRAD,
+        "            out.append(self._finish(pending, level, layout.world, dtype, layout.slice_valid(y)))",
+        "            out.append(self._finish(pending, level, layout.world - 1, dtype, layout.slice_valid(y)))",
+        "one-level reduction drops the last rank's piece",
+    ),
+    Mutant(
+        "G21",
+        GRAD,
+        "    if len(dtypes) != 1 or not dtypes <= FLOAT_DTYPES:",
+        "    if not dtypes <= FLOAT_DTYPES:",
+        "tensors of mixed dtypes accepted",
+    ),
+    Mutant(
+        "G22",
+        GRAD,
+        "        return [t.reshape(-1).clone() for t in tensors]",
+        "        return [t.reshape(-1)[:1].clone() for t in tensors]",
+        "one rank: outputs truncated",
+    ),
     # collectives/weight_store.py
-    Mutant("W01", STORE, "        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)",
-           "        position = mix32((cols * 0 + 0x9E3779B9) & _M32)", "checksum blind to element positions"),
-    Mutant("W02", STORE, "        block = torch.searchsorted(first, cols, right=True) - 1",
-           "        block = torch.searchsorted(first, cols, right=False) - 1",
-           "checksum: first column of each block counted in the previous one"),
-    Mutant("W03", STORE, "        self._totals[segment] += per_shard", "        self._totals[segment] += per_shard + 1",
-           "storage one column too wide per param"),
-    Mutant("W04", STORE, "        return rank if self._replica == \"rank\" else rank // self._topo.ranks_per_node",
-           "        return rank if self._replica == \"rank\" else rank % self._topo.nodes", "node replica: wrong slot"),
-    Mutant("W05", STORE, "        return slot if self._replica == \"rank\" else self._topo.global_rank(slot, self._topo.local)",
-           "        return slot if self._replica == \"rank\" else self._topo.global_rank(slot, 0)",
-           "node replica: slot owner named wrongly"),
-    Mutant("W06", STORE, "        if quantize:\n            self._exchange(", "        if True:\n            self._exchange(",
-           "refresh(quantize=False) still quantizes"),
-    Mutant("W07", STORE, "                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel):",
-           "                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > 2 * self._bucket_numel):",
-           "buckets twice as large as configured"),
-    Mutant("W08", STORE, "            if run and (p.index != run[-1].index + 1 or p.segment != run[0].segment\n",
-           "            if run and (p.segment != run[0].segment\n", "non-adjacent parameters share a bucket"),
-    Mutant("W09", STORE, "        self._stats.add_logical(kind, self._logical(bucket))\n",
-           "", "inter-node logical bytes not counted"),
-    Mutant("W10", STORE, "            rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])",
-           "            rows = [(topo.global_rank(l % topo.nodes, n % per_node), [dst[l, n] for dst in full])",
-           "rank replica: runs routed to the wrong slots"),
-    Mutant("W11", STORE, "            pieces.append(new[p.key][:valid])\n            if valid < p.shard_numel:",
-           "            pieces.append(new[p.key][:valid])\n            if valid < p.shard_numel and False:",
-           "padding not zeroed in the sent run"),
-    Mutant("W12", STORE, "        seed, offset = self._stream.take(bucket.numel)",
-           "        seed, offset = self._stream.take(bucket.numel + 1)", "refresh counter advances one too far"),
-    Mutant("W13", STORE, "            codec.dequantize_add_(self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits,",
-           "            codec.dequantize_add_(self._run(self._own_slot, bucket), codes, scales, bits=self._bits,",
-           "every received delta applied to the own slot"),
-    Mutant("W14", STORE, "        if self._slots == self._topo.world:", "        if self._replica == \"rank\":",
-           "one-rank-per-node node replica gathers over a group of one"),
-    Mutant("W15", STORE, "            result.append(block.transpose(0, 1).reshape(-1)[:p.numel])",
-           "            result.append(block.reshape(-1)[:p.numel])", "gathered shards in node-major order"),
-    Mutant("W16", STORE, "        comm.all_reduce(low, holders, ReduceOp.MIN, \"sdp4bit_weight_checksum\")",
-           "        comm.all_reduce(low, holders, ReduceOp.MAX, \"sdp4bit_weight_checksum\")", "checksum never differs"),
-    Mutant("W17", STORE, "            flags[:, self._source(slot)] = differ[:, slot].to(torch.int32)",
-           "            flags[:, slot] = differ[:, slot].to(torch.int32)", "checksum names the slot, not the owner"),
-    Mutant("W18", STORE, "        self._stream.load_state_dict(state[\"rounding\"])", "        return None",
-           "rounding counter not restored"),
-    Mutant("W19", STORE, "        if self._replica == \"node\" or per_node == 1:", "        if self._replica == \"node\":",
-           "rank replica on one rank per node gathers inside a node of one"),
-    Mutant("W20", STORE, "        return [self._own_values(bucket, new).to(self._dtype)]",
-           "        return [self._own_values(bucket, new).to(torch.bfloat16).to(self._dtype)]",
-           "resync values rounded through bf16"),
-    Mutant("W21", STORE, "        if self._finish is None:\n            raise RuntimeError",
-           "        if False:\n            raise RuntimeError", "a gather handle completes twice"),
-    Mutant("W22", STORE, "        return ChecksumReport(ok=not mismatches, mismatches=mismatches, regions=len(params) * topo.world)",
-           "        return ChecksumReport(ok=not mismatches, mismatches=mismatches[:1], regions=len(params) * topo.world)",
-           "checksum names only the first mismatch"),
+    Mutant(
+        "W01",
+        STORE,
+        "        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)",
+        "        position = mix32((cols * 0 + 0x9E3779B9) & _M32)",
+        "checksum blind to element positions",
+    ),
+    Mutant(
+        "W02",
+        STORE,
+        "        block = torch.searchsorted(first, cols, right=True) - 1",
+        "        block = torch.searchsorted(first, cols, right=False) - 1",
+        "checksum: first column of each block counted in the previous one",
+    ),
+    Mutant(
+        "W03",
+        STORE,
+        "        self._totals[segment] += per_shard",
+        "        self._totals[segment] += per_shard + 1",
+        "storage one column too wide per param",
+    ),
+    Mutant(
+        "W04",
+        STORE,
+        '        return rank if self._replica == "rank" else rank // self._topo.ranks_per_node',
+        '        return rank if self._replica == "rank" else rank % self._topo.nodes',
+        "node replica: wrong slot",
+    ),
+    Mutant(
+        "W05",
+        STORE,
+        '        return slot if self._replica == "rank" else self._topo.global_rank(slot, self._topo.local)',
+        '        return slot if self._replica == "rank" else self._topo.global_rank(slot, 0)',
+        "node replica: slot owner named wrongly",
+    ),
+    Mutant(
+        "W06",
+        STORE,
+        "        if quantize:\n            self._exchange(",
+        "        if True:\n            self._exchange(",
+        "refresh(quantize=False) still quantizes",
+    ),
+    Mutant(
+        "W07",
+        STORE,
+        "                or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel",
+        "                or self._slots * (p.offset + p.shard_numel - run[0].offset) > 2 * self._bucket_numel",
+        "buckets twice as large as configured",
+    ),
+    Mutant(
+        "W08",
+        STORE,
+        "                p.index != run[-1].index + 1\n                or p.segment != run[0].segment",
+        "                p.segment != run[0].segment",
+        "non-adjacent parameters share a bucket",
+    ),
+    Mutant(
+        "W09",
+        STORE,
+        "        self._stats.add_logical(kind, self._logical(bucket))\n",
+        "",
+        "inter-node logical bytes not counted",
+    ),
+    Mutant(
+        "W10",
+        STORE,
+        "                (topo.global_rank(n, local), [dst[local, n] for dst in full])",
+        "                (topo.global_rank(local % topo.nodes, n % per_node), [dst[local, n] for dst in full])",
+        "rank replica: runs routed to the wrong slots",
+    ),
+    Mutant(
+        "W11",
+        STORE,
+        "            pieces.append(new[p.key][:valid])\n            if valid < p.shard_numel:",
+        "            pieces.append(new[p.key][:valid])\n            if valid < p.shard_numel and False:",
+        "padding not zeroed in the sent run",
+    ),
+    Mutant(
+        "W12",
+        STORE,
+        "        seed, offset = self._stream.take(bucket.numel)",
+        "        seed, offset = self._stream.take(bucket.numel + 1)",
+        "refresh counter advances one too far",
+    ),
+    Mutant(
+        "W13",
+        STORE,
+        (
+            "                self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits, group_size=se"
+            "lf._group_size"
+        ),
+        (
+            "                self._run(self._own_slot, bucket), codes, scales, bits=self._bits, group_size=self._gro"
+            "up_size"
+        ),
+        "every received delta applied to the own slot",
+    ),
+    Mutant(
+        "W14",
+        STORE,
+        "        if self._slots == self._topo.world:",
+        '        if self._replica == "rank":',
+        "one-rank-per-node node replica gathers over a group of one",
+    ),
+    Mutant(
+        "W15",
+        STORE,
+        "            result.append(block.transpose(0, 1).reshape(-1)[: p.numel])",
+        "            result.append(block.reshape(-1)[: p.numel])",
+        "gathered shards in node-major order",
+    ),
+    Mutant(
+        "W16",
+        STORE,
+        '        comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")',
+        '        comm.all_reduce(low, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")',
+        "checksum never differs",
+    ),
+    Mutant(
+        "W17",
+        STORE,
+        "            flags[:, self._source(slot)] = differ[:, slot].to(torch.int32)",
+        "            flags[:, slot] = differ[:, slot].to(torch.int32)",
+        "checksum names the slot, not the owner",
+    ),
+    Mutant(
+        "W18",
+        STORE,
+        '        self._stream.load_state_dict(state["rounding"])',
+        "        return None",
+        "rounding counter not restored",
+    ),
+    Mutant(
+        "W19",
+        STORE,
+        '        if self._replica == "node" or per_node == 1:',
+        '        if self._replica == "node":',
+        "rank replica on one rank per node gathers inside a node of one",
+    ),
+    Mutant(
+        "W20",
+        STORE,
+        "        return [self._own_values(bucket, new).to(self._dtype)]",
+        "        return [self._own_values(bucket, new).to(torch.bfloat16).to(self._dtype)]",
+        "resync values rounded through bf16",
+    ),
+    Mutant(
+        "W21",
+        STORE,
+        "        if self._finish is None:\n            raise RuntimeError",
+        "        if False:\n            raise RuntimeError",
+        "a gather handle completes twice",
+    ),
+    Mutant(
+        "W22",
+        STORE,
+        "        return ChecksumReport(ok=not mismatches, mismatches=mismatches, regions=len(params) * topo.world)",
+        "        return ChecksumReport(ok=not mismatches, mismatches=mismatches[:1], regions=len(params) * topo.world)",
+        "checksum names only the first mismatch",
+    ),
     # zero3/runtime.py
-    Mutant("Z01", RUNTIME, "        return self.engine.global_steps >= self.config.start_step",
-           "        return self.engine.global_steps > self.config.start_step",
-           "quantization starts one step late"),
-    Mutant("Z02", RUNTIME, "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
-           "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=True))",
-           "weights quantized before the start step"),
-    Mutant("Z03", SERVING3, "        if runtime.reducer is None or not runtime.quantizing() or runtime.measuring():",
-           "        if runtime.reducer is None or runtime.measuring():",
-           "gradients quantized before the start step"),
-    Mutant("Z04", BUILD, "                group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,\n                group_inter=cfg.gq_group_size_inter,",
-           "                group_intra=cfg.gq_group_size_inter, bits_inter=cfg.gradient_quantization_bits_inter,\n                group_inter=cfg.gq_group_size_intra,",
-           "gradient group sizes swapped"),
-    Mutant("Z05", BUILD, "                group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,",
-           "                group_inter=cfg.gq_group_size_inter, hadamard=False,", "Hadamard setting ignored"),
-    Mutant("Z06", BUILD, "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
-           "                pipeline=1, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
-           "pipeline setting ignored"),
-    Mutant("Z07", BUILD, "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)",
-           "                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=0)",
-           "gradient seed ignored"),
-    Mutant("Z08", BUILD, "    return dict(bits_intra=cfg.gradient_quantization_bits_intra,",
-           "    return dict(bits_intra=8,", "intra-node gradient bits fixed at 8"),
-    Mutant("Z09", BUILD, "                       group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,\n                       stats=stats, bucket_numel=cfg.refresh_bucket_size,",
-           "                       group_size=cfg.wq_group_size, stochastic=not cfg.stochastic_rounding, seed=cfg.seed,\n                       stats=stats, bucket_numel=cfg.refresh_bucket_size,",
-           "weight rounding mode inverted"),
-    Mutant("Z10", RUNTIME, "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
-           "        self.weights.refresh(self.shards(), quantize=self.quantizing())", "ds_tensor not set to w~ after a refresh"),
-    Mutant("Z11", RUNTIME, "        if not report.ok:\n            self.checksum_mismatches += 1",
-           "        if False:\n            self.checksum_mismatches += 1", "verify never repairs"),
-    Mutant("Z12", RUNTIME,
-           "        if interval and self.store is not None and not self.measuring() and "
-           "self.optimizer_steps % interval == 0:",
-           "        if interval and self.store is not None and not self.measuring() and "
-           "self.optimizer_steps % interval == 1:",
-           "verification on the wrong steps"),
-    Mutant("W23", STORE, "            if own:\n                target.copy_(self._reference(bucket))",
-           "            if False:\n                target.copy_(self._reference(bucket))",
-           "attached store: the owner's deltas added to its new weights, not to its snapshot of w~"),
-    Mutant("W24", STORE, "            if own:\n                self._reference(bucket).copy_(target)",
-           "            if False:\n                self._reference(bucket).copy_(target)",
-           "attached store: the snapshot of w~ not moved with the refresh"),
-    Mutant("W25", STORE, "        if self._snapshots is None:\n            return self._run(self._own_slot, bucket)",
-           "        if True:\n            return self._run(self._own_slot, bucket)",
-           "attached store: differences taken against the new weights themselves"),
+    Mutant(
+        "Z01",
+        RUNTIME,
+        "        return self.engine.global_steps >= self.config.start_step",
+        "        return self.engine.global_steps > self.config.start_step",
+        "quantization starts one step late",
+    ),
+    Mutant(
+        "Z02",
+        RUNTIME,
+        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
+        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=True))",
+        "weights quantized before the start step",
+    ),
+    Mutant(
+        "Z03",
+        SERVING3,
+        "        if runtime.reducer is None or not runtime.quantizing() or runtime.measuring():",
+        "        if runtime.reducer is None or runtime.measuring():",
+        "gradients quantized before the start step",
+    ),
+    Mutant(
+        "Z04",
+        BUILD,
+        (
+            "        group_intra=cfg.gq_group_size_intra,\n"
+            "        bits_inter=cfg.gradient_quantization_bits_inter,\n"
+            "        group_inter=cfg.gq_group_size_inter,"
+        ),
+        (
+            "        group_intra=cfg.gq_group_size_inter,\n"
+            "        bits_inter=cfg.gradient_quantization_bits_inter,\n"
+            "        group_inter=cfg.gq_group_size_intra,"
+        ),
+        "gradient group sizes swapped",
+    ),
+    Mutant(
+        "Z05",
+        BUILD,
+        "        hadamard=cfg.hadamard_transform,",
+        "        hadamard=False,",
+        "Hadamard setting ignored",
+    ),
+    Mutant(
+        "Z06",
+        BUILD,
+        "        pipeline=cfg.gradient_alltoall_pipeline,",
+        "        pipeline=1,",
+        "pipeline setting ignored",
+    ),
+    Mutant(
+        "Z07",
+        BUILD,
+        (
+            "        pipeline=cfg.gradient_alltoall_pipeline,\n"
+            "        stochastic=cfg.stochastic_rounding,\n"
+            "        seed=cfg.seed,"
+        ),
+        (
+            "        pipeline=cfg.gradient_alltoall_pipeline,\n"
+            "        stochastic=cfg.stochastic_rounding,\n"
+            "        seed=0,"
+        ),
+        "gradient seed ignored",
+    ),
+    Mutant(
+        "Z08",
+        BUILD,
+        "        bits_intra=cfg.gradient_quantization_bits_intra,",
+        "        bits_intra=8,",
+        "intra-node gradient bits fixed at 8",
+    ),
+    Mutant(
+        "Z09",
+        BUILD,
+        (
+            "        replica=replica,\n"
+            "        bits=cfg.weight_quantization_bits,\n"
+            "        group_size=cfg.wq_group_size,\n"
+            "        stochastic=cfg.stochastic_rounding,"
+        ),
+        (
+            "        replica=replica,\n"
+            "        bits=cfg.weight_quantization_bits,\n"
+            "        group_size=cfg.wq_group_size,\n"
+            "        stochastic=not cfg.stochastic_rounding,"
+        ),
+        "weight rounding mode inverted",
+    ),
+    Mutant(
+        "Z10",
+        RUNTIME,
+        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
+        "        self.weights.refresh(self.shards(), quantize=self.quantizing())",
+        "ds_tensor not set to w~ after a refresh",
+    ),
+    Mutant(
+        "Z11",
+        RUNTIME,
+        "        if not report.ok:\n            self.checksum_mismatches += 1",
+        "        if False:\n            self.checksum_mismatches += 1",
+        "verify never repairs",
+    ),
+    Mutant(
+        "Z12",
+        RUNTIME,
+        "        if interval and self.store is not None and not self.measuring() and "
+        "self.optimizer_steps % interval == 0:",
+        "        if interval and self.store is not None and not self.measuring() and "
+        "self.optimizer_steps % interval == 1:",
+        "verification on the wrong steps",
+    ),
+    Mutant(
+        "W23",
+        STORE,
+        "            if own:\n                target.copy_(self._reference(bucket))",
+        "            if False:\n                target.copy_(self._reference(bucket))",
+        "attached store: the owner's deltas added to its new weights, not to its snapshot of w~",
+    ),
+    Mutant(
+        "W24",
+        STORE,
+        "            if own:\n                self._reference(bucket).copy_(target)",
+        "            if False:\n                self._reference(bucket).copy_(target)",
+        "attached store: the snapshot of w~ not moved with the refresh",
+    ),
+    Mutant(
+        "W25",
+        STORE,
+        "        if self._snapshots is None:\n            return self._run(self._own_slot, bucket)",
+        "        if True:\n            return self._run(self._own_slot, bucket)",
+        "attached store: differences taken against the new weights themselves",
+    ),
     # collectives/owner_reduce.py
-    Mutant("O01", OWNER, "        if last is not None and last.owner == run.owner and last.start + last.numel == run.start:",
-           "        if last is not None and last.owner == run.owner:", "runs of one owner joined across a gap"),
-    Mutant("O02", OWNER, "    padded = tuple(-(-length // unit) * unit for length in lengths)",
-           "    padded = tuple(max(1, -(-length // unit)) * unit for length in lengths)",
-           "ranks that own nothing of a bucket still get a padded piece"),
-    Mutant("O03", OWNER, "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline",
-           "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)",
-           "pieces not padded to whole groups per pipeline slice"),
-    Mutant("O04", OWNER, "        seed, offset = self.requant_stream.take(numel)",
-           "        seed, offset = self.requant_stream.take(0)", "requantization counter never advances"),
-    Mutant("O05", OWNER, "        if highest != -negated_lowest:", "        if False:",
-           "ranks with different layouts go on to the uneven exchanges"),
-    Mutant("O06", OWNER, "        return piece[:layout.lengths[rank]]", "        return piece", "padding delivered"),
+    Mutant(
+        "O01",
+        OWNER,
+        "        if last is not None and last.owner == run.owner and last.start + last.numel == run.start:",
+        "        if last is not None and last.owner == run.owner:",
+        "runs of one owner joined across a gap",
+    ),
+    Mutant(
+        "O02",
+        OWNER,
+        "    padded = tuple(-(-length // unit) * unit for length in lengths)",
+        "    padded = tuple(max(1, -(-length // unit)) * unit for length in lengths)",
+        "ranks that own nothing of a bucket still get a padded piece",
+    ),
+    Mutant(
+        "O03",
+        OWNER,
+        "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline",
+        "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)",
+        "pieces not padded to whole groups per pipeline slice",
+    ),
+    Mutant(
+        "O04",
+        OWNER,
+        "        seed, offset = self.requant_stream.take(numel)",
+        "        seed, offset = self.requant_stream.take(0)",
+        "requantization counter never advances",
+    ),
+    Mutant(
+        "O05",
+        OWNER,
+        "        if highest != -negated_lowest:",
+        "        if False:",
+        "ranks with different layouts go on to the uneven exchanges",
+    ),
+    Mutant("O06", OWNER, "        return piece[: layout.lengths[rank]]", "        return piece", "padding delivered"),
     # zero12/serving.py
-    Mutant("S01", SERVING12, "            if e.owner == rank:", "            if True:",
-           "every entry handed a slice of this rank's runs"),
-    Mutant("S02", SERVING12, "        if runtime.store is None or runtime.measuring():\n            deepspeed_gather()\n"
-                             "        runtime.after_step()",
-           "        deepspeed_gather()\n        runtime.after_step()",
-           "DeepSpeed's weight all-gather still runs beside the refresh"),
-    Mutant("S03", SERVING12, "        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()",
-           "        return runtime.reducer is not None and not runtime.measuring()",
-           "gradients quantized before the start step"),
+    Mutant(
+        "S01",
+        SERVING12,
+        "            if e.owner == rank:",
+        "            if True:",
+        "every entry handed a slice of this rank's runs",
+    ),
+    Mutant(
+        "S02",
+        SERVING12,
+        "        if runtime.store is None or runtime.measuring():\n            deepspeed_gather()\n"
+        "        runtime.after_step()",
+        "        deepspeed_gather()\n        runtime.after_step()",
+        "DeepSpeed's weight all-gather still runs beside the refresh",
+    ),
+    Mutant(
+        "S03",
+        SERVING12,
+        "        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()",
+        "        return runtime.reducer is not None and not runtime.measuring()",
+        "gradients quantized before the start step",
+    ),
     # sdp4bit_cost/traffic.py
-    Mutant("C01", TRAFFIC, "    return rings * layout.nodes * (group - 1) * wire",
-           "    return rings * layout.nodes * group * wire", "a ring all-gather sends every input across nodes"),
-    Mutant("C02", TRAFFIC, "    return 2 * ring if backend == \"gloo\" else ring", "    return ring",
-           "gloo's reduce-scatter counted as a ring"),
-    Mutant("C03", TRAFFIC, "            out.add(Transfer(\"grad_inter\", \"backward\", wire, w * wire * (n - 1) / n,",
-           "            out.add(Transfer(\"grad_inter\", \"backward\", wire, w * wire,",
-           "the inter-node piece for the own node counted as crossing"),
-    Mutant("C04", TRAFFIC, "    for n in reversed(numels):", "    for n in numels:",
-           "gradient buckets filled in forward order"),
-    Mutant("C05", TRAFFIC, "    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)",
-           "    return -(-numel * bits // 8) + SCALE_BYTES * (numel // group)", "a partial last group has no scale"),
-    Mutant("C06", TRAFFIC, "            m = 1 if t.phase == \"step\" else grad_accum", "            m = grad_accum",
-           "the optimizer step's transfers repeated per micro-batch"),
+    Mutant(
+        "C01",
+        TRAFFIC,
+        "    return rings * layout.nodes * (group - 1) * wire",
+        "    return rings * layout.nodes * group * wire",
+        "a ring all-gather sends every input across nodes",
+    ),
+    Mutant(
+        "C02",
+        TRAFFIC,
+        '    return 2 * ring if backend == "gloo" else ring',
+        "    return ring",
+        "gloo's reduce-scatter counted as a ring",
+    ),
+    Mutant(
+        "C03",
+        TRAFFIC,
+        (
+            "                Transfer(\n"
+            '                    "grad_inter",\n'
+            '                    "backward",\n'
+            "                    wire,\n"
+            "                    w * wire * (n - 1) / n,\n"
+            "                    codec=0.0 if d > 1 else codec,\n"
+            "                    levels=s.pipeline,\n"
+            "                )"
+        ),
+        (
+            '                Transfer("grad_inter", "backward", wire, w * wire, codec=0.0 if d > 1 else codec, level'
+            "s=s.pipeline)"
+        ),
+        "the inter-node piece for the own node counted as crossing",
+    ),
+    Mutant(
+        "C04",
+        TRAFFIC,
+        "    for n in reversed(numels):",
+        "    for n in numels:",
+        "gradient buckets filled in forward order",
+    ),
+    Mutant(
+        "C05",
+        TRAFFIC,
+        "    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)",
+        "    return -(-numel * bits // 8) + SCALE_BYTES * (numel // group)",
+        "a partial last group has no scale",
+    ),
+    Mutant(
+        "C06",
+        TRAFFIC,
+        '            m = 1 if t.phase == "step" else grad_accum',
+        "            m = grad_accum",
+        "the optimizer step's transfers repeated per micro-batch",
+    ),
     # sdp4bit_cost/timing.py
-    Mutant("M01", TIMING, "        micro += max(busy, comm) if work.overlap else busy + comm", "        micro += busy + comm",
-           "overlap ignored"),
-    Mutant("M02", TIMING, "    return StepTime(variant, m * micro + tail, m * work.compute_s,",
-           "    return StepTime(variant, m * micro, m * work.compute_s,", "the post-step refresh hidden"),
-    Mutant("M03", TIMING, "    whole = step.per_optimizer_step(m)", "    whole = step.per_optimizer_step(1)",
-           "micro-batches' bytes counted once per step"),
-    Mutant("M04", TIMING, "            ring += inter + intra if rates.shared_links else max(inter, intra)",
-           "            ring += max(inter, intra)", "links shared by the same cores taken as independent"),
-    Mutant("M05", TIMING, "    return max(0.0, 1.0 - live_parameters / (2 * numel)) if numel else 0.0",
-           "    return max(0.0, 1.0 - live_parameters / numel) if numel else 0.0",
-           "the backward keeps all live parameters, not half"),
+    Mutant(
+        "M01",
+        TIMING,
+        "        micro += max(busy, comm) if work.overlap else busy + comm",
+        "        micro += busy + comm",
+        "overlap ignored",
+    ),
+    Mutant(
+        "M02",
+        TIMING,
+        "        m * micro + tail,",
+        "        m * micro,",
+        "the post-step refresh hidden",
+    ),
+    Mutant(
+        "M03",
+        TIMING,
+        "    whole = step.per_optimizer_step(m)",
+        "    whole = step.per_optimizer_step(1)",
+        "micro-batches' bytes counted once per step",
+    ),
+    Mutant(
+        "M04",
+        TIMING,
+        "            ring += inter + intra if rates.shared_links else max(inter, intra)",
+        "            ring += max(inter, intra)",
+        "links shared by the same cores taken as independent",
+    ),
+    Mutant(
+        "M05",
+        TIMING,
+        "    return max(0.0, 1.0 - live_parameters / (2 * numel)) if numel else 0.0",
+        "    return max(0.0, 1.0 - live_parameters / numel) if numel else 0.0",
+        "the backward keeps all live parameters, not half",
+    ),
     # core/auto.py
-    Mutant("A01", AUTO, "        weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))",
-           "        weights, gradients = min(good, key=lambda o: predicted[o])", "the fastest, not the fewest parts"),
-    Mutant("A02", AUTO, "    dist.all_reduce(values, op=dist.ReduceOp.MAX)", "    dist.all_reduce(values, op=dist.ReduceOp.MIN)",
-           "the fastest rank's numbers decide"),
-    Mutant("A03", AUTO, "                   if (not w or self.candidates[0]) and (not g or self.candidates[1])]",
-           "                   ]", "parts the block does not switch on are considered"),
-    Mutant("A04", AUTO, "        if step + 1 < self.start_step or len(self.step_ends) < 2:",
-           "        if step < self.start_step or len(self.step_ends) < 2:", "the decision one step late"),
+    Mutant(
+        "A01",
+        AUTO,
+        "        weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))",
+        "        weights, gradients = min(good, key=lambda o: predicted[o])",
+        "the fastest, not the fewest parts",
+    ),
+    Mutant(
+        "A02",
+        AUTO,
+        "    dist.all_reduce(values, op=dist.ReduceOp.MAX)",
+        "    dist.all_reduce(values, op=dist.ReduceOp.MIN)",
+        "the fastest rank's numbers decide",
+    ),
+    Mutant(
+        "A03",
+        AUTO,
+        (
+            "        options = [\n"
+            "            (w, g)\n"
+            "            for w, g in itertools.product((False, True), repeat=2)\n"
+            "            if (not w or self.candidates[0]) and (not g or self.candidates[1])\n"
+            "        ]"
+        ),
+        "        options = [(w, g) for w, g in itertools.product((False, True), repeat=2)]",
+        "parts the block does not switch on are considered",
+    ),
+    Mutant(
+        "A04",
+        AUTO,
+        "        if step + 1 < self.start_step or len(self.step_ends) < 2:",
+        "        if step < self.start_step or len(self.step_ends) < 2:",
+        "the decision one step late",
+    ),
 ]
 
 
@@ -408,9 +957,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", default=",".join(TARGETS), help="comma-separated targets: " + ", ".join(TARGETS))
     parser.add_argument("--only", nargs="*", default=None, help="mutant ids to run (default: all of the files)")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="scratch folder to create for the clone; must not exist yet (default: a fresh "
-                             "temporary folder)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="scratch folder to create for the clone; must not exist yet (default: a fresh temporary folder)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch clone afterwards")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -419,11 +971,18 @@ def main() -> None:
         parser.error(f"--files {','.join(unknown)}: not a target; choose from {', '.join(TARGETS)}")
     targets = [TARGETS[name] for name in args.files.split(",")]
     if args.work is not None and (args.work.exists() or args.work.is_symlink()):
-        parser.error(f"--work {args.work}: it exists, and this run removes the folder it clones into; name a folder "
-                     "that does not exist yet (it is created here) or leave --work out for a fresh temporary one")
+        parser.error(
+            f"--work {args.work}: it exists, and this run removes the folder it clones into; name a folder "
+            "that does not exist yet (it is created here) or leave --work out for a fresh temporary one"
+        )
     args.work = scratch(args.work)
-    env = {**os.environ, "PYTHONPATH": str(args.work), "SDP4BIT_HYPOTHESIS_PROFILE": "ci",
-           "TORCH_EXTENSIONS_DIR": str(args.work / ".torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(args.work),
+        "SDP4BIT_HYPOTHESIS_PROFILE": "ci",
+        "TORCH_EXTENSIONS_DIR": str(args.work / ".torch_extensions"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     results = []
     try:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(args.work)], check=True)
@@ -439,8 +998,15 @@ def main() -> None:
                 finally:
                     (args.work / mutant.path).write_text(original)
                 outcome = "killed" if status != "pass" else "equivalent" if mutant.equivalent else "survived"
-                results.append({**asdict(mutant), "target": target.name, "outcome": outcome, "status": status,
-                                "seconds": round(seconds, 1)})
+                results.append(
+                    {
+                        **asdict(mutant),
+                        "target": target.name,
+                        "outcome": outcome,
+                        "status": status,
+                        "seconds": round(seconds, 1),
+                    }
+                )
                 print(f"{mutant.id} {outcome:8} {status:7} {seconds:6.0f} s  {mutant.what}", flush=True)
     finally:
         if args.keep:
@@ -453,8 +1019,10 @@ def main() -> None:
         counts = {kind: sum(r["outcome"] == kind for r in mine) for kind in ("killed", "survived", "equivalent")}
         if mine:
             score = 100 * counts["killed"] / max(1, len(mine) - counts["equivalent"])
-            print(f"| {target.path} | {len(mine)} | {counts['killed']} | {counts['survived']} | "
-                  f"{counts['equivalent']} | {score:.0f}% |")
+            print(
+                f"| {target.path} | {len(mine)} | {counts['killed']} | {counts['survived']} | "
+                f"{counts['equivalent']} | {score:.0f}% |"
+            )
     print("survivors:", [(r["id"], r["what"]) for r in results if r["outcome"] == "survived"])
     print("equivalent:", [(r["id"], r["equivalent"]) for r in results if r["outcome"] == "equivalent"])
     if args.json:

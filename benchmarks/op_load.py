@@ -53,11 +53,17 @@ def main() -> int:
 def _measure(work: Path) -> int:
     """Build into work/ext, then load five ways; 1 if any way rebuilt the op."""
     (work / "probe.py").write_text(PROBE)
-    (work / "test_probe.py").write_text("def test_load():\n" + "".join(f"    {line}\n" for line in
-                                                                     PROBE.strip().splitlines()))
+    (work / "test_probe.py").write_text(
+        "def test_load():\n" + "".join(f"    {line}\n" for line in PROBE.strip().splitlines())
+    )
     system_path = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin", str(VENV_BIN)])
-    base = {**os.environ, "TORCH_EXTENSIONS_DIR": str(work / "ext"), "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": str(ROOT), "PATH": system_path}
+    base = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(work / "ext"),
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(ROOT),
+        "PATH": system_path,
+    }
     base.pop("VIRTUAL_ENV", None)
     python = str(VENV_BIN / "python")
     activated = {**base, "PATH": os.pathsep.join([str(VENV_BIN), system_path]), "VIRTUAL_ENV": str(VENV_BIN.parent)}
@@ -68,12 +74,18 @@ def _measure(work: Path) -> int:
     ways = {
         "interpreter by path": ([python, str(work / "probe.py")], base),
         "activated venv": (["bash", "-c", f"source {VENV_BIN}/activate && python {work / 'probe.py'}"], base),
-        "deepspeed launcher": ([str(VENV_BIN / "deepspeed"), "--num_accelerators", "1", "--master_port", "29617",
-                                str(work / "probe.py")], activated),
-        "torchrun": ([str(VENV_BIN / "torchrun"), "--nproc_per_node", "1", "--master_port", "29618",
-                      str(work / "probe.py")], base),
-        "pytest": ([python, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(work / "test_probe.py")],
-                   activated),
+        "deepspeed launcher": (
+            [str(VENV_BIN / "deepspeed"), "--num_accelerators", "1", "--master_port", "29617", str(work / "probe.py")],
+            activated,
+        ),
+        "torchrun": (
+            [str(VENV_BIN / "torchrun"), "--nproc_per_node", "1", "--master_port", "29618", str(work / "probe.py")],
+            base,
+        ),
+        "pytest": (
+            [python, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(work / "test_probe.py")],
+            activated,
+        ),
     }
     worst = 0.0
     for name, (cmd, env) in ways.items():

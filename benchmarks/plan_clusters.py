@@ -16,8 +16,8 @@ are from a real cluster.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_cost import paper, plan
@@ -25,19 +25,29 @@ from sdp4bit_cost.sensitivity import PAPER_FITS
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = (
-    ("16 x 8 H100, 8 x 400 Gbit/s InfiniBand", ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100",
-                                                "--inter-node-gbps", "3200"]),
-    ("16 x 8 H100, 100 Gbit/s Ethernet", ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100",
-                                          "--inter-node-gbps", "100"]),
-    ("16 x 4 A100, 100 Gbit/s (the paper's)", ["--nodes", "16", "--gpus-per-node", "4", "--gpu", "a100",
-                                               "--inter-node-gbps", "100"]),
-    ("16 x 8 H800, 8 x 400 Gbit/s (the paper's)", ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h800",
-                                                   "--inter-node-gbps", "3200"]),
+    (
+        "16 x 8 H100, 8 x 400 Gbit/s InfiniBand",
+        ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100", "--inter-node-gbps", "3200"],
+    ),
+    (
+        "16 x 8 H100, 100 Gbit/s Ethernet",
+        ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h100", "--inter-node-gbps", "100"],
+    ),
+    (
+        "16 x 4 A100, 100 Gbit/s (the paper's)",
+        ["--nodes", "16", "--gpus-per-node", "4", "--gpu", "a100", "--inter-node-gbps", "100"],
+    ),
+    (
+        "16 x 8 H800, 8 x 400 Gbit/s (the paper's)",
+        ["--nodes", "16", "--gpus-per-node", "8", "--gpu", "h800", "--inter-node-gbps", "3200"],
+    ),
     ("4 x 8 A100, 200 Gbit/s", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100", "--inter-node-gbps", "200"]),
 )
 MODELS = ("1.3b", "13b")
-PAPER_CLUSTERS = {"16 x 4 A100, 100 Gbit/s (the paper's)": paper.A100,
-                  "16 x 8 H800, 8 x 400 Gbit/s (the paper's)": paper.H800}
+PAPER_CLUSTERS = {
+    "16 x 4 A100, 100 Gbit/s (the paper's)": paper.A100,
+    "16 x 8 H800, 8 x 400 Gbit/s (the paper's)": paper.H800,
+}
 
 
 def paper_run(name: str, model: str, flags: list[str]) -> dict | None:
@@ -48,12 +58,28 @@ def paper_run(name: str, model: str, flags: list[str]) -> dict | None:
         return None
     efficiency, fraction = PAPER_FITS[cluster.name]
     tp, pp = paper.PARALLEL[cluster.name][model]
-    argv = ["--model", model, *flags, "--system", "megatron", "--tflops", f"{fraction * cluster.peak_tflops:.1f}",
-            "--link-efficiency", f"{efficiency}", "--tp", str(tp), "--pp", str(pp)]
+    argv = [
+        "--model",
+        model,
+        *flags,
+        "--system",
+        "megatron",
+        "--tflops",
+        f"{fraction * cluster.peak_tflops:.1f}",
+        "--link-efficiency",
+        f"{efficiency}",
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+    ]
     fitted = plan.project(plan.build(plan.parser().parse_args(argv)))
     baseline, sdp4bit = paper.TABLE2[cluster.name][model]
-    return {"measured_speedup": sdp4bit / baseline, "fitted_flags": argv,
-            "fitted_speedup": next(r.speedup for r in fitted if r.variant == "SDP4Bit")}
+    return {
+        "measured_speedup": sdp4bit / baseline,
+        "fitted_flags": argv,
+        "fitted_speedup": next(r.speedup for r in fitted if r.variant == "SDP4Bit"),
+    }
 
 
 def rows() -> list[dict]:
@@ -64,12 +90,21 @@ def rows() -> list[dict]:
             built = plan.build(plan.parser().parse_args(["--model", model, *flags]))
             projected = plan.project(built)
             best = max(projected[1:], key=lambda r: r.speedup)
-            out.append({"cluster": name, "model": model, "flags": ["--model", model, *flags],
-                        "zero3_step_s": projected[0].step.step_s,
-                        "zero3_exposed": projected[0].step.exposed_s / projected[0].step.step_s,
-                        "sdp4bit_step_s": projected[2].step.step_s, "sdp4bit_speedup": projected[2].speedup,
-                        "zeropp_speedup": projected[1].speedup, "best": best.variant,
-                        "recommendation": plan.recommend(built, projected), "paper": paper_run(name, model, flags)})
+            out.append(
+                {
+                    "cluster": name,
+                    "model": model,
+                    "flags": ["--model", model, *flags],
+                    "zero3_step_s": projected[0].step.step_s,
+                    "zero3_exposed": projected[0].step.exposed_s / projected[0].step.step_s,
+                    "sdp4bit_step_s": projected[2].step.step_s,
+                    "sdp4bit_speedup": projected[2].speedup,
+                    "zeropp_speedup": projected[1].speedup,
+                    "best": best.variant,
+                    "recommendation": plan.recommend(built, projected),
+                    "paper": paper_run(name, model, flags),
+                }
+            )
     return out
 
 
@@ -79,15 +114,19 @@ def _short(recommendation: str) -> str:
 
 
 def table(results: Sequence[dict]) -> str:
-    lines = ["| cluster | GPT | ZeRO-3 step s | exposed | SDP4Bit step s | SDP4Bit speed-up | ZeRO++ speed-up | "
-             "recommendation | the paper measured (Megatron-LM) | projected for it, fitted inputs |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = [
+        "| cluster | GPT | ZeRO-3 step s | exposed | SDP4Bit step s | SDP4Bit speed-up | ZeRO++ speed-up | "
+        "recommendation | the paper measured (Megatron-LM) | projected for it, fitted inputs |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for r in results:
         run = r["paper"]
         measured = f"{run['measured_speedup']:.2f}x | {run['fitted_speedup']:.2f}x" if run else "— | —"
-        lines.append(f"| {r['cluster']} | {r['model']} | {r['zero3_step_s']:.3f} | {r['zero3_exposed']:.0%} | "
-                     f"{r['sdp4bit_step_s']:.3f} | {r['sdp4bit_speedup']:.2f}x | {r['zeropp_speedup']:.2f}x | "
-                     f"{_short(r['recommendation'])} | {measured} |")
+        lines.append(
+            f"| {r['cluster']} | {r['model']} | {r['zero3_step_s']:.3f} | {r['zero3_exposed']:.0%} | "
+            f"{r['sdp4bit_step_s']:.3f} | {r['sdp4bit_speedup']:.2f}x | {r['zeropp_speedup']:.2f}x | "
+            f"{_short(r['recommendation'])} | {measured} |"
+        )
     return "\n".join(lines) + "\n"
 
 

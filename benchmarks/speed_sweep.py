@@ -34,15 +34,25 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from deepspeed_sdp4bit.config import AUTO_START_STEP
 from deepspeed_sdp4bit.provenance import provenance
 from sdp4bit_benchmarks import cost_model
-from sdp4bit_benchmarks.two_nodes import (LINK, Invoker, Link, TwoNodes, TwoNodesError, check_topology,
-                                          invoker, run_job, signals_raise, tcp_payload)
+from sdp4bit_benchmarks.two_nodes import (
+    LINK,
+    Invoker,
+    Link,
+    TwoNodes,
+    TwoNodesError,
+    check_topology,
+    invoker,
+    run_job,
+    signals_raise,
+    tcp_payload,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = str(ROOT / "configs/cpu/tiny_baseline.json")
@@ -73,20 +83,30 @@ class Variant:
         return PLAIN[self.stage]
 
 
-VARIANTS = {v.name: v for v in (
-    Variant("zero3", "ZeRO-3", BASELINE),
-    Variant("hpz", "ZeRO++ hpZ", BASELINE, ("zero_optimization.zero_hpz_partition_size=2",)),
-    Variant("sdp4bit_node", "SDP4Bit (node replica)", SDP4BIT, (AUTO,)),
-    Variant("sdp4bit_rank", "SDP4Bit (rank replica)", SDP4BIT, (AUTO, "sdp4bit.weight_replica=rank")),
-    Variant("qwd", "qWD only", SDP4BIT, (AUTO, "sdp4bit.quantized_gradients=false",
-                                           "sdp4bit.hadamard_transform=false")),
-    Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
-    Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
-    Variant("zero2", "ZeRO-2", BASELINE, (ZERO2,), stage=2),
-    Variant("zero2_sdp4bit", "ZeRO-2 + SDP4Bit", SDP4BIT, (AUTO, ZERO2), stage=2),
-    Variant("zero2_auto", "ZeRO-2 + SDP4Bit auto", SDP4BIT, (AUTO, ZERO2, "sdp4bit.auto=true"),
-            steady_from=AUTO_START_STEP, stage=2),
-)}
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("zero3", "ZeRO-3", BASELINE),
+        Variant("hpz", "ZeRO++ hpZ", BASELINE, ("zero_optimization.zero_hpz_partition_size=2",)),
+        Variant("sdp4bit_node", "SDP4Bit (node replica)", SDP4BIT, (AUTO,)),
+        Variant("sdp4bit_rank", "SDP4Bit (rank replica)", SDP4BIT, (AUTO, "sdp4bit.weight_replica=rank")),
+        Variant(
+            "qwd", "qWD only", SDP4BIT, (AUTO, "sdp4bit.quantized_gradients=false", "sdp4bit.hadamard_transform=false")
+        ),
+        Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
+        Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
+        Variant("zero2", "ZeRO-2", BASELINE, (ZERO2,), stage=2),
+        Variant("zero2_sdp4bit", "ZeRO-2 + SDP4Bit", SDP4BIT, (AUTO, ZERO2), stage=2),
+        Variant(
+            "zero2_auto",
+            "ZeRO-2 + SDP4Bit auto",
+            SDP4BIT,
+            (AUTO, ZERO2, "sdp4bit.auto=true"),
+            steady_from=AUTO_START_STEP,
+            stage=2,
+        ),
+    )
+}
 PLAIN = {3: "zero3", 2: "zero2"}
 AUTOS = ("auto", "zero2_auto")
 RATES = ("25", "50", "200", "1000", "unshaped")
@@ -102,8 +122,14 @@ def parse_rate(rate: str) -> float | None:
 
 def point_key(record: dict) -> tuple:
     """What identifies a run: its point (variant, dtype, rate), its repeat and every setting that changes it."""
-    return (record["variant"], record["dtype"], record["rate"], record["repeat"], record["steps"],
-            ranks_per_node(record))
+    return (
+        record["variant"],
+        record["dtype"],
+        record["rate"],
+        record["repeat"],
+        record["steps"],
+        ranks_per_node(record),
+    )
 
 
 def ranks_per_node(record: dict) -> int:
@@ -120,10 +146,28 @@ def load_runs(path: Path) -> list[dict]:
 
 def train_args(variant: Variant, dtype: str, steps: int, out: Path) -> list[str]:
     """train_gpt.py's arguments for one run."""
-    args = ["--model", "tiny", "--deepspeed_config", variant.config, "--precision", dtype, "--data",
-            str(DATA), "--train_iters", str(steps), "--lr_decay_iters", str(steps),
-            "--eval_interval", str(10 * steps), "--steady_from", str(variant.steady_from), "--link_counters", LINK,
-            "--out", str(out)]
+    args = [
+        "--model",
+        "tiny",
+        "--deepspeed_config",
+        variant.config,
+        "--precision",
+        dtype,
+        "--data",
+        str(DATA),
+        "--train_iters",
+        str(steps),
+        "--lr_decay_iters",
+        str(steps),
+        "--eval_interval",
+        str(10 * steps),
+        "--steady_from",
+        str(variant.steady_from),
+        "--link_counters",
+        LINK,
+        "--out",
+        str(out),
+    ]
     for override in variant.overrides:
         args += ["--ds_set", override]
     return args
@@ -136,12 +180,22 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     (run_dir / "summary.json").unlink(missing_ok=True)  # an interrupted earlier run's must not stand for this one
     load_before = os.getloadavg()[0]
     job = run_job(nodes, TRAINER, train_args(variant, dtype, steps, run_dir), run_dir, timeout=1800)
-    record = {"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": steps,
-              "ranks_per_node": nodes.ranks_per_node,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "provenance": provenance(),
-              "exit_codes": job["exit_codes"],
-              "job_s": round(job["seconds"], 1), "drops": job["link_drops"], "topology": job["topology"],
-              "load_before": load_before, "load_after": os.getloadavg()[0]}
+    record = {
+        "variant": variant.name,
+        "dtype": dtype,
+        "rate": rate,
+        "repeat": repeat,
+        "steps": steps,
+        "ranks_per_node": nodes.ranks_per_node,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "provenance": provenance(),
+        "exit_codes": job["exit_codes"],
+        "job_s": round(job["seconds"], 1),
+        "drops": job["link_drops"],
+        "topology": job["topology"],
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
     summary_path = run_dir / "summary.json"
     if any(job["exit_codes"]) or not summary_path.exists():
         record["error"] = f"job failed; see {run_dir}/node0.log and node1.log"
@@ -153,17 +207,27 @@ def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: in
     link_payload = tcp_payload(link_bytes, summary["link_tx_packets_per_step"])
     accounted = cost_model.accounted_cross_node_bytes(summary, variant.name, dtype)
     model = cost_model.sweep_bytes(summary, variant.name, dtype)
-    record.update({"step_s": summary["step_time_s"], "step0_s": summary["step0_time_s"],
-                   "tokens_per_s": summary["settings"]["global_batch"] * summary["settings"]["seq_len"]
-                   / summary["step_time_s"],
-                   "step_times": [r for r in _steady_step_times(run_dir / "log.csv", summary["steady_from"])],
-                   "link_bytes": link_bytes, "link_payload": link_payload, "accounted_cross": accounted,
-                   "accounted_vs_link": accounted / link_payload - 1 if link_payload else None,
-                   "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"), "world": summary["world_size"],
-                   "auto": summary.get("sdp4bit_auto"),
-                   "model_wire": model.wire,
-                   "model_cross": model.cross,
-                   "train_s": summary["train_s"], "startup_s": summary["startup_s"]})
+    record.update(
+        {
+            "step_s": summary["step_time_s"],
+            "step0_s": summary["step0_time_s"],
+            "tokens_per_s": summary["settings"]["global_batch"]
+            * summary["settings"]["seq_len"]
+            / summary["step_time_s"],
+            "step_times": [r for r in _steady_step_times(run_dir / "log.csv", summary["steady_from"])],
+            "link_bytes": link_bytes,
+            "link_payload": link_payload,
+            "accounted_cross": accounted,
+            "accounted_vs_link": accounted / link_payload - 1 if link_payload else None,
+            "sdp4bit_bytes": summary.get("sdp4bit_bytes_per_step"),
+            "world": summary["world_size"],
+            "auto": summary.get("sdp4bit_auto"),
+            "model_wire": model.wire,
+            "model_cross": model.cross,
+            "train_s": summary["train_s"],
+            "startup_s": summary["startup_s"],
+        }
+    )
     return record
 
 
@@ -202,8 +266,16 @@ def pending(args: argparse.Namespace, points: Iterator[tuple[int, str, str, Vari
 def _planned_key(args: argparse.Namespace, point: tuple[int, str, str, Variant]) -> tuple:
     """The point_key the run of a planned point will have."""
     repeat, rate, dtype, variant = point
-    return point_key({"variant": variant.name, "dtype": dtype, "rate": rate, "repeat": repeat, "steps": args.steps,
-                      "ranks_per_node": args.ranks_per_node})
+    return point_key(
+        {
+            "variant": variant.name,
+            "dtype": dtype,
+            "rate": rate,
+            "repeat": repeat,
+            "steps": args.steps,
+            "ranks_per_node": args.ranks_per_node,
+        }
+    )
 
 
 def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Variant]]:
@@ -213,8 +285,11 @@ def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Var
     runs = [r for r in load_runs(args.out / "runs.jsonl") if "error" not in r and r["steps"] == args.steps]
     for _, rate, dtype, variant in plan(args, repeats=1):
         planned = repeats_at(args, rate)
-        times = [r["step_s"] for r in runs if (r["variant"], r["dtype"], r["rate"]) == (variant.name, dtype, rate)
-                 and r["repeat"] < planned]
+        times = [
+            r["step_s"]
+            for r in runs
+            if (r["variant"], r["dtype"], r["rate"]) == (variant.name, dtype, rate) and r["repeat"] < planned
+        ]
         if len(times) > 1 and max(times) > (1 + args.rerun_spread) * min(times):
             yield planned, rate, dtype, variant
 
@@ -233,9 +308,11 @@ def run_points(args: argparse.Namespace, nodes: TwoNodes, todo: list[tuple], lab
         record = measure(nodes, variant, dtype, rate, repeat, args.steps, args.out)
         with nodes.user.files(), (args.out / "runs.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        status = record.get("error") or (f"step {record['step_s']:.3f} s, step0 {record['step0_s']:.2f} s, "
-                                         f"link {record['link_payload'] / 1e6:.3f} MB/step "
-                                         f"(accounted {record['accounted_vs_link']:+.1%})")
+        status = record.get("error") or (
+            f"step {record['step_s']:.3f} s, step0 {record['step0_s']:.2f} s, "
+            f"link {record['link_payload'] / 1e6:.3f} MB/step "
+            f"(accounted {record['accounted_vs_link']:+.1%})"
+        )
         print(f"[{index + 1}/{len(todo)}] {variant.name} {dtype} {rate} repeat {repeat}: {status}", flush=True)
 
 
@@ -248,41 +325,58 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
     rows = []
     for (dtype, variant, rate), members in groups.items():
         times = [m["step_s"] for m in members]
-        rows.append({"dtype": dtype, "variant": variant, "rate": rate, "repeats": len(members),
-                     "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                     "step0_s": statistics.median(m["step0_s"] for m in members),
-                     "tokens_per_s": statistics.median(m["tokens_per_s"] for m in members),
-                     "link_payload": statistics.median(m["link_payload"] for m in members),
-                     "accounted_cross": statistics.median(m["accounted_cross"] for m in members),
-                     "drops": sum(m["drops"] for m in members)})
+        rows.append(
+            {
+                "dtype": dtype,
+                "variant": variant,
+                "rate": rate,
+                "repeats": len(members),
+                "step_s": statistics.median(times),
+                "min_s": min(times),
+                "max_s": max(times),
+                "step0_s": statistics.median(m["step0_s"] for m in members),
+                "tokens_per_s": statistics.median(m["tokens_per_s"] for m in members),
+                "link_payload": statistics.median(m["link_payload"] for m in members),
+                "accounted_cross": statistics.median(m["accounted_cross"] for m in members),
+                "drops": sum(m["drops"] for m in members),
+            }
+        )
     base = {(r["dtype"], r["rate"], r["variant"]): r for r in rows if r["variant"] in PLAIN.values()}
     for row in rows:
         ref = base.get((row["dtype"], row["rate"], VARIANTS[row["variant"]].baseline))
         row["speedup"] = ref["step_s"] / row["step_s"] if ref else None
         row["bytes_vs_plain"] = row["link_payload"] / ref["link_payload"] if ref else None
     order = {name: i for i, name in enumerate(VARIANTS)}
-    return sorted(rows, key=lambda r: (r["dtype"], RATES.index(r["rate"]) if r["rate"] in RATES else 99,
-                                       order.get(r["variant"], 99)))
+    return sorted(
+        rows,
+        key=lambda r: (r["dtype"], RATES.index(r["rate"]) if r["rate"] in RATES else 99, order.get(r["variant"], 99)),
+    )
 
 
 def table(rows: Sequence[dict]) -> str:
     """The markdown table of the aggregated rows."""
-    lines = ["| dtype | link Mbit/s | variant | step s (median) | spread s | step 0 s | tokens/s | speed-up | "
-             "link MB/step | accounted MB/step | accounted/link | bytes vs plain |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| dtype | link Mbit/s | variant | step s (median) | spread s | step 0 s | tokens/s | speed-up | "
+        "link MB/step | accounted MB/step | accounted/link | bytes vs plain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else ""
         vs = f"{r['bytes_vs_plain']:.3f}" if r["bytes_vs_plain"] else ""
-        lines.append(f"| {r['dtype']} | {r['rate']} | {VARIANTS[r['variant']].label} | {r['step_s']:.3f} | "
-                     f"{r['min_s']:.3f}-{r['max_s']:.3f} ({r['repeats']}) | {r['step0_s']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {speedup} | {r['link_payload'] / 1e6:.3f} | "
-                     f"{r['accounted_cross'] / 1e6:.3f} | {r['accounted_cross'] / r['link_payload']:.3f} | {vs} |")
+        lines.append(
+            f"| {r['dtype']} | {r['rate']} | {VARIANTS[r['variant']].label} | {r['step_s']:.3f} | "
+            f"{r['min_s']:.3f}-{r['max_s']:.3f} ({r['repeats']}) | {r['step0_s']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {speedup} | {r['link_payload'] / 1e6:.3f} | "
+            f"{r['accounted_cross'] / 1e6:.3f} | {r['accounted_cross'] / r['link_payload']:.3f} | {vs} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 # the README's columns per stage: the plain run, hpZ (ZeRO-3), SDP4Bit and auto
-BRIEF = {3: {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"},
-         2: {"zero2": "ZeRO-2", "zero2_sdp4bit": "SDP4Bit", "zero2_auto": "auto"}}
+BRIEF = {
+    3: {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"},
+    2: {"zero2": "ZeRO-2", "zero2_sdp4bit": "SDP4Bit", "zero2_auto": "auto"},
+}
 
 
 def brief_table(rows: Sequence[dict], stage: int = 3) -> str:
@@ -292,8 +386,11 @@ def brief_table(rows: Sequence[dict], stage: int = 3) -> str:
     sdp4bit, auto_name = list(columns)[-2:]
     dtypes = sorted({r["dtype"] for r in rows})
     cells = {(r["dtype"], r["rate"], r["variant"]): r for r in rows}
-    head = ["link Mbit/s"] + [f"{d} {label}" for d in dtypes for label in columns.values()] + \
-        [f"{d} speed-up SDP4Bit, auto" for d in dtypes]
+    head = (
+        ["link Mbit/s"]
+        + [f"{d} {label}" for d in dtypes for label in columns.values()]
+        + [f"{d} speed-up SDP4Bit, auto" for d in dtypes]
+    )
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for rate in [r for r in RATES if any(k[1] == r and k[2] in columns for k in cells)]:
         steps = [cells.get((d, rate, v)) for d in dtypes for v in columns]
@@ -311,23 +408,36 @@ AUTO_BOUND = 0.05  # auto's median step within 5% of the best fixed variant's
 def auto_table(rows: Sequence[dict], runs: Sequence[dict]) -> tuple[str, bool]:
     """Per dtype and rate: auto's decision and median step against the best fixed variant's; whether all are within
     AUTO_BOUND."""
-    lines = ["| dtype | link Mbit/s | auto | switched on | auto step s | best fixed variant | its step s | "
-             "auto / best |", "|---|---|---|---|---:|---|---:|---:|"]
+    lines = [
+        "| dtype | link Mbit/s | auto | switched on | auto step s | best fixed variant | its step s | auto / best |",
+        "|---|---|---|---|---:|---|---:|---:|",
+    ]
     ok = True
     for row in (r for r in rows if r["variant"] in AUTOS):
         stage = VARIANTS[row["variant"]].stage
-        fixed = [r for r in rows if r["variant"] not in AUTOS and VARIANTS[r["variant"]].stage == stage
-                 and (r["dtype"], r["rate"]) == (row["dtype"], row["rate"])]
+        fixed = [
+            r
+            for r in rows
+            if r["variant"] not in AUTOS
+            and VARIANTS[r["variant"]].stage == stage
+            and (r["dtype"], r["rate"]) == (row["dtype"], row["rate"])
+        ]
         if not fixed:
             continue
         best = min(fixed, key=lambda r: r["step_s"])
-        decisions = {" + ".join(run["auto"]["on"]) or "nothing" for run in runs if run.get("auto") and
-                     (run["variant"], run["dtype"], run["rate"]) == (row["variant"], row["dtype"], row["rate"])}
+        decisions = {
+            " + ".join(run["auto"]["on"]) or "nothing"
+            for run in runs
+            if run.get("auto")
+            and (run["variant"], run["dtype"], run["rate"]) == (row["variant"], row["dtype"], row["rate"])
+        }
         ratio = row["step_s"] / best["step_s"]
         ok = ok and ratio <= 1 + AUTO_BOUND
-        lines.append(f"| {row['dtype']} | {row['rate']} | {VARIANTS[row['variant']].label} | "
-                     f"{', '.join(sorted(decisions))} | {row['step_s']:.3f} | {VARIANTS[best['variant']].label} | "
-                     f"{best['step_s']:.3f} | {ratio:.3f} |")
+        lines.append(
+            f"| {row['dtype']} | {row['rate']} | {VARIANTS[row['variant']].label} | "
+            f"{', '.join(sorted(decisions))} | {row['step_s']:.3f} | {VARIANTS[best['variant']].label} | "
+            f"{best['step_s']:.3f} | {ratio:.3f} |"
+        )
     return "\n".join(lines) + "\n", ok
 
 
@@ -342,16 +452,30 @@ def plot(rows: Sequence[dict], path: Path, per_node: int) -> None:
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(5.5 * (len(dtypes) + 1), 4.5), squeeze=False)
     unshaped_x = 5000.0
-    for ax, dtype in zip(axes[0], dtypes):
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
         for name, variant in VARIANTS.items():
-            points = sorted((parse_rate(r["rate"]) or unshaped_x, r["step_s"], r["min_s"], r["max_s"])
-                            for r in rows if r["dtype"] == dtype and r["variant"] == name)
+            points = sorted(
+                (parse_rate(r["rate"]) or unshaped_x, r["step_s"], r["min_s"], r["max_s"])
+                for r in rows
+                if r["dtype"] == dtype and r["variant"] == name
+            )
             if points:
-                xs, ys, lo, hi = zip(*points)
-                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
-                            marker="o", capsize=3, label=variant.label)
-        ax.set(xscale="log", yscale="log", xlabel="link rate, Mbit/s each way",
-               ylabel="median step time, s", title=f"tiny GPT, 2 nodes x {per_node} CPU ranks, {dtype}")
+                xs, ys, lo, hi = zip(*points, strict=True)
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[[y - a for y, a in zip(ys, lo, strict=True)], [b - y for y, b in zip(ys, hi, strict=True)]],
+                    marker="o",
+                    capsize=3,
+                    label=variant.label,
+                )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="link rate, Mbit/s each way",
+            ylabel="median step time, s",
+            title=f"tiny GPT, 2 nodes x {per_node} CPU ranks, {dtype}",
+        )
         ticks = sorted({parse_rate(r["rate"]) or unshaped_x for r in rows})
         ax.set_xticks(ticks, [f"{t:g}" if t != unshaped_x else "unshaped" for t in ticks])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
@@ -362,11 +486,16 @@ def plot(rows: Sequence[dict], path: Path, per_node: int) -> None:
     ax = axes[0][-1]
     names = [n for n in VARIANTS if any(r["variant"] == n for r in rows)]
     for offset, dtype in enumerate(dtypes):
-        values = [statistics.median([r["link_payload"] / 1e6 for r in rows if r["variant"] == n
-                                     and r["dtype"] == dtype] or [0.0]) for n in names]
+        values = [
+            statistics.median(
+                [r["link_payload"] / 1e6 for r in rows if r["variant"] == n and r["dtype"] == dtype] or [0.0]
+            )
+            for n in names
+        ]
         ax.bar([i + 0.4 * offset for i in range(len(names))], values, width=0.4, label=dtype)
-    ax.set_xticks([i + 0.2 for i in range(len(names))], [VARIANTS[n].label for n in names], rotation=30,
-                  ha="right", fontsize=8)
+    ax.set_xticks(
+        [i + 0.2 for i in range(len(names))], [VARIANTS[n].label for n in names], rotation=30, ha="right", fontsize=8
+    )
     ax.set(yscale="log", ylabel="MB per step across the link (both ways)", title="bytes that crossed the link")
     ax.legend()
     fig.tight_layout()
@@ -378,12 +507,16 @@ def report(out: Path, steps: int) -> None:
     runs = load_runs(out / "runs.jsonl")
     mine = [r for r in runs if r["steps"] == steps]
     if len(mine) < len(runs):
-        print(f"speed_sweep: {len(runs) - len(mine)} runs in {out / 'runs.jsonl'} with another --steps than {steps} "
-              f"are left out of the table")
+        print(
+            f"speed_sweep: {len(runs) - len(mine)} runs in {out / 'runs.jsonl'} with another --steps than {steps} "
+            f"are left out of the table"
+        )
     layouts = {ranks_per_node(r) for r in mine}
     if len(layouts) > 1:
-        raise SystemExit(f"speed_sweep: {out / 'runs.jsonl'} mixes runs of {sorted(layouts)} ranks per node; "
-                         "give each --ranks_per_node its own --out")
+        raise SystemExit(
+            f"speed_sweep: {out / 'runs.jsonl'} mixes runs of {sorted(layouts)} ranks per node; "
+            "give each --ranks_per_node its own --out"
+        )
     rows = aggregate(mine)
     if not rows:
         print(f"speed_sweep: nothing measured with --steps {steps} yet")
@@ -391,8 +524,10 @@ def report(out: Path, steps: int) -> None:
     text = table(rows)
     if any(r["variant"] in AUTOS for r in rows):
         checked, ok = auto_table(rows, mine)
-        text += f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n" \
-                f"{checked}"
+        text += (
+            f"\nauto against the best fixed variant (bound {AUTO_BOUND:.0%}: {'met' if ok else 'NOT met'}):\n\n"
+            f"{checked}"
+        )
     for stage, columns in BRIEF.items():
         if any(r["variant"] in columns for r in rows):
             text += f"\nIn brief, ZeRO-{stage} (median step s):\n\n{brief_table(rows, stage)}"
@@ -405,20 +540,28 @@ def report(out: Path, steps: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="Mbit/s each way, or 'unshaped'")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        help="default: every variant of --stage")
-    parser.add_argument("--stage", type=int, choices=[2, 3], default=3,
-                        help="the ZeRO stage whose variants --variants defaults to")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: every variant of --stage")
+    parser.add_argument(
+        "--stage", type=int, choices=[2, 3], default=3, help="the ZeRO stage whose variants --variants defaults to"
+    )
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3, help=f"runs per point at {SLOW_BELOW:g} Mbit/s and faster")
     parser.add_argument("--slow_repeats", type=int, default=2, help=f"runs per point below {SLOW_BELOW:g} Mbit/s")
-    parser.add_argument("--rerun_spread", type=float, default=0.0,
-                        help="one more run of a point whose runs' step times differ by more than this fraction "
-                             "(0: never)")
+    parser.add_argument(
+        "--rerun_spread",
+        type=float,
+        default=0.0,
+        help="one more run of a point whose runs' step times differ by more than this fraction (0: never)",
+    )
     parser.add_argument("--steps", type=int, default=16, help="training steps per run (steady from step 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "speed_sweep")
-    parser.add_argument("--ranks_per_node", type=int, default=2, choices=[1, 2],
-                        help="CPU ranks per node; 1 gives every rank a core of its own on a 2-core machine")
+    parser.add_argument(
+        "--ranks_per_node",
+        type=int,
+        default=2,
+        choices=[1, 2],
+        help="CPU ranks per node; 1 gives every rank a core of its own on a 2-core machine",
+    )
     parser.add_argument("--report", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
     args.variants = args.variants or [name for name, v in VARIANTS.items() if v.stage == args.stage]
@@ -426,11 +569,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rate != "unshaped" and not positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")
     if args.ranks_per_node == 1 and "hpz" in args.variants:
-        parser.error("--variants hpz needs --ranks_per_node 2 (hpZ's secondary partition spans the ranks of a "
-                     "node); with --ranks_per_node 1 choose among " + " ".join(v for v in VARIANTS if v != "hpz"))
+        parser.error(
+            "--variants hpz needs --ranks_per_node 2 (hpZ's secondary partition spans the ranks of a "
+            "node); with --ranks_per_node 1 choose among " + " ".join(v for v in VARIANTS if v != "hpz")
+        )
     if args.steps < 4 or args.repeats < 1 or args.slow_repeats < 1 or args.rerun_spread < 0:
-        parser.error("--steps must be >= 4 (steady from step 3), --repeats and --slow_repeats >= 1 and "
-                     "--rerun_spread >= 0")
+        parser.error(
+            "--steps must be >= 4 (steady from step 3), --repeats and --slow_repeats >= 1 and --rerun_spread >= 0"
+        )
     try:
         user = invoker()
     except TwoNodesError as err:
@@ -439,8 +585,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with user.files():
         args.out.mkdir(parents=True, exist_ok=True)
     if not args.report and not DATA.with_suffix(".json").exists():
-        print(f"speed_sweep: no data at {DATA}; prepare it first: python examples/prepare_data.py --output_prefix "
-              f"{DATA.relative_to(ROOT)}", file=sys.stderr)
+        print(
+            f"speed_sweep: no data at {DATA}; prepare it first: python examples/prepare_data.py --output_prefix "
+            f"{DATA.relative_to(ROOT)}",
+            file=sys.stderr,
+        )
         return 1
     if not args.report:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,8 +36,15 @@ def _round_ms(fn: Callable[[], object], device: torch.device, batch: int, before
     return (time.perf_counter() - begin) * 1e3 / batch
 
 
-def interleaved_ms(fns: list[Callable[[], object]], device: torch.device, *, rounds: int = 7, batch: int = 1,
-                   warmup: int = 1, before: Callable[[], object] | None = None) -> list[float]:
+def interleaved_ms(
+    fns: list[Callable[[], object]],
+    device: torch.device,
+    *,
+    rounds: int = 7,
+    batch: int = 1,
+    warmup: int = 1,
+    before: Callable[[], object] | None = None,
+) -> list[float]:
     """Median per-call milliseconds of each function, timed round by round side by side."""
     if rounds < 1 or batch < 1 or warmup < 0:
         raise ValueError(f"rounds ({rounds}) and batch ({batch}) must be >= 1, warmup ({warmup}) >= 0")
@@ -46,7 +53,7 @@ def interleaved_ms(fns: list[Callable[[], object]], device: torch.device, *, rou
             fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for fn, times in zip(fns, samples):
+        for fn, times in zip(fns, samples, strict=True):
             times.append(_round_ms(fn, device, batch, before))
     return [statistics.median(times) for times in samples]
 

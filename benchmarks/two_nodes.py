@@ -34,9 +34,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 PREFIX = "sdp4bit"
 LINK = "sdplink"
@@ -140,18 +140,22 @@ def invoker() -> Invoker:
 
     TwoNodesError naming the variable when SUDO_UID or SUDO_GID is not a number or SUDO_UID has no account."""
     if os.geteuid() != 0 or "SUDO_UID" not in os.environ:
-        return Invoker(os.geteuid(), os.getegid(), tuple(os.getgroups()), os.environ.get("USER", ""),
-                       os.environ.get("HOME", ""))
+        return Invoker(
+            os.geteuid(), os.getegid(), tuple(os.getgroups()), os.environ.get("USER", ""), os.environ.get("HOME", "")
+        )
     try:
         uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", ""))
     except ValueError:
-        raise TwoNodesError(f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID={os.environ.get('SUDO_GID')!r} "
-                            "must both be numeric ids (sudo sets them)") from None
+        raise TwoNodesError(
+            f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID={os.environ.get('SUDO_GID')!r} "
+            "must both be numeric ids (sudo sets them)"
+        ) from None
     try:
         account = pwd.getpwuid(uid)
     except KeyError:
-        raise TwoNodesError(f"SUDO_UID={uid} has no account on this machine: no name, home or groups to run the jobs "
-                            "with") from None
+        raise TwoNodesError(
+            f"SUDO_UID={uid} has no account on this machine: no name, home or groups to run the jobs with"
+        ) from None
     return Invoker(uid, gid, tuple(os.getgrouplist(account.pw_name, gid)), account.pw_name, account.pw_dir)
 
 
@@ -167,8 +171,7 @@ def problems() -> list[str]:
     found = []
     if os.geteuid() != 0:
         found.append(f"not root (euid {os.geteuid()}): creating network and UTS namespaces needs root")
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux"),
-                          ("setpriv", "util-linux")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux"), ("setpriv", "util-linux")):
         if shutil.which(tool) is None:
             found.append(f"`{tool}` not found on PATH (install {package})")
     if found:
@@ -247,8 +250,13 @@ class TwoNodes:
             raise TwoNodesError("; ".join(found))
         remove_stale()
         # the guard holds none of the runner's output streams, so whoever reads them sees their end with the runner's
-        self._guard = subprocess.Popen([sys.executable, __file__, "--guard", *self.names], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._guard = subprocess.Popen(
+            [sys.executable, __file__, "--guard", *self.names],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             self._create()
         except BaseException:
@@ -262,9 +270,22 @@ class TwoNodes:
     def _create(self) -> None:
         for name in self.names:
             _run("ip", "netns", "add", name)
-        _run("ip", "link", "add", LINK, "netns", self.names[0], "type", "veth", "peer", "name", LINK, "netns",
-             self.names[1])
-        for name, address in zip(self.names, self.addresses):
+        _run(
+            "ip",
+            "link",
+            "add",
+            LINK,
+            "netns",
+            self.names[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            LINK,
+            "netns",
+            self.names[1],
+        )
+        for name, address in zip(self.names, self.addresses, strict=True):
             _run("ip", "-n", name, "link", "set", "lo", "up")
             _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", LINK)
             _run("ip", "-n", name, "link", "set", LINK, "up")
@@ -288,17 +309,49 @@ class TwoNodes:
             _run("tc", "-n", name, "qdisc", "del", "dev", LINK, "root", check=False)
             parent = ["root"]
             if link.delay_ms:
-                done = _run("tc", "-n", name, "qdisc", "add", "dev", LINK, "root", "handle", "1:", "netem", "delay",
-                            f"{link.delay_ms}ms", "limit", "100000", check=False)
+                done = _run(
+                    "tc",
+                    "-n",
+                    name,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    LINK,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    f"{link.delay_ms}ms",
+                    "limit",
+                    "100000",
+                    check=False,
+                )
                 if done.returncode != 0:
-                    raise TwoNodesError(f"a delay needs the netem qdisc, which this kernel lacks: "
-                                        f"{done.stderr.strip()}")
+                    raise TwoNodesError(
+                        f"a delay needs the netem qdisc, which this kernel lacks: {done.stderr.strip()}"
+                    )
                 parent = ["parent", "1:1", "handle", "10:"]
             if link.rate_mbit is not None:
                 rate_bytes = link.rate_mbit * 1e6 / 8
                 burst = max(64 * 1024, int(rate_bytes * 0.004))
-                _run("tc", "-n", name, "qdisc", "add", "dev", LINK, *parent, "tbf", "rate", f"{link.rate_mbit}mbit",
-                     "burst", str(burst), "latency", "100ms")
+                _run(
+                    "tc",
+                    "-n",
+                    name,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    LINK,
+                    *parent,
+                    "tbf",
+                    "rate",
+                    f"{link.rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                )
 
     def counters(self) -> list[Counters]:
         """Transmit counters of each node's end of the link (what left that node)."""
@@ -313,11 +366,24 @@ class TwoNodes:
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
         """`argv` run as the invoking user inside the node's network namespace and a UTS namespace with the node's
         hostname (set as root, before the switch)."""
-        return ["ip", "netns", "exec", self.names[node], "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', HOSTS[node], *self.user.command(argv)]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.names[node],
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            HOSTS[node],
+            *self.user.command(argv),
+        ]
 
-    def launch(self, script: str, script_args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
-               ) -> list[subprocess.Popen]:
+    def launch(
+        self, script: str, script_args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> list[subprocess.Popen]:
         """Start one `deepspeed` launcher per node for one job, as the invoking user; their output goes to
         log_dir/node<i>.log (the folder, hostfile and logs created as that user)."""
         hostfile = log_dir / "hostfile"
@@ -325,16 +391,40 @@ class TwoNodes:
             log_dir.mkdir(parents=True, exist_ok=True)
             hostfile.write_text("".join(f"{host} slots={self.ranks_per_node}\n" for host in HOSTS))
             logs = [(log_dir / f"node{node}.log").open("w") for node in range(2)]
-        env = {**os.environ, **self.user.env(), **(env or {}), "GLOO_SOCKET_IFNAME": LINK,
-               "NCCL_SOCKET_IFNAME": LINK,
-               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])}
+        env = {
+            **os.environ,
+            **self.user.env(),
+            **(env or {}),
+            "GLOO_SOCKET_IFNAME": LINK,
+            "NCCL_SOCKET_IFNAME": LINK,
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]),
+        }
         procs = []
         for node, log in enumerate(logs):
-            argv = [*LAUNCHER, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
-                    self.addresses[0], "--master_port", str(MASTER_PORT), script, *script_args]
+            argv = [
+                *LAUNCHER,
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(node),
+                "--master_addr",
+                self.addresses[0],
+                "--master_port",
+                str(MASTER_PORT),
+                script,
+                *script_args,
+            ]
             with log:
-                procs.append(subprocess.Popen(self.node_command(node, argv), stdout=log, stderr=subprocess.STDOUT,
-                                              env=env, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        self.node_command(node, argv),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
         self._procs.extend(procs)
         return procs
 
@@ -368,6 +458,7 @@ def signals_raise() -> Iterator[None]:
     SIGINT too: a process started in the background by a non-interactive shell (`cmd &` in a script, CI runners)
     inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler of its own.
     """
+
     def interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -399,18 +490,27 @@ def check_topology(line: str, ranks_per_node: int) -> None:
         raise TwoNodesError(f"SDP4Bit detected '{line}', expected 2 nodes x {ranks_per_node} ranks with {want}")
 
 
-def run_job(nodes: TwoNodes, script: str, script_args: Sequence[str], log_dir: Path, timeout: float,
-            env: dict[str, str] | None = None) -> dict:
+def run_job(
+    nodes: TwoNodes,
+    script: str,
+    script_args: Sequence[str],
+    log_dir: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Launch one job on both nodes and wait; exit codes, wall time and link bytes of the whole job."""
     before = nodes.counters()
     began = time.monotonic()
     codes = nodes.wait(nodes.launch(script, script_args, log_dir, env), timeout)
     after = nodes.counters()
-    return {"exit_codes": codes, "seconds": time.monotonic() - began,
-            "link_bytes": sum(a.tx_bytes - b.tx_bytes for a, b in zip(after, before)),
-            "link_payload_bytes": sum(a.payload() - b.payload() for a, b in zip(after, before)),
-            "link_drops": sum(a.drops - b.drops for a, b in zip(after, before)),
-            "topology": detected_topology(log_dir)}
+    return {
+        "exit_codes": codes,
+        "seconds": time.monotonic() - began,
+        "link_bytes": sum(a.tx_bytes - b.tx_bytes for a, b in zip(after, before, strict=True)),
+        "link_payload_bytes": sum(a.payload() - b.payload() for a, b in zip(after, before, strict=True)),
+        "link_drops": sum(a.drops - b.drops for a, b in zip(after, before, strict=True)),
+        "topology": detected_topology(log_dir),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,9 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     for line in result["topology"]:
         print(f"two_nodes: SDP4Bit detected {line}")
-    print(f"two_nodes: exit codes {result['exit_codes']} after {result['seconds']:.1f} s; "
-          f"{result['link_bytes']:,} bytes crossed the link ({result['link_payload_bytes']:,} TCP payload, "
-          f"{result['link_drops']} packets dropped by the shaper)")
+    print(
+        f"two_nodes: exit codes {result['exit_codes']} after {result['seconds']:.1f} s; "
+        f"{result['link_bytes']:,} bytes crossed the link ({result['link_payload_bytes']:,} TCP payload, "
+        f"{result['link_drops']} packets dropped by the shaper)"
+    )
     return 0 if all(code == 0 for code in result["exit_codes"]) else 1
 
 
@@ -457,10 +559,12 @@ def _run_cli_job(args: argparse.Namespace) -> dict:
     link = Link(args.rate_mbit, args.delay_ms)
     with signals_raise(), TwoNodes(args.ranks_per_node) as nodes:
         nodes.shape(link)
-        print(f"two_nodes: {HOSTS[0]} ({nodes.addresses[0]}) and {HOSTS[1]} ({nodes.addresses[1]}), "
-              f"{args.ranks_per_node} ranks each, link {link.label()}; logs in {args.log_dir}", flush=True)
-        return run_job(nodes, args.script, [a for a in args.script_args if a != "--"], Path(args.log_dir),
-                       args.timeout)
+        print(
+            f"two_nodes: {HOSTS[0]} ({nodes.addresses[0]}) and {HOSTS[1]} ({nodes.addresses[1]}), "
+            f"{args.ranks_per_node} ranks each, link {link.label()}; logs in {args.log_dir}",
+            flush=True,
+        )
+        return run_job(nodes, args.script, [a for a in args.script_args if a != "--"], Path(args.log_dir), args.timeout)
 
 
 if __name__ == "__main__":

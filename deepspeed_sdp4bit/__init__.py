@@ -13,7 +13,14 @@ from .core.runtime import Runtime
 SDP4BitRuntime = Runtime  # the name engine.sdp4bit's class had when only ZeRO-3 was served
 
 __version__ = "0.1.0"
-__all__ = ["Runtime", "SDP4BitCompatError", "SDP4BitConfig", "SDP4BitConfigError", "SDP4BitRuntime", "initialize",
-           "parse_config"]
+__all__ = [
+    "Runtime",
+    "SDP4BitCompatError",
+    "SDP4BitConfig",
+    "SDP4BitConfigError",
+    "SDP4BitRuntime",
+    "initialize",
+    "parse_config",
+]
 
 install_initialize_hook()

@@ -26,13 +26,13 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed.comm as ds_comm
 import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 
 from . import adapter, codec, zero3, zero12
@@ -63,8 +63,11 @@ def _load_config(config: Any) -> dict[str, Any] | None:
 def _ds_config(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """Find the ds_config the way deepspeed.initialize does: config, then config_params, then args.deepspeed_config."""
     bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-    for candidate in (bound.get("config"), bound.get("config_params"),
-                      getattr(bound.get("args"), "deepspeed_config", None)):
+    for candidate in (
+        bound.get("config"),
+        bound.get("config_params"),
+        getattr(bound.get("args"), "deepspeed_config", None),
+    ):
         loaded = _load_config(candidate)
         if loaded is not None:
             return loaded
@@ -78,8 +81,10 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
         return None
     if not cfg.active:
         if not quiet:
-            logger.warning("sdp4bit: the block is enabled but neither quantized_weights nor quantized_gradients is "
-                           "on; DeepSpeed's communication is unchanged")
+            logger.warning(
+                "sdp4bit: the block is enabled but neither quantized_weights nor quantized_gradients is "
+                "on; DeepSpeed's communication is unchanged"
+            )
         return None
     return cfg
 
@@ -103,14 +108,20 @@ def _common_problems(zero: DeepSpeedZeroConfig) -> list[str]:
     problems = []
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
         if getattr(zero, key, False):
-            problems.append(f"zero_optimization.{key} = true: DeepSpeed's ZeRO++ quantization and sdp4bit both "
-                            "replace the same collectives; turn one of them off")
+            problems.append(
+                f"zero_optimization.{key} = true: DeepSpeed's ZeRO++ quantization and sdp4bit both "
+                "replace the same collectives; turn one of them off"
+            )
     if getattr(zero, "zenflow", None) is not None:
-        problems.append("zero_optimization.zenflow is set: ZenFlow's selective optimizer writes the weights outside "
-                        "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block")
+        problems.append(
+            "zero_optimization.zenflow is set: ZenFlow's selective optimizer writes the weights outside "
+            "the optimizer step, behind sdp4bit's weight replicas; remove zenflow or the sdp4bit block"
+        )
     if offload_device(zero.offload_optimizer) == "nvme":
-        problems.append("zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
-                        "supported by sdp4bit; use 'cpu' or 'none'")
+        problems.append(
+            "zero_optimization.offload_optimizer.device = 'nvme': NVMe optimizer swapping is not "
+            "supported by sdp4bit; use 'cpu' or 'none'"
+        )
     return problems
 
 
@@ -126,13 +137,18 @@ def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> int:
     from deepspeed.compile.config import (
         CompileConfig,  # here: DeepSpeed releases before DeepCompile lack the module
     )
+
     adapter.reject_removed_config_keys(ds_config)
     _section(ds_config, "zero_optimization")
     _section(ds_config, "compile")
     zero = get_zero_config(ds_config)
     if zero.stage not in STAGES:
-        raise_problems([f"zero_optimization.stage = {zero.stage}: sdp4bit works with ZeRO stages 1, 2 and 3 (it "
-                        "replaces the collectives of DeepSpeed's ZeRO optimizers); set the stage to 1, 2 or 3"])
+        raise_problems(
+            [
+                f"zero_optimization.stage = {zero.stage}: sdp4bit works with ZeRO stages 1, 2 and 3 (it "
+                "replaces the collectives of DeepSpeed's ZeRO optimizers); set the stage to 1, 2 or 3"
+            ]
+        )
     problems = _common_problems(zero) + _integration(zero.stage).zero_problems(zero, cfg, ds_config)
     if CompileConfig(**ds_config.get("compile", {})).deepcompile:
         problems.append("compile.deepcompile = true: DeepCompile's own ZeRO ops bypass sdp4bit; turn it off")
@@ -179,19 +195,23 @@ def _without_optimizer(arguments: dict[str, Any], ds_config: dict[str, Any]) -> 
 def _log_inactive() -> None:
     """The one line (rank 0) saying that an engine without an optimizer was built by DeepSpeed alone, and why."""
     if dist.get_rank() == 0:
-        logger.info("sdp4bit inactive for this engine: deepspeed.initialize got no optimizer and the config names "
-                    "no optimizer type, so DeepSpeed built it without one (with ZeRO-3, a DeepSpeedZeRoOffload; as "
-                    "for evaluation or inference). SDP4Bit works in DeepSpeed's ZeRO optimizers (their gradient "
-                    "reductions and the weight updates the replicas follow), which this engine does not have: all "
-                    "its communication is DeepSpeed's own")
+        logger.info(
+            "sdp4bit inactive for this engine: deepspeed.initialize got no optimizer and the config names "
+            "no optimizer type, so DeepSpeed built it without one (with ZeRO-3, a DeepSpeedZeRoOffload; as "
+            "for evaluation or inference). SDP4Bit works in DeepSpeed's ZeRO optimizers (their gradient "
+            "reductions and the weight updates the replicas follow), which this engine does not have: all "
+            "its communication is DeepSpeed's own"
+        )
 
 
 def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
     """The node layout, checked before DeepSpeed builds anything: torch.distributed is initialised first exactly as
     deepspeed.initialize is about to (its own call then finds it done), since the layout is agreed collectively."""
-    ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                             distributed_port=arguments["distributed_port"],
-                             dist_init_required=arguments["dist_init_required"])
+    ds_comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=arguments["distributed_port"],
+        dist_init_required=arguments["dist_init_required"],
+    )
     return _build_topology(cfg)
 
 
@@ -210,7 +230,8 @@ def _refuse_served_model(model: Any) -> None:
             f"this model's parameters are still served by {owners[0].describe()}, which was not destroyed: a new "
             "engine on them would compute with that engine's weight replicas, which nothing refreshes any more "
             "(DeepSpeed itself also keeps the old engine's hooks on the model). Call engine.destroy() on the old "
-            "engine before wrapping the model again")
+            "engine before wrapping the model again"
+        )
 
 
 def _report_unactivated(engine: Any, activating: bool) -> None:
@@ -222,12 +243,14 @@ def _report_unactivated(engine: Any, activating: bool) -> None:
     except SDP4BitConfigError as exc:
         enabled, detail = True, f" (and the block is invalid: {exc})"
     if enabled and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("sdp4bit: this DeepSpeed engine's config enables the \"sdp4bit\" block, but the engine was "
-                       "built by a deepspeed.initialize that does not go through deepspeed_sdp4bit (imported with "
-                       "`from deepspeed import initialize` before `import deepspeed_sdp4bit`, or a DeepSpeedEngine "
-                       f"built directly){detail}: SDP4Bit is NOT active and all communication is DeepSpeed's own. "
-                       "Import deepspeed_sdp4bit before taking deepspeed.initialize, or call "
-                       "deepspeed_sdp4bit.initialize(...)")
+        logger.warning(
+            'sdp4bit: this DeepSpeed engine\'s config enables the "sdp4bit" block, but the engine was '
+            "built by a deepspeed.initialize that does not go through deepspeed_sdp4bit (imported with "
+            "`from deepspeed import initialize` before `import deepspeed_sdp4bit`, or a DeepSpeedEngine "
+            f"built directly){detail}: SDP4Bit is NOT active and all communication is DeepSpeed's own. "
+            "Import deepspeed_sdp4bit before taking deepspeed.initialize, or call "
+            "deepspeed_sdp4bit.initialize(...)"
+        )
 
 
 def _after_engine_init(engine: Any, activating: bool) -> None:
@@ -273,19 +296,31 @@ def _log_activation(runtime: Runtime, codec_status: str, stage: dict[str, str]) 
     `stage` holds the stage's own words (integration.describe): its weights, the memory they take, the gradient
     collective it replaces."""
     topo, cfg = runtime.topology, runtime.config
-    weights = (f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, {stage['weights']}"
-               if runtime.store or runtime.direct else f"not quantized (DeepSpeed's own {stage['gather']})")
-    grads = (f"{_gradient_levels(topo, cfg)}, hadamard {cfg.hadamard_transform}, pipeline "
-             f"{cfg.gradient_alltoall_pipeline}, instead of {stage['reduction']}" if runtime.reducer
-             else f"not quantized (DeepSpeed's own {stage['reduction']})")
+    weights = (
+        f"{cfg.weight_quantization} {cfg.weight_quantization_bits}-bit g{cfg.wq_group_size}, {stage['weights']}"
+        if runtime.store or runtime.direct
+        else f"not quantized (DeepSpeed's own {stage['gather']})"
+    )
+    grads = (
+        f"{_gradient_levels(topo, cfg)}, hadamard {cfg.hadamard_transform}, pipeline "
+        f"{cfg.gradient_alltoall_pipeline}, instead of {stage['reduction']}"
+        if runtime.reducer
+        else f"not quantized (DeepSpeed's own {stage['reduction']})"
+    )
     comm_dtype = str(runtime.engine.communication_data_type).removeprefix("torch.")
-    start = (f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-{runtime.stage} and are timed, then only the "
-             f"parts that pay stay on" if runtime.auto else f"quantization from step {cfg.start_step}")
+    start = (
+        f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-{runtime.stage} and are timed, then only the "
+        f"parts that pay stay on"
+        if runtime.auto
+        else f"quantization from step {cfg.start_step}"
+    )
     served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
     if topo.rank == 0:
-        logger.info(f"sdp4bit active on ZeRO stage {runtime.stage}: topology {topo.describe()}; codec {codec_status}; "
-                    f"weights {weights} ({stage['units']}, {served:.1%} of the model's elements, {stage['memory']}); "
-                    f"gradients {grads}, from {comm_dtype} (communication_data_type); {start}")
+        logger.info(
+            f"sdp4bit active on ZeRO stage {runtime.stage}: topology {topo.describe()}; codec {codec_status}; "
+            f"weights {weights} ({stage['units']}, {served:.1%} of the model's elements, {stage['memory']}); "
+            f"gradients {grads}, from {comm_dtype} (communication_data_type); {start}"
+        )
 
 
 def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:

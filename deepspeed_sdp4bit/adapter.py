@@ -32,31 +32,61 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", ("self", "args", "model", "config")),
     ("deepspeed.runtime.zero.stage3", "reduce_scatter_coalesced", ("tensors", "group")),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._post_step", ("self", "timer_names")),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
-     ("self", "params_to_reduce", "communication_data_type")),
-    ("deepspeed.runtime.zero.partition_parameters", "Init._partition",
-     ("self", "param_list", "force", "has_been_updated", "free_data")),
+    (
+        "deepspeed.runtime.zero.stage3",
+        "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+        ("self", "params_to_reduce", "communication_data_type"),
+    ),
+    (
+        "deepspeed.runtime.zero.partition_parameters",
+        "Init._partition",
+        ("self", "param_list", "force", "has_been_updated", "free_data"),
+    ),
     ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus", None),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", ("self", "save_dir", "tag", "client_state")),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint",
-     ("self", "load_dir", "tag", "load_optimizer_states", "load_module_only")),
+    (
+        "deepspeed.runtime.engine",
+        "DeepSpeedEngine.load_checkpoint",
+        ("self", "load_dir", "tag", "load_optimizer_states", "load_module_only"),
+    ),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._get_ckpt_name", ("self", "checkpoints_path", "tag")),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self", )),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self", )),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self",)),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self",)),
     ("deepspeed.comm", "init_distributed", ("dist_backend", "distributed_port", "dist_init_required")),
-    ("deepspeed.runtime.zero.stage_1_and_2", "all_gather_dp_groups",
-     ("groups_flat", "partitioned_param_groups", "dp_process_group", "start_alignment_factor",
-      "allgather_bucket_size")),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.allreduce_and_scatter",
-     ("self", "bucket", "communication_data_type", "numel_per_bucket", "log", "divide", "process_group")),
+    (
+        "deepspeed.runtime.zero.stage_1_and_2",
+        "all_gather_dp_groups",
+        (
+            "groups_flat",
+            "partitioned_param_groups",
+            "dp_process_group",
+            "start_alignment_factor",
+            "allgather_bucket_size",
+        ),
+    ),
+    (
+        "deepspeed.runtime.zero.stage_1_and_2",
+        "DeepSpeedZeroOptimizer.allreduce_and_scatter",
+        ("self", "bucket", "communication_data_type", "numel_per_bucket", "log", "divide", "process_group"),
+    ),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step", ("self", "closure")),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", ("self", )),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", ("self",)),
 )
 
 # What the ZeRO-1/2 integration reads of a built DeepSpeedZeroOptimizer (checked on the engine at initialize).
-ZERO12_ATTRIBUTES = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups", "partition_size",
-                     "real_dp_process_group", "dp_process_group", "cpu_offload", "overlap_comm", "reduce_bucket_size",
-                     "has_moe_layers", "sequence_parallel_size")
+ZERO12_ATTRIBUTES = (
+    "bit16_groups",
+    "bit16_groups_flat",
+    "parallel_partitioned_bit16_groups",
+    "partition_size",
+    "real_dp_process_group",
+    "dp_process_group",
+    "cpu_offload",
+    "overlap_comm",
+    "reduce_bucket_size",
+    "has_moe_layers",
+    "sequence_parallel_size",
+)
 
 # DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
 # _convert_to_deepspeed_param); patches.EnginePatches replaces it per parameter, so it is checked on a parameter.
@@ -94,8 +124,9 @@ def strict() -> bool:
     runs it after the self-test); a ValueError naming the variable for any other value."""
     value = os.environ.get(STRICT_VARIABLE, "0")
     if value not in ("0", "1"):
-        raise ValueError(f"{STRICT_VARIABLE} = {value!r}: must be 0 (run a newer DeepSpeed after a self-test) or 1 "
-                         "(refuse it)")
+        raise ValueError(
+            f"{STRICT_VARIABLE} = {value!r}: must be 0 (run a newer DeepSpeed after a self-test) or 1 (refuse it)"
+        )
     return value == "1"
 
 
@@ -139,12 +170,16 @@ def check_deepspeed() -> Support:
     where = support()
     problems = []
     if where is Support.OLDER:
-        problems.append(f"deepspeed {deepspeed.__version__} is older than the supported range {SUPPORTED} "
-                        f"(tested: {', '.join(TESTED)}); install one of those")
+        problems.append(
+            f"deepspeed {deepspeed.__version__} is older than the supported range {SUPPORTED} "
+            f"(tested: {', '.join(TESTED)}); install one of those"
+        )
     elif where is Support.NEWER and strict():
-        problems.append(f"deepspeed {deepspeed.__version__} is newer than the tested range {SUPPORTED} and "
-                        f"{STRICT_VARIABLE}=1 refuses it; unset it to run after a self-test, or install one of "
-                        f"{', '.join(TESTED)}")
+        problems.append(
+            f"deepspeed {deepspeed.__version__} is newer than the tested range {SUPPORTED} and "
+            f"{STRICT_VARIABLE}=1 refuses it; unset it to run after a self-test, or install one of "
+            f"{', '.join(TESTED)}"
+        )
     problems += [p for p in (_symbol_problem(*entry) for entry in PATCHED_SYMBOLS) if p]
     if problems:
         raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely:\n  " + "\n  ".join(problems))
@@ -164,12 +199,15 @@ def check_param_gather(param: object) -> None:
     """Raise SDP4BitCompatError unless this ZeRO-3 parameter's `all_gather_coalesced` takes the expected arguments."""
     gather = getattr(param, "all_gather_coalesced", None)
     if gather is None:
-        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter has no "
-                                 "all_gather_coalesced")
+        raise SDP4BitCompatError(
+            "deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter has no all_gather_coalesced"
+        )
     have = _parameter_names(gather)
     if list(PARAM_GATHER_PARAMETERS) != have:
-        raise SDP4BitCompatError("deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter's "
-                                 f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}")
+        raise SDP4BitCompatError(
+            "deepspeed_sdp4bit cannot patch this DeepSpeed safely: a ZeRO-3 parameter's "
+            f"all_gather_coalesced has parameters {have}, expected {list(PARAM_GATHER_PARAMETERS)}"
+        )
 
 
 # ----- the DeepSpeed side of a gather SDP4Bit serves (ZeRO-3's parameter status and gather-handle contract)
@@ -202,7 +240,7 @@ class ParamGatherHandle:
         if self.complete:
             return
         available = _param_status().AVAILABLE
-        for param, full in zip(self.params, self.inner.wait()):
+        for param, full in zip(self.params, self.inner.wait(), strict=True):
             param.data = full.view(param.ds_shape)
             param.ds_status = available
         self.complete = True
@@ -241,9 +279,11 @@ def bucket_entries(bucket: Sequence[tuple]) -> list[BucketEntry]:
         owners, tensor, *rest = entry
         if isinstance(owners, frozenset):
             if len(owners) != 1:
-                raise SDP4BitCompatError(f"deepspeed_sdp4bit: a ZeRO-1/2 gradient bucket entry is kept by ranks "
-                                         f"{sorted(owners)}; sdp4bit delivers each run to one owner (Muon's split "
-                                         "matrices are not supported)")
+                raise SDP4BitCompatError(
+                    f"deepspeed_sdp4bit: a ZeRO-1/2 gradient bucket entry is kept by ranks "
+                    f"{sorted(owners)}; sdp4bit delivers each run to one owner (Muon's split "
+                    "matrices are not supported)"
+                )
             (owners,) = owners
         entries.append(BucketEntry(int(owners), tensor, rest[0] if rest else None))
     return entries

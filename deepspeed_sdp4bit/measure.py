@@ -24,9 +24,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,21 +46,29 @@ TIMED_PASSES = 3
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sdp4bit-measure", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sdp4bit-measure", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=Path("sdp4bit_measured.json"), help="the JSON file rank 0 writes")
-    p.add_argument("--ranks-per-node", default="auto",
-                   help="ranks per node: auto (from the launcher's LOCAL_WORLD_SIZE or the host names), or a number")
-    p.add_argument("--target-s", type=float, default=TARGET_S,
-                   help=f"seconds each timed gather should take (default {TARGET_S})")
-    p.add_argument("--model", help="a card of sdp4bit-plan or a Hugging Face config.json: time its forward and "
-                                   "backward (needs transformers)")
+    p.add_argument(
+        "--ranks-per-node",
+        default="auto",
+        help="ranks per node: auto (from the launcher's LOCAL_WORLD_SIZE or the host names), or a number",
+    )
+    p.add_argument(
+        "--target-s", type=float, default=TARGET_S, help=f"seconds each timed gather should take (default {TARGET_S})"
+    )
+    p.add_argument(
+        "--model",
+        help="a card of sdp4bit-plan or a Hugging Face config.json: time its forward and backward (needs transformers)",
+    )
     p.add_argument("--layers", type=int, help="time this many of the model's layers (default: all)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length of the timed passes (default 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per timed pass (default 1)")
     p.add_argument("--local_rank", type=int, help="passed by the deepspeed launcher; LOCAL_RANK gives the same")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="the timed passes' dtype (default bf16 on a GPU, fp32 "
-                                                             "on CPU ranks)")
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp32"), help="the timed passes' dtype (default bf16 on a GPU, fp32 on CPU ranks)"
+    )
     return p
 
 
@@ -98,16 +107,22 @@ def _hf_model(args: argparse.Namespace, shape: ModelShape) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("sdp4bit-measure: --model needs transformers (pip install deepspeed-sdp4bit[examples])") \
-            from None
+        raise SystemExit(
+            "sdp4bit-measure: --model needs transformers (pip install deepspeed-sdp4bit[examples])"
+        ) from None
     if args.model.endswith(".json"):
         config = transformers.AutoConfig.from_pretrained(args.model)
         for key in ("num_hidden_layers", "n_layer"):
             if hasattr(config, key):
                 setattr(config, key, shape.layers)
     else:
-        config = transformers.GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads,
-                                         vocab_size=shape.vocab, n_positions=max(args.seq, shape.positions))
+        config = transformers.GPT2Config(
+            n_layer=shape.layers,
+            n_embd=shape.hidden,
+            n_head=shape.heads,
+            vocab_size=shape.vocab,
+            n_positions=max(args.seq, shape.positions),
+        )
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -128,14 +143,20 @@ def pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, device: torch.dev
 def time_model(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Achieved TFLOP/s of this device on the model (the slowest rank's), as the planner counts FLOPs."""
     shape = _shape(args)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
-                                                                            else "fp32")]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     model = _hf_model(args, shape).to(device=device, dtype=dtype)
     tokens = torch.randint(0, shape.vocab, (args.micro_batch, args.seq), device=device)
     seconds = probe.slowest(pass_seconds(model, tokens, device), device)
     flops = shape.flops_per_token(args.seq) * args.seq * args.micro_batch
-    return {"model": args.model, "layers": shape.layers, "seq": args.seq, "micro_batch": args.micro_batch,
-            "dtype": str(dtype).removeprefix("torch."), "pass_s": seconds, "tflops": flops / seconds / 1e12}
+    return {
+        "model": args.model,
+        "layers": shape.layers,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "dtype": str(dtype).removeprefix("torch."),
+        "pass_s": seconds,
+        "tflops": flops / seconds / 1e12,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,12 +166,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     links = probe.measure_links(topology, device, target_s=args.target_s, max_bytes=MAX_BYTES)
     codec = probe.slowest(-codec_bytes_s(device), device)
     found: dict[str, Any] = {
-        "format": FORMAT, "nodes": topology.nodes, "ranks_per_node": topology.ranks_per_node,
+        "format": FORMAT,
+        "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node,
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "inter_node_gbps": _finite(links.inter_bytes_s * 8 / 1e9),
-        "intra_node_gbs": _finite(links.intra_bytes_s / 1e9), "codec_gbs": -codec / 1e9,
-        "timed_model": time_model(args, device) if args.model else None}
+        "intra_node_gbs": _finite(links.intra_bytes_s / 1e9),
+        "codec_gbs": -codec / 1e9,
+        "timed_model": time_model(args, device) if args.model else None,
+    }
     found["tflops"] = found["timed_model"]["tflops"] if found["timed_model"] else None
     return found
 
@@ -164,17 +189,24 @@ def summary(found: dict[str, Any], out: Path) -> str:
     """What rank 0 prints: the figures and the planner command that reads them."""
     inter = found["inter_node_gbps"]
     intra = found["intra_node_gbs"]
-    lines = [f"sdp4bit-measure: {found['nodes']} node(s) x {found['ranks_per_node']} rank(s) on {found['device_name']}",
-             f"  inter-node: {'no link (one node)' if inter is None else f'{inter:,.3f} Gbit/s per node'}",
-             f"  intra-node: {'no link (one rank per node)' if intra is None else f'{intra:,.3f} GB/s per rank'}",
-             f"  codec: {found['codec_gbs']:,.2f} GB/s (bytes read and written)"]
+    lines = [
+        f"sdp4bit-measure: {found['nodes']} node(s) x {found['ranks_per_node']} rank(s) on {found['device_name']}",
+        f"  inter-node: {'no link (one node)' if inter is None else f'{inter:,.3f} Gbit/s per node'}",
+        f"  intra-node: {'no link (one rank per node)' if intra is None else f'{intra:,.3f} GB/s per rank'}",
+        f"  codec: {found['codec_gbs']:,.2f} GB/s (bytes read and written)",
+    ]
     model = found["timed_model"]
     if model:
-        lines.append(f"  {model['model']} ({model['layers']} layers, {model['micro_batch']} x {model['seq']} tokens, "
-                     f"{model['dtype']}): {model['pass_s']:.3f} s per forward and backward = {model['tflops']:,.2f} "
-                     "TFLOP/s achieved")
-    command = f"sdp4bit-plan --measured {out}" + (f" --model {model['model']} --seq {model['seq']} --micro-batch "
-                                                 f"{model['micro_batch']}" if model else " --model <your model>")
+        lines.append(
+            f"  {model['model']} ({model['layers']} layers, {model['micro_batch']} x {model['seq']} tokens, "
+            f"{model['dtype']}): {model['pass_s']:.3f} s per forward and backward = {model['tflops']:,.2f} "
+            "TFLOP/s achieved"
+        )
+    command = f"sdp4bit-plan --measured {out}" + (
+        f" --model {model['model']} --seq {model['seq']} --micro-batch {model['micro_batch']}"
+        if model
+        else " --model <your model>"
+    )
     lines += [f"written to {out}; plan with:", f"  {command}"]
     return "\n".join(lines)
 

@@ -34,8 +34,13 @@ def _git(checkout: Path, *args: str) -> str | None:
 
     safe.directory lets a runner started with sudo read a checkout owned by the invoking user."""
     try:
-        done = subprocess.run(["git", "-c", f"safe.directory={checkout}", "-C", str(checkout), *args],
-                              capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            ["git", "-c", f"safe.directory={checkout}", "-C", str(checkout), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -84,13 +89,21 @@ def machine() -> dict[str, Any]:
     """The CPU (model, its ISA_FLAGS, cores, the cores this process may use, torch's kernel dispatch level), the OS
     and the GPU."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    found: dict[str, Any] = {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
-                             "cpus_usable": usable,
-                             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                             "system": platform.platform(), "gpu": None}
+    found: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "system": platform.platform(),
+        "gpu": None,
+    }
     if torch.cuda.is_available():
-        found["gpu"] = {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
-                        "cuda": torch.version.cuda}
+        found["gpu"] = {
+            "name": torch.cuda.get_device_name(0),
+            "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+        }
     return found
 
 
@@ -101,8 +114,14 @@ def command() -> str:
 
 def provenance() -> dict[str, Any]:
     """Commit, dirty flag, versions, machine, command line and the UTC time, for a result file's "provenance"."""
-    return {**source(), "versions": versions(), "machine": machine(), "command": command(), "cwd": os.getcwd(),
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        **source(),
+        "versions": versions(),
+        "machine": machine(),
+        "command": command(),
+        "cwd": os.getcwd(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def with_provenance(payload: dict[str, Any]) -> dict[str, Any]:

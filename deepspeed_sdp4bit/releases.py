@@ -1,8 +1,9 @@
 """The DeepSpeed and torch releases this package supports and is tested on, declared once.
 
-Everything else follows this file (no other module but `adapter.py`, which acts on DeepSpeed's, compares versions): `adapter.py` refuses or self-tests DeepSpeed releases by `DEEPSPEED`,
-`sdp4bit_report` prints it, and tests/test_releases.py fails if pyproject.toml's dependency bounds, the CI legs
-(scripts/compat_legs.sh), the default install (scripts/install.sh) or the README's table and ranges say otherwise.
+Everything else follows this file (no other module but `adapter.py`, which acts on DeepSpeed's, compares versions):
+`adapter.py` refuses or self-tests DeepSpeed releases by `DEEPSPEED`, `sdp4bit_report` prints it, and
+tests/test_releases.py fails if pyproject.toml's dependency bounds, the CI legs (scripts/compat_legs.sh), the default
+install (scripts/install.sh) or the README's table and ranges say otherwise.
 """
 
 from __future__ import annotations

@@ -43,14 +43,19 @@ def _installed(distribution: str) -> str:
 def versions() -> Section:
     """Python, this package, torch (and its CUDA), DeepSpeed (supported or why not) and the optional integrations."""
     support = describe_support()
-    cuda = (f"CUDA build {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible"
-            if torch.version.cuda else "CPU-only build")
-    return [("python", f"{platform.python_version()} ({sys.executable})"),
-            ("deepspeed-sdp4bit", f"{__version__} ({Path(__file__).resolve().parent})"),
-            ("torch", f"{torch.__version__} ({cuda}; {releases.torch_support(torch.__version__)})"),
-            ("deepspeed", support),
-            ("transformers", _installed("transformers")),
-            ("accelerate", _installed("accelerate"))]
+    cuda = (
+        f"CUDA build {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible"
+        if torch.version.cuda
+        else "CPU-only build"
+    )
+    return [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("deepspeed-sdp4bit", f"{__version__} ({Path(__file__).resolve().parent})"),
+        ("torch", f"{torch.__version__} ({cuda}; {releases.torch_support(torch.__version__)})"),
+        ("deepspeed", support),
+        ("transformers", _installed("transformers")),
+        ("accelerate", _installed("accelerate")),
+    ]
 
 
 def _ninja() -> str | None:
@@ -112,8 +117,11 @@ def backends(usable: dict[str, bool]) -> Section:
         elif usable[kind]:
             choice = f"compiled {kind} op"
         else:
-            choice = (f"the {kind} op is forced but cannot be had: error" if forced == kind
-                      else f"reference (plain torch; the {kind} op cannot be had, one warning at first use)")
+            choice = (
+                f"the {kind} op is forced but cannot be had: error"
+                if forced == kind
+                else f"reference (plain torch; the {kind} op cannot be had, one warning at first use)"
+            )
         lines.append((f"{device} tensors", choice + ("" if present else " (no such device visible)")))
     return lines
 
@@ -131,8 +139,11 @@ def _nvcc_version(nvcc: Path) -> str:
 def toolchain() -> Section:
     """TORCH_CUDA_ARCH_LIST, the CUDA toolkit the CUDA op would be built with, and its nvcc."""
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    default = ("unset: a CUDA op build targets the visible GPUs" if torch.cuda.is_available() else
-               "unset and no GPU visible: set it (e.g. 9.0 for H100/H200) to build the CUDA op here")
+    default = (
+        "unset: a CUDA op build targets the visible GPUs"
+        if torch.cuda.is_available()
+        else "unset and no GPU visible: set it (e.g. 9.0 for H100/H200) to build the CUDA op here"
+    )
     lines = [("TORCH_CUDA_ARCH_LIST", arch or default)]
     try:
         root = cuda_toolkit_root()
@@ -176,8 +187,9 @@ def _layout(env: dict[str, str | None], ranks_per_node: int | str) -> str:
         per_node, source = (_integer(*found, 1), found[0]) if found else (None, "the ranks' hostnames at initialize")
     world = _integer("WORLD_SIZE", env["WORLD_SIZE"], 1)
     if world is None:
-        return (f"not inside a launcher (WORLD_SIZE unset); ranks per node would come from {source}"
-                + (f" = {per_node}" if per_node else ""))
+        return f"not inside a launcher (WORLD_SIZE unset); ranks per node would come from {source}" + (
+            f" = {per_node}" if per_node else ""
+        )
     if per_node is None:
         return f"{world} ranks; ranks per node from {source}"
     if world % per_node:
@@ -198,9 +210,9 @@ def block(path: str | None) -> tuple[Section, int | str]:
     except (OSError, ValueError) as err:  # an unreadable file, invalid JSON/HJSON, or an invalid block
         return [(path, "ERROR: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))], "auto"
     if cfg is None:
-        return [(path, "no \"sdp4bit\" block: DeepSpeed runs unchanged")], "auto"
+        return [(path, 'no "sdp4bit" block: DeepSpeed runs unchanged')], "auto"
     state = "active" if cfg.active else ("enabled but changes nothing" if cfg.enabled else "disabled")
-    return [(path, f"valid \"sdp4bit\" block, {state}: {cfg.model_dump()}")], cfg.ranks_per_node
+    return [(path, f'valid "sdp4bit" block, {state}: {cfg.model_dump()}')], cfg.ranks_per_node
 
 
 def render(sections: list[tuple[str, Section]]) -> str:
@@ -218,8 +230,12 @@ def report(config: str | None = None) -> str:
     op_lines, usable = ops()
     config_lines, ranks_per_node = block(config)
     sections = [
-        ("versions", versions()), ("compiled codec ops", op_lines), ("codec backend per device", backends(usable)),
-        ("CUDA toolchain", toolchain()), ("topology of this environment", topology(ranks_per_node))]
+        ("versions", versions()),
+        ("compiled codec ops", op_lines),
+        ("codec backend per device", backends(usable)),
+        ("CUDA toolchain", toolchain()),
+        ("topology of this environment", topology(ranks_per_node)),
+    ]
     if config is not None:
         sections.append(("ds_config", config_lines))
     return render(sections)
@@ -228,7 +244,7 @@ def report(config: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print the report; exit status 0."""
     parser = argparse.ArgumentParser(prog="sdp4bit_report", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="a DeepSpeed config whose \"sdp4bit\" block to validate and use")
+    parser.add_argument("--config", help='a DeepSpeed config whose "sdp4bit" block to validate and use')
     args = parser.parse_args(argv)
     print(report(args.config))
     return 0

@@ -74,8 +74,7 @@ class Topology:
             ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
             nodes.append(f"node {node} = {self.hosts[first] if self.hosts else '?'} ({ranks})")
         shared = " (several nodes share a host: simulated nodes)" if len(set(self.hosts)) < self.nodes else ""
-        return (f"{self.nodes} nodes x {self.ranks_per_node} ranks (from {self.source}): {', '.join(nodes)}"
-                f"{shared}")
+        return f"{self.nodes} nodes x {self.ranks_per_node} ranks (from {self.source}): {', '.join(nodes)}{shared}"
 
 
 def _gather(value: object) -> list:
@@ -111,8 +110,10 @@ def _launcher_value(name: str, value: str, world: int) -> int:
         raise TopologyError(f"{name} = {value!r} is not an integer") from None
     if per_node > world:
         if dist.get_rank() == 0:
-            logger.warning(f"sdp4bit: {name} = {per_node} is larger than the world size {world}; the job's ranks "
-                           f"({world}) are taken as one node, as DeepSpeed does")
+            logger.warning(
+                f"sdp4bit: {name} = {per_node} is larger than the world size {world}; the job's ranks "
+                f"({world}) are taken as one node, as DeepSpeed does"
+            )
         return world
     return per_node
 
@@ -137,13 +138,16 @@ def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
 def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> None:
     """Raise TopologyError unless the ranks per node divide the world and each node's ranks share one host."""
     if ranks_per_node < 1 or world % ranks_per_node:
-        raise TopologyError(f"ranks per node = {ranks_per_node} (from {source}) must be >= 1 and divide the world "
-                            f"size {world}")
+        raise TopologyError(
+            f"ranks per node = {ranks_per_node} (from {source}) must be >= 1 and divide the world size {world}"
+        )
     for node in range(world // ranks_per_node):
-        block = hosts[node * ranks_per_node:(node + 1) * ranks_per_node]
+        block = hosts[node * ranks_per_node : (node + 1) * ranks_per_node]
         if len(set(block)) != 1:
-            raise TopologyError(f"ranks per node = {ranks_per_node} (from {source}) puts ranks of different hosts "
-                                f"{sorted(set(block))} on node {node}: ranks must be numbered node by node")
+            raise TopologyError(
+                f"ranks per node = {ranks_per_node} (from {source}) puts ranks of different hosts "
+                f"{sorted(set(block))} on node {node}: ranks must be numbered node by node"
+            )
 
 
 # Process groups already created, per backend and layout, for the default group they belong to: torch keeps every
@@ -181,7 +185,7 @@ def _my_group(groups: list[list[int]], rank: int, backend: str | None = None) ->
     if key not in _GROUPS:
         timeout = job_timeout()
         _GROUPS[key] = [dist.new_group(ranks, timeout=timeout, backend=backend) for ranks in groups]
-    return next((group for ranks, group in zip(groups, _GROUPS[key]) if rank in ranks), None)
+    return next((group for ranks, group in zip(groups, _GROUPS[key], strict=True) if rank in ranks), None)
 
 
 def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False) -> Topology:
@@ -193,7 +197,15 @@ def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False)
     _check(per_node, source, world, hosts)
     nodes = world // per_node
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
-    inter = _my_group([list(range(l, world, per_node)) for l in range(per_node)], rank)
+    inter = _my_group([list(range(local, world, per_node)) for local in range(per_node)], rank)
     flags = _my_group([list(range(world))], rank, backend="gloo") if host_flags else None
-    return Topology(world=world, rank=rank, ranks_per_node=per_node, source=source, intra=intra, inter=inter,
-                    hosts=tuple(hosts), flags=flags)
+    return Topology(
+        world=world,
+        rank=rank,
+        ranks_per_node=per_node,
+        source=source,
+        intra=intra,
+        inter=inter,
+        hosts=tuple(hosts),
+        flags=flags,
+    )

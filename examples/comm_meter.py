@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+
 from deepspeed_sdp4bit.collectives.accounting import KINDS as SDP4BIT_KINDS
 
 KINDS = (*SDP4BIT_KINDS, "total")

@@ -19,8 +19,9 @@ ours too: 4 layers, width 256, sequence 128, 4 sequences per step; at that batch
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,10 +44,28 @@ class ModelCard:
 
 
 CARDS: dict[str, ModelCard] = {
-    "tiny": ModelCard(n_layer=2, n_embd=128, n_head=4, seq_len=128, lr=2e-3, micro_batch=8, global_batch=32,
-                      train_iters=300, lr_decay_iters=300),
-    "mini": ModelCard(n_layer=4, n_embd=256, n_head=4, seq_len=128, lr=2e-3, micro_batch=1, global_batch=4,
-                      train_iters=600, lr_decay_iters=600),
+    "tiny": ModelCard(
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        seq_len=128,
+        lr=2e-3,
+        micro_batch=8,
+        global_batch=32,
+        train_iters=300,
+        lr_decay_iters=300,
+    ),
+    "mini": ModelCard(
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        seq_len=128,
+        lr=2e-3,
+        micro_batch=1,
+        global_batch=4,
+        train_iters=600,
+        lr_decay_iters=600,
+    ),
     "125m": ModelCard(12, 768, 12, 2048, 6e-4, 8, 256, 80_000, 70_000),
     "350m": ModelCard(24, 1024, 16, 2048, 3e-4, 8, 256, 80_000, 70_000),
     "1.3b": ModelCard(24, 2048, 16, 2048, 2e-4, 2, 256, 80_000, 70_000),
@@ -63,9 +82,19 @@ def gpt2_config(card: ModelCard, vocab_size: int, seq_len: int, dropout: float, 
 
     if card.n_embd % card.n_head:
         raise ValueError(f"hidden size {card.n_embd} is not divisible by {card.n_head} heads")
-    return GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=card.n_embd, n_layer=card.n_layer,
-                      n_head=card.n_head, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                      bos_token_id=eod_id, eos_token_id=eod_id, use_cache=False)
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=seq_len,
+        n_embd=card.n_embd,
+        n_layer=card.n_layer,
+        n_head=card.n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
+        use_cache=False,
+    )
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

@@ -35,8 +35,15 @@ from transformers import HfArgumentParser, default_data_collator
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.provenance import write_result
-from sdp4bit_examples.hf_trainer import (SUMMARY_FILE, ScriptArguments, build_model, check_active, hub_datasets,
-                                         settle_gloo_before_exit, token_file_datasets)
+from sdp4bit_examples.hf_trainer import (
+    SUMMARY_FILE,
+    ScriptArguments,
+    build_model,
+    check_active,
+    hub_datasets,
+    settle_gloo_before_exit,
+    token_file_datasets,
+)
 
 
 @dataclass
@@ -44,9 +51,13 @@ class LoopArguments:
     """The training loop's settings."""
 
     output_dir: str = field(metadata={"help": "checkpoints, the final model and sdp4bit_summary.json go here"})
-    deepspeed_config: str | None = field(default=None, metadata={
-        "help": "DeepSpeed config for Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)); without it "
-                "the one `accelerate launch` was configured with"})
+    deepspeed_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSpeed config for Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)); without it "
+            "the one `accelerate launch` was configured with"
+        },
+    )
     mixed_precision: str = field(default="bf16", metadata={"help": "no, bf16 or fp16 (fills bf16/fp16 'auto')"})
     batch_size: int = field(default=4, metadata={"help": "sequences per rank per step"})
     learning_rate: float = field(default=2e-3, metadata={"help": "AdamW learning rate (constant)"})
@@ -55,8 +66,10 @@ class LoopArguments:
     max_steps: int = field(default=50, metadata={"help": "optimizer steps in all, resumed ones included"})
     save_steps: int = field(default=0, metadata={"help": "save_state every N steps (0: never)"})
     resume_from: str | None = field(default=None, metadata={"help": "a checkpoint-STEP folder to continue from"})
-    local_rank: int = field(default=-1, metadata={"help": "passed by the deepspeed launcher; Accelerate reads the "
-                                                          "rank from the environment"})
+    local_rank: int = field(
+        default=-1,
+        metadata={"help": "passed by the deepspeed launcher; Accelerate reads the rank from the environment"},
+    )
 
 
 def make_accelerator(loop: LoopArguments) -> tuple[Accelerator, DeepSpeedPlugin]:
@@ -68,8 +81,10 @@ def make_accelerator(loop: LoopArguments) -> tuple[Accelerator, DeepSpeedPlugin]
     """
     path = loop.deepspeed_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if path is None:
-        raise SystemExit("no DeepSpeed config: pass --deepspeed_config or launch with an Accelerate config that "
-                         "names deepspeed_config_file")
+        raise SystemExit(
+            "no DeepSpeed config: pass --deepspeed_config or launch with an Accelerate config that "
+            "names deepspeed_config_file"
+        )
     plugin = DeepSpeedPlugin(hf_ds_config=path, gradient_clipping=loop.gradient_clipping)
     if get_accelerator().device_name() == "cpu":
         PartialState(cpu=True)
@@ -100,8 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         train_set, _, vocab = token_file_datasets(args) if args.data else hub_datasets(args)
     model = build_model(args, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=loop.learning_rate, weight_decay=loop.weight_decay)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=loop.batch_size, collate_fn=default_data_collator,
-                                         drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=loop.batch_size, collate_fn=default_data_collator, drop_last=True
+    )
     engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     step, resumed_at = resume(accelerator, engine, loop.resume_from)
     batches = accelerator.skip_first_batches(loader, step) if step else loader
@@ -120,13 +136,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if loop.save_steps and step % loop.save_steps == 0:
             accelerator.save_state(str(out / f"checkpoint-{step}"))
     state_dict = accelerator.get_state_dict(engine)
-    accelerator.unwrap_model(engine).save_pretrained(out / "model", state_dict=state_dict,
-                                                     is_main_process=accelerator.is_main_process)
+    accelerator.unwrap_model(engine).save_pretrained(
+        out / "model", state_dict=state_dict, is_main_process=accelerator.is_main_process
+    )
     active = check_active(engine, plugin.deepspeed_config)
     runtime = getattr(engine, "sdp4bit", None)
-    result = {"sdp4bit": active, "world_size": accelerator.num_processes, "global_step": step,
-              "stats": runtime.stats() if runtime is not None else None, "resumed_at": resumed_at,
-              "train_losses": losses}
+    result = {
+        "sdp4bit": active,
+        "world_size": accelerator.num_processes,
+        "global_step": step,
+        "stats": runtime.stats() if runtime is not None else None,
+        "resumed_at": resumed_at,
+        "train_losses": losses,
+    }
     settle_gloo_before_exit()
     accelerator.end_training()
     if not accelerator.is_main_process:

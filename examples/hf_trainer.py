@@ -30,8 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback,
-                          TrainingArguments, default_data_collator)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
 
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
@@ -46,16 +53,26 @@ SUMMARY_FILE = "sdp4bit_summary.json"
 class ScriptArguments:
     """What to train on what; everything else is a TrainingArguments flag (`--help` lists both)."""
 
-    model: str = field(default="tiny", metadata={
-        "help": f"a GPT card of examples/gpt_models.py ({', '.join(CARDS)}), trained from scratch, or a transformers "
-                "causal LM (hub name or local path) to fine-tune"})
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": f"a GPT card of examples/gpt_models.py ({', '.join(CARDS)}), trained from scratch, or a "
+            "transformers causal LM (hub name or local path) to fine-tune"
+        },
+    )
     data: str | None = field(default=None, metadata={"help": "prefix of a token file from examples/prepare_data.py"})
-    dataset: str | None = field(default=None, metadata={
-        "help": "a `datasets` hub name or a local json/jsonl/csv/parquet/txt file (instead of --data)"})
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "a `datasets` hub name or a local json/jsonl/csv/parquet/txt file (instead of --data)"},
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "configuration name of --dataset"})
     text_column: str = field(default="text", metadata={"help": "column of --dataset holding the text"})
-    tokenizer: str | None = field(default=None, metadata={
-        "help": "tokenizer for --dataset (hub name or path); defaults to --model when that is a transformers model"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer for --dataset (hub name or path); defaults to --model when that is a transformers model"
+        },
+    )
     seq_len: int = field(default=128, metadata={"help": "tokens per training sequence"})
     valid_fraction: float = field(default=0.05, metadata={"help": "share of the data held out for evaluation"})
     seed_order: int = field(default=1234, metadata={"help": "seed of the fixed order of the training sequences"})
@@ -80,8 +97,11 @@ class TokenWindows(torch.utils.data.Dataset):
 def token_file_datasets(args: ScriptArguments) -> tuple[Any, Any, int]:
     """Train and evaluation sets of a prepared token file, and its vocabulary size."""
     tokens = TokenFile(args.data, args.seq_len, args.valid_fraction)
-    return (TokenWindows(tokens, tokens.train, args.seed_order), TokenWindows(tokens, tokens.valid, None),
-            tokens.vocab_size)
+    return (
+        TokenWindows(tokens, tokens.train, args.seed_order),
+        TokenWindows(tokens, tokens.valid, None),
+        tokens.vocab_size,
+    )
 
 
 def hub_datasets(args: ScriptArguments) -> tuple[Any, Any, int]:
@@ -100,7 +120,7 @@ def hub_datasets(args: ScriptArguments) -> tuple[Any, Any, int]:
     def blocks(batch: dict[str, list]) -> dict[str, list]:
         ids = [t for text in batch[args.text_column] for t in tokenizer(text)["input_ids"] + eos]
         whole = len(ids) // args.seq_len * args.seq_len
-        chunks = [ids[i:i + args.seq_len] for i in range(0, whole, args.seq_len)]
+        chunks = [ids[i : i + args.seq_len] for i in range(0, whole, args.seq_len)]
         return {"input_ids": chunks, "labels": chunks}
 
     lm = raw.map(blocks, batched=True, remove_columns=raw.column_names)
@@ -157,8 +177,10 @@ def check_active(engine: Any, ds_config: dict | None) -> bool:
     block = config_from_ds_config(ds_config) if ds_config is not None else None
     active = hasattr(engine, "sdp4bit")
     if block is not None and block.active and not active:
-        raise RuntimeError("the DeepSpeed config enables sdp4bit but the engine has no SDP4Bit attached: import "
-                           "deepspeed_sdp4bit before the Trainer builds the engine")
+        raise RuntimeError(
+            "the DeepSpeed config enables sdp4bit but the engine has no SDP4Bit attached: import "
+            "deepspeed_sdp4bit before the Trainer builds the engine"
+        )
     return active
 
 
@@ -179,9 +201,14 @@ def settle_gloo_before_exit() -> None:
 def summary(trainer: Trainer, callback: ResumeCallback, active: bool) -> dict[str, Any]:
     """What rank 0 writes to sdp4bit_summary.json."""
     runtime = getattr(trainer.model_wrapped, "sdp4bit", None)
-    return {"sdp4bit": active, "world_size": trainer.args.world_size, "global_step": trainer.state.global_step,
-            "stats": runtime.stats() if runtime is not None else None, "resumed_at": callback.resumed_at,
-            "train_losses": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}}
+    return {
+        "sdp4bit": active,
+        "world_size": trainer.args.world_size,
+        "global_step": trainer.state.global_step,
+        "stats": runtime.stats() if runtime is not None else None,
+        "resumed_at": callback.resumed_at,
+        "train_losses": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -195,8 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with training.main_process_first(desc="preparing the data"):
         train_set, eval_set, vocab = token_file_datasets(args) if args.data else hub_datasets(args)
     model = build_model(args, vocab)
-    trainer = SDP4BitTrainer(model=model, args=training, train_dataset=train_set, eval_dataset=eval_set,
-                             data_collator=default_data_collator)
+    trainer = SDP4BitTrainer(
+        model=model, args=training, train_dataset=train_set, eval_dataset=eval_set, data_collator=default_data_collator
+    )
     callback = ResumeCallback(trainer)
     trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
@@ -204,8 +232,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     metrics = trainer.evaluate() if eval_set is not None and len(eval_set) else {}
     trainer.save_model()
     trainer.save_state()
-    result = {**summary(trainer, callback, active), "eval_loss": metrics.get("eval_loss"),
-              "eval_perplexity": math.exp(metrics["eval_loss"]) if "eval_loss" in metrics else None}
+    result = {
+        **summary(trainer, callback, active),
+        "eval_loss": metrics.get("eval_loss"),
+        "eval_perplexity": math.exp(metrics["eval_loss"]) if "eval_loss" in metrics else None,
+    }
     settle_gloo_before_exit()
     if not trainer.is_world_process_zero():
         return None

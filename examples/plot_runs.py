@@ -66,18 +66,18 @@ def plot(logs: list[dict[str, list[float]]], labels: list[str], out: Path, smoot
     with_bytes = any(not all(math.isnan(v) for v in log.get("comm_bytes", [math.nan])) for log in logs)
     fig, axes = plt.subplots(1, 2 if with_bytes else 1, figsize=(12 if with_bytes else 7, 4.5), squeeze=False)
     loss_ax = axes[0][0]
-    for i, (log, label) in enumerate(zip(logs, labels)):
+    for i, (log, label) in enumerate(zip(logs, labels, strict=True)):
         color = f"C{i}"
         loss_ax.plot(log["step"], moving_average(log["loss"], smooth), color=color, lw=1, label=f"{label} train")
-        val = [(s, v) for s, v in zip(log["step"], log["val_loss"]) if not math.isnan(v)]
+        val = [(s, v) for s, v in zip(log["step"], log["val_loss"], strict=True) if not math.isnan(v)]
         if val:
-            loss_ax.plot(*zip(*val), "o--", color=color, ms=4, label=f"{label} validation")
+            loss_ax.plot(*zip(*val, strict=True), "o--", color=color, ms=4, label=f"{label} validation")
     loss_ax.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     loss_ax.grid(alpha=0.3)
     loss_ax.legend()
     if with_bytes:
         bytes_ax = axes[0][1]
-        for i, (log, label) in enumerate(zip(logs, labels)):
+        for i, (log, label) in enumerate(zip(logs, labels, strict=True)):
             bytes_ax.plot(log["step"], [b / 1e6 for b in log["comm_bytes"]], color=f"C{i}", lw=1, label=label)
         bytes_ax.set(xlabel="step", ylabel="MB per rank per step", title="communication (comms logger)", ylim=(0, None))
         bytes_ax.grid(alpha=0.3)
@@ -92,7 +92,7 @@ def compare(summaries: list[dict | None], labels: list[str]) -> list[str]:
     """Table lines: final validation loss and bytes per step of each run, relative to the first."""
     lines = [f"{'run':<16}{'final val loss':>16}{'vs first':>10}{'MB/step/rank':>14}{'reduction':>11}"]
     first = summaries[0] or {}
-    for summary, label in zip(summaries, labels):
+    for summary, label in zip(summaries, labels, strict=True):
         if summary is None:
             lines.append(f"{label:<16}{'(unfinished)':>16}")
             continue
@@ -100,8 +100,9 @@ def compare(summaries: list[dict | None], labels: list[str]) -> list[str]:
         mb, ref_mb = summary.get("comm_bytes_per_step"), first.get("comm_bytes_per_step")
         rel = f"{val / ref_val - 1:+.2%}" if val and ref_val else "-"
         red = f"{ref_mb / mb:.2f}x" if mb and ref_mb else "-"
-        lines.append(f"{label:<16}{val if val is not None else math.nan:>16.4f}{rel:>10}"
-                     f"{(mb or math.nan) / 1e6:>14.3f}{red:>11}")
+        lines.append(
+            f"{label:<16}{val if val is not None else math.nan:>16.4f}{rel:>10}{(mb or math.nan) / 1e6:>14.3f}{red:>11}"
+        )
     return lines
 
 

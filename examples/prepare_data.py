@@ -1,6 +1,7 @@
 """Tokenize a text dataset into the memory-mapped token file that train_gpt.py trains on.
 
-The original implementation's preprocessing step (Megatron's preprocess_data.py with --append-eod and GPT-2 BPE) in our terms:
+The original implementation's preprocessing step (Megatron's preprocess_data.py with --append-eod and GPT-2 BPE) in our
+terms:
 
   # the original's data: the Pile through `datasets`, GPT-2's vocab.json and merges.txt
   python examples/prepare_data.py --input EleutherAI/the_pile_deduplicated --vocab_file vocab.json \
@@ -33,8 +34,8 @@ import os
 import random
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -51,8 +52,9 @@ Encoder = Callable[[list[str]], list[list[int]]]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", default=["pydoc"], nargs="+",
-                   help="'pydoc' (offline default), local files, or a datasets hub name")
+    p.add_argument(
+        "--input", default=["pydoc"], nargs="+", help="'pydoc' (offline default), local files, or a datasets hub name"
+    )
     p.add_argument("--subset", default=None, help="hub dataset configuration name")
     p.add_argument("--split", default="train", help="hub dataset split")
     p.add_argument("--text_column", default="text", help="column holding the document text")
@@ -61,10 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok.add_argument("--vocab_file", help="GPT-2 BPE vocab.json (with --merge_file), as in the original")
     tok.add_argument("--tokenizer", help="any transformers tokenizer: a local path or a hub name")
     p.add_argument("--merge_file", help="GPT-2 BPE merges.txt (with --vocab_file)")
-    p.add_argument("--bpe_vocab_size", type=int, default=2048,
-                   help="vocabulary of the byte-level BPE trained on the input when no tokenizer is given")
-    p.add_argument("--bpe_train_documents", type=int, default=100_000,
-                   help="train that BPE on at most this many documents (the first ones)")
+    p.add_argument(
+        "--bpe_vocab_size",
+        type=int,
+        default=2048,
+        help="vocabulary of the byte-level BPE trained on the input when no tokenizer is given",
+    )
+    p.add_argument(
+        "--bpe_train_documents",
+        type=int,
+        default=100_000,
+        help="train that BPE on at most this many documents (the first ones)",
+    )
     p.add_argument("--num_proc", type=int, default=min(8, os.cpu_count() or 1), help="tokenizing processes")
     p.add_argument("--limit_documents", type=int, default=None, help="use only the first N documents")
     p.add_argument("--seed", type=int, default=1234, help="shuffles the offline documents' order")
@@ -86,8 +96,9 @@ def _module_docstrings(path: Path) -> str:
         tree = ast.parse(path.read_bytes())
     except (SyntaxError, ValueError):
         return ""
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                                          ast.AsyncFunctionDef))]
+    nodes = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     docs = [ast.get_docstring(n) for n in sorted(nodes, key=lambda n: getattr(n, "lineno", 0))]
     return "\n\n".join(d.strip() for d in docs if d and len(d) >= MIN_DOCSTRING_CHARS)
 
@@ -121,8 +132,9 @@ def load_documents(args: argparse.Namespace):
     if all(path.exists() for path in local):
         suffixes = {path.suffix for path in local}
         if len(suffixes) != 1 or next(iter(suffixes)) not in LOCAL_BUILDERS:
-            raise ValueError(f"--input {args.input}: local files must share one of the suffixes "
-                             f"{sorted(LOCAL_BUILDERS)}")
+            raise ValueError(
+                f"--input {args.input}: local files must share one of the suffixes {sorted(LOCAL_BUILDERS)}"
+            )
         builder = LOCAL_BUILDERS[suffixes.pop()]
         ds = datasets.load_dataset(builder, data_files=[str(x) for x in local], split="train")
     elif len(args.input) == 1:
@@ -131,8 +143,7 @@ def load_documents(args: argparse.Namespace):
         missing = [str(path) for path in local if not path.exists()]
         raise FileNotFoundError(f"--input: files not found: {missing}")
     if args.text_column not in ds.column_names:
-        raise ValueError(f"--text_column {args.text_column!r} is not a column of the input; columns: "
-                         f"{ds.column_names}")
+        raise ValueError(f"--text_column {args.text_column!r} is not a column of the input; columns: {ds.column_names}")
     return ds
 
 
@@ -143,8 +154,12 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -191,12 +206,19 @@ def make_encoder(args: argparse.Namespace, ds) -> tuple[Encoder, int, int, str]:
 
 def tokenize(ds, encode: Encoder, eod_id: int, text_column: str, num_proc: int):
     """The dataset with an `ids` column (tokens + end-of-document) and a `length` column."""
+
     def batch(rows: dict) -> dict:
         ids = [doc + [eod_id] for doc in encode([text or "" for text in rows[text_column]])]
         return {"ids": ids, "length": [len(doc) for doc in ids]}
 
-    return ds.map(batch, batched=True, batch_size=256, num_proc=min(num_proc, len(ds)),
-                  remove_columns=ds.column_names, desc="tokenizing")
+    return ds.map(
+        batch,
+        batched=True,
+        batch_size=256,
+        num_proc=min(num_proc, len(ds)),
+        remove_columns=ds.column_names,
+        desc="tokenizing",
+    )
 
 
 def write_tokens(tokenized, prefix: str, dtype: np.dtype) -> np.ndarray:
@@ -209,7 +231,7 @@ def write_tokens(tokenized, prefix: str, dtype: np.dtype) -> np.ndarray:
     with tqdm(total=len(tokenized), desc="writing", unit="doc") as bar:
         for rows in tokenized.select_columns(["ids"]).iter(batch_size=1024):
             flat = np.concatenate([np.asarray(doc, dtype=dtype) for doc in rows["ids"]])
-            out[position:position + len(flat)] = flat
+            out[position : position + len(flat)] = flat
             position += len(flat)
             bar.update(len(rows["ids"]))
     out.flush()
@@ -231,8 +253,11 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = token_dtype(vocab_size)
     offsets = write_tokens(tokenized, args.output_prefix, dtype)
     index = write_index(args.output_prefix, int(offsets[-1]), offsets, vocab_size, eod_id, description)
-    print(f"wrote {index['num_tokens']:,} tokens of {index['num_documents']:,} documents "
-          f"(vocabulary {vocab_size}, {dtype.name}) to {paths(args.output_prefix)[0]}", file=sys.stderr)
+    print(
+        f"wrote {index['num_tokens']:,} tokens of {index['num_documents']:,} documents "
+        f"(vocabulary {vocab_size}, {dtype.name}) to {paths(args.output_prefix)[0]}",
+        file=sys.stderr,
+    )
     return index
 
 

@@ -34,18 +34,30 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def paths(prefix: str | Path) -> tuple[Path, Path, Path]:
     """(tokens, document offsets, index) paths of a token file prefix."""
     prefix = Path(prefix)
-    return (prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".docs.npy"),
-            prefix.with_name(prefix.name + ".json"))
+    return (
+        prefix.with_name(prefix.name + ".bin"),
+        prefix.with_name(prefix.name + ".docs.npy"),
+        prefix.with_name(prefix.name + ".json"),
+    )
 
 
-def write_index(prefix: str | Path, num_tokens: int, doc_offsets: np.ndarray, vocab_size: int, eod_id: int,
-                tokenizer: str) -> dict:
+def write_index(
+    prefix: str | Path, num_tokens: int, doc_offsets: np.ndarray, vocab_size: int, eod_id: int, tokenizer: str
+) -> dict:
     """Write P.docs.npy and the P.json index for a P.bin already written; returns the index."""
     bin_path, docs_path, index_path = paths(prefix)
     np.save(docs_path, doc_offsets.astype(np.int64))
-    index = {"format": FORMAT, "dtype": token_dtype(vocab_size).name, "num_tokens": int(num_tokens),
-             "num_documents": int(len(doc_offsets) - 1), "vocab_size": int(vocab_size), "eod_id": int(eod_id),
-             "tokenizer": tokenizer, "tokens_file": bin_path.name, "documents_file": docs_path.name}
+    index = {
+        "format": FORMAT,
+        "dtype": token_dtype(vocab_size).name,
+        "num_tokens": int(num_tokens),
+        "num_documents": int(len(doc_offsets) - 1),
+        "vocab_size": int(vocab_size),
+        "eod_id": int(eod_id),
+        "tokenizer": tokenizer,
+        "tokens_file": bin_path.name,
+        "documents_file": docs_path.name,
+    }
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     return index
 
@@ -84,9 +96,11 @@ class TokenFile:
         self.valid = Split(boundary, len(self.tokens), seq_len)
         for name, split in (("training", self.train), ("validation", self.valid)):
             if split.num_samples < 1:
-                raise ValueError(f"--data {prefix}: {len(self.tokens)} tokens leave no {name} sample of "
-                                 f"{seq_len + 1} tokens with --valid_fraction {valid_fraction}; use more data, a "
-                                 f"shorter --seq_len or another --valid_fraction")
+                raise ValueError(
+                    f"--data {prefix}: {len(self.tokens)} tokens leave no {name} sample of "
+                    f"{seq_len + 1} tokens with --valid_fraction {valid_fraction}; use more data, a "
+                    f"shorter --seq_len or another --valid_fraction"
+                )
 
     def _validation_start(self, valid_fraction: float) -> int:
         """The document boundary closest to (1 - valid_fraction) of the tokens, keeping one document each side."""
@@ -101,7 +115,7 @@ class TokenFile:
         if not 0 <= index < split.num_samples:
             raise IndexError(f"sample {index} outside [0, {split.num_samples})")
         begin = split.start + index * split.seq_len
-        return np.asarray(self.tokens[begin:begin + split.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[begin : begin + split.seq_len + 1], dtype=np.int64)
 
 
 class SampleOrder:

@@ -9,10 +9,10 @@ Launch it the DeepSpeed way; SDP4Bit is switched on by the "sdp4bit" block of th
       --deepspeed_config configs/cpu/tiny_sdp4bit.json --data data/pydoc/tokens        # CPU ranks, no GPU
   torchrun --nproc_per_node 2 examples/train_gpt.py ...                                 # also works
 
-The model card (--model) supplies the original implementation's settings: shape, learning rate and schedule, batch sizes,
-iterations, precision; every one can be overridden by its flag. The trainer owns those settings and writes
-the matching DeepSpeed keys (batch sizes, gradient clipping, bf16/fp16) into the config it hands DeepSpeed;
-a config file that sets one of them must agree with the trainer, or the run stops and says which flag to use.
+The model card (--model) supplies the original implementation's settings: shape, learning rate and schedule, batch
+sizes, iterations, precision; every one can be overridden by its flag. The trainer owns those settings and writes the
+matching DeepSpeed keys (batch sizes, gradient clipping, bf16/fp16) into the config it hands DeepSpeed; a config file
+that sets one of them must agree with the trainer, or the run stops and says which flag to use.
 
 Output in --out: log.csv (one row per step: loss, lr, validation loss, tokens/s and the bytes per
 step on rank 0, from DeepSpeed's comms logger and, when SDP4Bit is active, per SDP4Bit kind), summary.json
@@ -48,9 +48,12 @@ from sdp4bit_examples.comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_sav
 from sdp4bit_examples.gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from sdp4bit_examples.token_dataset import SampleOrder, Split, TokenFile
 
-TRAINER_KEYS = {"train_batch_size": "--global_batch", "train_micro_batch_size_per_gpu": "--micro_batch",
-                "gradient_accumulation_steps": "--global_batch / (--micro_batch x ranks)",
-                "gradient_clipping": "--clip_grad"}
+TRAINER_KEYS = {
+    "train_batch_size": "--global_batch",
+    "train_micro_batch_size_per_gpu": "--micro_batch",
+    "gradient_accumulation_steps": "--global_batch / (--micro_batch x ranks)",
+    "gradient_clipping": "--clip_grad",
+}
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -58,12 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag; card-dependent defaults are None here and filled in by resolve()."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, choices=sorted(CARDS), help="model card")
-    p.add_argument("--data", default="data/pydoc/tokens",
-                   help="token file prefix from prepare_data.py, or 'synthetic' (random tokens, for speed tests)")
+    p.add_argument(
+        "--data",
+        default="data/pydoc/tokens",
+        help="token file prefix from prepare_data.py, or 'synthetic' (random tokens, for speed tests)",
+    )
     p.add_argument("--valid_fraction", type=float, default=0.05, help="tokens held out for validation")
     p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary of --data synthetic")
-    p.add_argument("--pad_vocab_multiple", type=int, default=128,
-                   help="pad the embedding to a multiple of this (Megatron's --make-vocab-size-divisible-by)")
+    p.add_argument(
+        "--pad_vocab_multiple",
+        type=int,
+        default=128,
+        help="pad the embedding to a multiple of this (Megatron's --make-vocab-size-divisible-by)",
+    )
     p.add_argument("--seq_len", type=int, help="sequence length and positions (card: 2048; tiny: 128)")
     p.add_argument("--n_layer", type=int, help="transformer layers (card)")
     p.add_argument("--n_embd", type=int, help="hidden size (card)")
@@ -74,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--min_lr", type=float, help="final learning rate (default lr / 10)")
     g.add_argument("--lr_decay_iters", type=int, help="cosine decay length in steps")
-    g.add_argument("--warmup_fraction", type=float, default=0.01,
-                   help="linear warm-up steps as a fraction of --lr_decay_iters (Megatron's --lr-warmup-fraction)")
+    g.add_argument(
+        "--warmup_fraction",
+        type=float,
+        default=0.01,
+        help="linear warm-up steps as a fraction of --lr_decay_iters (Megatron's --lr-warmup-fraction)",
+    )
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.95)
     g.add_argument("--eps", type=float, default=1e-8)
@@ -89,23 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="runs/train_gpt", help="directory for log.csv and summary.json")
     r.add_argument("--eval_interval", type=int, default=50, help="validation every N steps (and at the end)")
     r.add_argument("--eval_samples", type=int, default=256, help="validation sequences per evaluation")
-    r.add_argument("--steady_from", type=int, default=None,
-                   help="first step of the steady-state byte averages (default: 10%% of the steps, at least 1)")
-    r.add_argument("--comms_logger", action="store_true",
-                   help="enable DeepSpeed's comms logger (all collectives) to measure bytes per step")
-    r.add_argument("--link_counters", metavar="INTERFACE",
-                   help="count the bytes each node sends through this network interface per step (e.g. eth0)")
-    r.add_argument("--zero_init", choices=("auto", "yes", "no"), default="auto",
-                   help="build the model partitioned under deepspeed.zero.Init (auto: with ZeRO stage 3)")
-    r.add_argument("--ds_set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a ds_config entry, dotted key and JSON value, e.g. sdp4bit.ranks_per_node=2")
+    r.add_argument(
+        "--steady_from",
+        type=int,
+        default=None,
+        help="first step of the steady-state byte averages (default: 10%% of the steps, at least 1)",
+    )
+    r.add_argument(
+        "--comms_logger",
+        action="store_true",
+        help="enable DeepSpeed's comms logger (all collectives) to measure bytes per step",
+    )
+    r.add_argument(
+        "--link_counters",
+        metavar="INTERFACE",
+        help="count the bytes each node sends through this network interface per step (e.g. eth0)",
+    )
+    r.add_argument(
+        "--zero_init",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="build the model partitioned under deepspeed.zero.Init (auto: with ZeRO stage 3)",
+    )
+    r.add_argument(
+        "--ds_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a ds_config entry, dotted key and JSON value, e.g. sdp4bit.ranks_per_node=2",
+    )
     r.add_argument("--save_dir", help="DeepSpeed checkpoint directory")
-    r.add_argument("--save_interval", type=int, default=0,
-                   help="with --save_dir: a checkpoint every N steps and at the end (0: at the end only)")
+    r.add_argument(
+        "--save_interval",
+        type=int,
+        default=0,
+        help="with --save_dir: a checkpoint every N steps and at the end (0: at the end only)",
+    )
     r.add_argument("--load_dir", help="resume from the latest checkpoint in this directory")
     r.add_argument("--threads", type=int, help="torch threads per rank on CPU (default cores / local ranks)")
-    r.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help="set by the deepspeed launcher")
+    r.add_argument(
+        "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)), help="set by the deepspeed launcher"
+    )
     return deepspeed.add_config_arguments(p)
 
 
@@ -144,28 +182,35 @@ def resolve(args: argparse.Namespace, world: int) -> Settings:
     """Fill card defaults into unset flags and derive gradient accumulation for `world` ranks."""
     card = CARDS[args.model]
     micro = _flag_or(args, "micro_batch", card.micro_batch)
-    values = {"micro_batch": micro,
-              "global_batch": _flag_or(args, "global_batch", card.global_batch or micro * world),
-              "lr": _flag_or(args, "lr", card.lr),
-              "lr_decay_iters": _flag_or(args, "lr_decay_iters", card.lr_decay_iters),
-              "seq_len": _flag_or(args, "seq_len", card.seq_len),
-              "n_layer": _flag_or(args, "n_layer", card.n_layer),
-              "n_embd": _flag_or(args, "n_embd", card.n_embd),
-              "n_head": _flag_or(args, "n_head", card.n_head),
-              "train_iters": _flag_or(args, "train_iters", card.train_iters)}
+    values = {
+        "micro_batch": micro,
+        "global_batch": _flag_or(args, "global_batch", card.global_batch or micro * world),
+        "lr": _flag_or(args, "lr", card.lr),
+        "lr_decay_iters": _flag_or(args, "lr_decay_iters", card.lr_decay_iters),
+        "seq_len": _flag_or(args, "seq_len", card.seq_len),
+        "n_layer": _flag_or(args, "n_layer", card.n_layer),
+        "n_embd": _flag_or(args, "n_embd", card.n_embd),
+        "n_head": _flag_or(args, "n_head", card.n_head),
+        "train_iters": _flag_or(args, "train_iters", card.train_iters),
+    }
     for name, value in values.items():
         _positive(name, value)
     if values["global_batch"] % (micro * world):
-        raise ValueError(f"--global_batch {values['global_batch']} is not a multiple of --micro_batch {micro} x "
-                         f"{world} ranks")
+        raise ValueError(
+            f"--global_batch {values['global_batch']} is not a multiple of --micro_batch {micro} x {world} ranks"
+        )
     if values["n_embd"] % values["n_head"]:
         raise ValueError(f"--n_embd {values['n_embd']} is not a multiple of --n_head {values['n_head']}")
     if not 0 <= args.warmup_fraction < 1:
         raise ValueError(f"--warmup_fraction = {args.warmup_fraction}: must be in [0, 1)")
-    return Settings(model=args.model, min_lr=_flag_or(args, "min_lr", values["lr"] / 10),
-                    warmup_iters=round(args.warmup_fraction * values["lr_decay_iters"]),
-                    precision=_flag_or(args, "precision", card.precision),
-                    grad_accum=values["global_batch"] // (micro * world), **values)
+    return Settings(
+        model=args.model,
+        min_lr=_flag_or(args, "min_lr", values["lr"] / 10),
+        warmup_iters=round(args.warmup_fraction * values["lr_decay_iters"]),
+        precision=_flag_or(args, "precision", card.precision),
+        grad_accum=values["global_batch"] // (micro * world),
+        **values,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- ds_config
@@ -190,8 +235,10 @@ def _set_dotted(config: dict, assignment: str) -> None:
 def _agree(config: dict, key: str, value: Any, flag: str) -> None:
     """Set a trainer-owned key, refusing a config file that says otherwise."""
     if key in config and config[key] != value:
-        raise ValueError(f"ds_config {key} = {config[key]!r} disagrees with the trainer's {value!r}: the trainer owns "
-                         f"this setting; remove it from the config or set {flag}")
+        raise ValueError(
+            f"ds_config {key} = {config[key]!r} disagrees with the trainer's {value!r}: the trainer owns "
+            f"this setting; remove it from the config or set {flag}"
+        )
     config[key] = value
 
 
@@ -217,11 +264,14 @@ def load_ds_config(args: argparse.Namespace, settings: Settings, world: int) -> 
         _set_dotted(config, assignment)
     for key in ("optimizer", "scheduler"):
         if key in config:
-            raise ValueError(f"ds_config has {key!r}: the trainer owns the optimizer (torch AdamW) and the schedule "
-                             f"(warm-up + cosine); remove it and use the flags (--lr, --beta1, ...)")
+            raise ValueError(
+                f"ds_config has {key!r}: the trainer owns the optimizer (torch AdamW) and the schedule "
+                f"(warm-up + cosine); remove it and use the flags (--lr, --beta1, ...)"
+            )
     _agree(config, "train_batch_size", settings.global_batch, TRAINER_KEYS["train_batch_size"])
-    _agree(config, "train_micro_batch_size_per_gpu", settings.micro_batch,
-           TRAINER_KEYS["train_micro_batch_size_per_gpu"])
+    _agree(
+        config, "train_micro_batch_size_per_gpu", settings.micro_batch, TRAINER_KEYS["train_micro_batch_size_per_gpu"]
+    )
     _agree(config, "gradient_accumulation_steps", settings.grad_accum, TRAINER_KEYS["gradient_accumulation_steps"])
     _agree(config, "gradient_clipping", args.clip_grad, TRAINER_KEYS["gradient_clipping"])
     _set_precision(config, settings.precision)
@@ -307,11 +357,11 @@ def build_engine(args: argparse.Namespace, settings: Settings, ds_config: dict, 
     use_zero_init = args.zero_init == "yes" or (args.zero_init == "auto" and zero_stage(ds_config) == 3)
     torch.manual_seed(args.seed)
     model = build_model(config, ds_config if use_zero_init else None)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=settings.lr,
-                                  betas=(args.beta1, args.beta2), eps=args.eps)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, args.weight_decay), lr=settings.lr, betas=(args.beta1, args.beta2), eps=args.eps
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(settings))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine, num_parameters(model)
 
 
@@ -384,7 +434,7 @@ class Trainer:
         mine = list(range(self.rank * count, (self.rank + 1) * count))
         sums = torch.zeros(2, dtype=torch.float64)
         for begin in range(0, count, self.settings.micro_batch):
-            chunk = mine[begin:begin + self.settings.micro_batch]
+            chunk = mine[begin : begin + self.settings.micro_batch]
             loss = sequence_loss(self.engine, stack(self.data, self.data.valid, chunk, self.engine.device))
             sums += torch.tensor([loss.item() * len(chunk), len(chunk)], dtype=torch.float64)
         sums = sums.to(self.reduce_device)
@@ -406,9 +456,16 @@ class Trainer:
                 raise FloatingPointError(f"step {step}: training loss is {loss}")
             last = step == self.settings.train_iters - 1
             val = self.evaluate() if last or (step + 1) % self.args.eval_interval == 0 else None
-            row = {"step": step, "loss": loss, "lr": lr, "val_loss": val,
-                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds, "after_eval": after_eval,
-                   **delta}
+            row = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "val_loss": val,
+                "tokens_per_s": tokens_per_step / seconds,
+                "step_time_s": seconds,
+                "after_eval": after_eval,
+                **delta,
+            }
             after_eval = val is not None
             self.rows.append(row)
             self.log(row, bar)
@@ -420,8 +477,11 @@ class Trainer:
             return
         write_csv_row(self.out / "log.csv", row)
         saved = comm_saved(row)
-        postfix = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}",
-                   "comm saved": "n/a" if saved is None else f"{saved:.0%}"}
+        postfix = {
+            "loss": f"{row['loss']:.3f}",
+            "tok/s": f"{row['tokens_per_s']:.0f}",
+            "comm saved": "n/a" if saved is None else f"{saved:.0%}",
+        }
         if row["val_loss"] is not None:
             postfix["val"] = f"{row['val_loss']:.3f}"
         bar.set_postfix(postfix, refresh=False)
@@ -472,7 +532,9 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
     link = {f"{k}_per_step": means[k] * trainer.world for k in LINK_FIELDS if k in means}
     tokens_per_step = settings.global_batch * settings.seq_len
     return {
-        **extra, "settings": asdict(settings), "steps": len(rows),
+        **extra,
+        "settings": asdict(settings),
+        "steps": len(rows),
         "initial_loss": rows[0]["loss"] if rows and rows[0]["step"] == 0 else None,
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None),
@@ -522,8 +584,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     engine, n_params = build_engine(args, settings, ds_config, vocab, data.eod_id)
     block = config_from_ds_config(ds_config)
     if rank == 0 and block is not None and block.active and not hasattr(engine, "sdp4bit"):
-        print("WARNING: the config enables SDP4Bit but the engine has no SDP4Bit attached: communication is NOT "
-              "quantized", file=sys.stderr)
+        print(
+            "WARNING: the config enables SDP4Bit but the engine has no SDP4Bit attached: communication is NOT "
+            "quantized",
+            file=sys.stderr,
+        )
     start = resume_step(engine, args.load_dir)
     out = Path(args.out)
     if rank == 0:
@@ -533,15 +598,32 @@ def main(argv: list[str] | None = None) -> dict | None:
     trainer = Trainer(args, settings, engine, data, world, rank)
     startup_s = time.time() - psutil.Process().create_time()
     began = time.perf_counter()
-    bar = tqdm(total=settings.train_iters, initial=start, desc=f"{settings.model} x{world}", dynamic_ncols=True,
-               mininterval=1.0) if rank == 0 else None
+    bar = (
+        tqdm(
+            total=settings.train_iters,
+            initial=start,
+            desc=f"{settings.model} x{world}",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        if rank == 0
+        else None
+    )
     trainer.run(start, bar)
     if bar is not None:
         bar.close()
-    extra = {"model": args.model, "config": args.deepspeed_config, "world_size": world, "parameters": n_params,
-             "vocab_size": vocab, "ln_vocab": expected_initial_loss(vocab), "sdp4bit": hasattr(engine, "sdp4bit"),
-             "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
-             "startup_s": startup_s, "train_s": time.perf_counter() - began}
+    extra = {
+        "model": args.model,
+        "config": args.deepspeed_config,
+        "world_size": world,
+        "parameters": n_params,
+        "vocab_size": vocab,
+        "ln_vocab": expected_initial_loss(vocab),
+        "sdp4bit": hasattr(engine, "sdp4bit"),
+        "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
+        "startup_s": startup_s,
+        "train_s": time.perf_counter() - began,
+    }
     summary = summarise(trainer, settings, args, extra)
     trainer.close()
     dist.destroy_process_group()

@@ -26,7 +26,7 @@ have_all() {
 import importlib.util, sys
 mods = ["torch", "deepspeed", "deepspeed_sdp4bit", "sdp4bit_cost", "scipy", "transformers", "accelerate", "datasets",
         "tokenizers", "matplotlib", "pytest", "pytest_timeout", "hypothesis", "ninja", "sdp4bit_testing",
-        "sdp4bit_benchmarks", "sdp4bit_examples"]
+        "sdp4bit_benchmarks", "sdp4bit_examples", "ruff", "mypy"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PY
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's second command: install what is needed, then run the whole test suite and print its summary.
+# The README's second command: install what is needed, then run the linter, the formatter check, the type checker
+# and the whole test suite, and print their summaries (any failure fails the command).
 # Compiled ops are JIT-built into TORCH_EXTENSIONS_DIR: a fresh temporary folder (removed afterwards) unless one
 # is set, so a run proves the ops build from scratch. TORCH_CUDA_ARCH_LIST defaults to 9.0 (H100/H200) for the
 # CUDA compile check. Extra arguments go to pytest (e.g. bash scripts/test.sh -k configs).
@@ -31,6 +32,11 @@ prebuild_log="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-prebuild.XXXXXX")"
 "$venv_bin/python" -m sdp4bit_testing.prebuild > "$prebuild_log" 2>&1 &
 prebuild=$!
 status=0
+# the maintainers' checks (configured in pyproject.toml): lint, format, and types of the library's contracts
+echo "test: ruff check, ruff format --check, mypy"
+"$venv_bin/ruff" check --quiet . || status=$?
+"$venv_bin/ruff" format --check --quiet . || status=$?
+"$venv_bin/mypy" || status=$?
 "$venv_bin/python" -m pytest -q -rfEs --durations=20 tests "$@" || status=$?
 wait "$prebuild" || true
 grep "^prebuild:" "$prebuild_log" || cat "$prebuild_log"

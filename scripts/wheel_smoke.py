@@ -22,11 +22,22 @@ CONFIG = {
     "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": 1,
     "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4096,
-                          "stage3_prefetch_bucket_size": 4096},
-    "sdp4bit": {"enabled": True, "ranks_per_node": 1, "quantized_weights": True, "quantized_gradients": True,
-                "hadamard_transform": True, "wq_group_size": 128, "gq_group_size_intra": 128,
-                "gq_group_size_inter": 128},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "reduce_bucket_size": 4096,
+        "stage3_prefetch_bucket_size": 4096,
+    },
+    "sdp4bit": {
+        "enabled": True,
+        "ranks_per_node": 1,
+        "quantized_weights": True,
+        "quantized_gradients": True,
+        "hadamard_transform": True,
+        "wq_group_size": 128,
+        "gq_group_size_intra": 128,
+        "gq_group_size_inter": 128,
+    },
     "steps_per_print": 1000000,
 }
 
@@ -53,8 +64,10 @@ def main() -> int:
         return 1
     if rank == 0:
         quantized = {kind: s["wire_bytes"] for kind, s in stats.items() if kind != "total" and s.get("wire_bytes")}
-        print(f"wheel smoke: {STEPS} ZeRO-3 steps with SDP4Bit on {torch.distributed.get_world_size()} ranks, loss "
-              f"{losses[0]:.4f} -> {losses[-1]:.4f}, replicas verified, quantized bytes {quantized}")
+        print(
+            f"wheel smoke: {STEPS} ZeRO-3 steps with SDP4Bit on {torch.distributed.get_world_size()} ranks, loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}, replicas verified, quantized bytes {quantized}"
+        )
     return 0
 
 

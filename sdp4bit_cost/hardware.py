@@ -51,15 +51,34 @@ class GPU:
         return CODEC_SHARE_OF_HBM * self.hbm_gbs * 1e9
 
 
-GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("a100", 312, 2039, 300, 80, "NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s, NVLink "
-                                    "600 GB/s"),
-    GPU("h100", 989, 3350, 450, 80, "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s"),
-    GPU("h800", 989, 3350, 200, 80, "NVIDIA H800 SXM: H100 compute and memory, NVLink 400 GB/s"),
-    GPU("h200", 989, 4800, 450, 141, "NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s, NVLink 900 GB/s"),
-    GPU("b200", 2250, 8000, 900, 180, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU, 8 TB/s, NVLink "
-                                      "1.8 TB/s"),
-)}
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU(
+            "a100",
+            312,
+            2039,
+            300,
+            80,
+            "NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s, NVLink 600 GB/s",
+        ),
+        GPU(
+            "h100", 989, 3350, 450, 80, "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s"
+        ),
+        GPU("h800", 989, 3350, 200, 80, "NVIDIA H800 SXM: H100 compute and memory, NVLink 400 GB/s"),
+        GPU(
+            "h200", 989, 4800, 450, 141, "NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s, NVLink 900 GB/s"
+        ),
+        GPU(
+            "b200",
+            2250,
+            8000,
+            900,
+            180,
+            "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU, 8 TB/s, NVLink 1.8 TB/s",
+        ),
+    )
+}
 
 
 def gpu(name: str) -> GPU:
@@ -126,5 +145,4 @@ class Cluster:
         return self.gpu.codec_bytes_s if self.codec_gbs is None else self.codec_gbs * 1e9
 
     def describe(self) -> str:
-        return (f"{self.nodes} x {self.gpus_per_node} {self.gpu.name.upper()}, {self.inter_node_gbps:g} Gbit/s per "
-                f"node")
+        return f"{self.nodes} x {self.gpus_per_node} {self.gpu.name.upper()}, {self.inter_node_gbps:g} Gbit/s per node"

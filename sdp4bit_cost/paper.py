@@ -23,8 +23,8 @@ a new fit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 from .hardware import NVLINK_EFFICIENCY
 from .shapes import CARDS, ModelShape
@@ -49,9 +49,12 @@ class PaperCluster:
     codec_gbs: float
 
     def rates(self, link_efficiency: float, peak_fraction: float) -> Rates:
-        return Rates(flops_s=peak_fraction * self.peak_tflops * 1e12,
-                     inter_bytes_s=link_efficiency * self.inter_node_gbps * 1e9 / 8,
-                     intra_bytes_s=NVLINK_EFFICIENCY * self.nvlink_gbs * 1e9, codec_bytes_s=self.codec_gbs * 1e9)
+        return Rates(
+            flops_s=peak_fraction * self.peak_tflops * 1e12,
+            inter_bytes_s=link_efficiency * self.inter_node_gbps * 1e9 / 8,
+            intra_bytes_s=NVLINK_EFFICIENCY * self.nvlink_gbs * 1e9,
+            codec_bytes_s=self.codec_gbs * 1e9,
+        )
 
 
 A100 = PaperCluster("A100", 4, 100, 300, 312, 688)
@@ -62,16 +65,28 @@ BASELINE = Scheme()
 SDP4BIT = Scheme(quantized_weights=True, quantized_gradients=True)
 TLQ_HS = Scheme(quantized_gradients=True)
 ULQ = Scheme(quantized_gradients=True, bits_intra=4)
-PARALLEL = {"A100": {"1.3b": (1, 1), "2.7b": (1, 1), "6.7b": (4, 1), "13b": (4, 2), "18b": (4, 2)},
-            "H800": {"1.3b": (1, 1), "2.7b": (1, 1), "6.7b": (4, 1), "13b": (8, 1), "18b": (8, 1)}}
+PARALLEL = {
+    "A100": {"1.3b": (1, 1), "2.7b": (1, 1), "6.7b": (4, 1), "13b": (4, 2), "18b": (4, 2)},
+    "H800": {"1.3b": (1, 1), "2.7b": (1, 1), "6.7b": (4, 1), "13b": (8, 1), "18b": (8, 1)},
+}
 # Table 2: TFLOP/s per GPU, baseline and SDP4Bit, on 16 nodes of each cluster
-TABLE2 = {"A100": {"1.3b": (24.1, 57.6), "2.7b": (24.0, 58.4), "6.7b": (10.8, 37.1), "13b": (9.7, 26.0),
-                   "18b": (10.2, 29.8)},
-          "H800": {"1.3b": (69.1, 106.0), "2.7b": (71.9, 116.9), "6.7b": (26.2, 77.9), "13b": (13.9, 53.5),
-                   "18b": (14.5, 59.2)}}
+TABLE2 = {
+    "A100": {"1.3b": (24.1, 57.6), "2.7b": (24.0, 58.4), "6.7b": (10.8, 37.1), "13b": (9.7, 26.0), "18b": (10.2, 29.8)},
+    "H800": {
+        "1.3b": (69.1, 106.0),
+        "2.7b": (71.9, 116.9),
+        "6.7b": (26.2, 77.9),
+        "13b": (13.9, 53.5),
+        "18b": (14.5, 59.2),
+    },
+}
 # Table 4: GPT-1.3B on 8 nodes x 4 A100: gradient communication (ms) and TFLOP/s per strategy
-TABLE4 = {"baseline": (BASELINE, 379.3, 24.4), "TLq-HS": (TLQ_HS, 45.9, 43.3), "ULq": (ULQ, 45.0, 43.3),
-          "SDP4Bit": (SDP4BIT, 45.8, 58.5)}
+TABLE4 = {
+    "baseline": (BASELINE, 379.3, 24.4),
+    "TLq-HS": (TLQ_HS, 45.9, 43.3),
+    "ULq": (ULQ, 45.0, 43.3),
+    "SDP4Bit": (SDP4BIT, 45.8, 58.5),
+}
 
 
 @dataclass(frozen=True)
@@ -174,9 +189,9 @@ class Check:
     grad_ms: float | None
 
 
-def check(all_rows: Sequence[Row] | None = None,
-          fitter: Callable[[Sequence[Row]], tuple[float, float]] = fit) -> tuple[dict[str, tuple[float, float]],
-                                                                                 list[Check]]:
+def check(
+    all_rows: Sequence[Row] | None = None, fitter: Callable[[Sequence[Row]], tuple[float, float]] = fit
+) -> tuple[dict[str, tuple[float, float]], list[Check]]:
     """Fit each cluster on its rows, predict every row, and predict every row group from the fit without it."""
     all_rows = list(rows() if all_rows is None else all_rows)
     constants: dict[str, tuple[float, float]] = {}
@@ -187,8 +202,14 @@ def check(all_rows: Sequence[Row] | None = None,
         loo = {group: fitter([r for r in mine if r.group != group]) for group in dict.fromkeys(r.group for r in mine)}
         for r in mine:
             step = predict(r, *constants[cluster.name])
-            checks.append(Check(r, tflops(r, step), tflops(r, predict(r, *loo[r.group])),
-                                grad_ms(step) if r.grad_ms is not None else None))
+            checks.append(
+                Check(
+                    r,
+                    tflops(r, step),
+                    tflops(r, predict(r, *loo[r.group])),
+                    grad_ms(step) if r.grad_ms is not None else None,
+                )
+            )
     return constants, checks
 
 
@@ -198,54 +219,82 @@ def _speedups(checks: Sequence[Check]) -> list[tuple[str, float, float, float]]:
     for c in checks:
         if c.row.scheme == BASELINE:
             continue
-        base = next(b for b in checks if b.row.scheme == BASELINE and b.row.cluster is c.row.cluster
-                    and b.row.model == c.row.model and b.row.nodes == c.row.nodes)
-        out.append((c.row.group, c.row.tflops / base.row.tflops, c.predicted / base.predicted,
-                    c.left_out / base.left_out))
+        base = next(
+            b
+            for b in checks
+            if b.row.scheme == BASELINE
+            and b.row.cluster is c.row.cluster
+            and b.row.model == c.row.model
+            and b.row.nodes == c.row.nodes
+        )
+        out.append(
+            (c.row.group, c.row.tflops / base.row.tflops, c.predicted / base.predicted, c.left_out / base.left_out)
+        )
     return out
 
 
 def report() -> tuple[str, bool]:
     """The check as a markdown report, and whether every row is within the bounds."""
     constants, checks = check()
-    lines = [f"{name}: fitted link efficiency {e:.3f} ({e * c.inter_node_gbps:.0f} Gbit/s effective per node), "
-             f"achieved {f:.1%} of peak ({f * c.peak_tflops:.0f} TFLOP/s of compute)"
-             for (name, (e, f)), c in zip(constants.items(), CLUSTERS)]
-    lines += ["", "| row | scheme | reported TFLOP/s | predicted | error | leave-one-out error |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        f"{name}: fitted link efficiency {e:.3f} ({e * c.inter_node_gbps:.0f} Gbit/s effective per node), "
+        f"achieved {f:.1%} of peak ({f * c.peak_tflops:.0f} TFLOP/s of compute)"
+        for (name, (e, f)), c in zip(constants.items(), CLUSTERS, strict=True)
+    ]
+    lines += [
+        "",
+        "| row | scheme | reported TFLOP/s | predicted | error | leave-one-out error |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     worst_tflops = 0.0
     for c in checks:
         err, loo = c.predicted / c.row.tflops - 1, c.left_out / c.row.tflops - 1
         worst_tflops = max(worst_tflops, abs(err))
-        lines.append(f"| {c.row.group} | {_name(c.row.scheme)} | {c.row.tflops:.1f} | {c.predicted:.1f} | "
-                     f"{err:+.1%} | {loo:+.1%} |")
+        lines.append(
+            f"| {c.row.group} | {_name(c.row.scheme)} | {c.row.tflops:.1f} | {c.predicted:.1f} | "
+            f"{err:+.1%} | {loo:+.1%} |"
+        )
     lines += ["", "| row | reported speed-up | predicted | error | leave-one-out error |", "|---|---:|---:|---:|---:|"]
     worst_speedup = 0.0
     for group, reported, predicted, left_out in _speedups(checks):
         worst_speedup = max(worst_speedup, abs(predicted / reported - 1))
-        lines.append(f"| {group} | {reported:.2f}x | {predicted:.2f}x | {predicted / reported - 1:+.1%} | "
-                     f"{left_out / reported - 1:+.1%} |")
-    lines += ["", "| Table 4 strategy | reported gradient communication ms | predicted | error |",
-              "|---|---:|---:|---:|"]
+        lines.append(
+            f"| {group} | {reported:.2f}x | {predicted:.2f}x | {predicted / reported - 1:+.1%} | "
+            f"{left_out / reported - 1:+.1%} |"
+        )
+    lines += [
+        "",
+        "| Table 4 strategy | reported gradient communication ms | predicted | error |",
+        "|---|---:|---:|---:|",
+    ]
     for c in checks:
         if c.grad_ms is not None:
-            lines.append(f"| {c.row.group.removeprefix('Table 4 ')} | {c.row.grad_ms:.1f} | {c.grad_ms:.1f} | "
-                         f"{c.grad_ms / c.row.grad_ms - 1:+.1%} |")
+            lines.append(
+                f"| {c.row.group.removeprefix('Table 4 ')} | {c.row.grad_ms:.1f} | {c.grad_ms:.1f} | "
+                f"{c.grad_ms / c.row.grad_ms - 1:+.1%} |"
+            )
     ok = worst_tflops <= TFLOPS_BOUND and worst_speedup <= SPEEDUP_BOUND
-    lines += ["", f"worst TFLOP/s error {worst_tflops:.1%} (bound {TFLOPS_BOUND:.0%}), worst speed-up error "
-              f"{worst_speedup:.1%} (bound {SPEEDUP_BOUND:.0%}): {'within' if ok else 'OUTSIDE'} the bounds"]
+    lines += [
+        "",
+        f"worst TFLOP/s error {worst_tflops:.1%} (bound {TFLOPS_BOUND:.0%}), worst speed-up error "
+        f"{worst_speedup:.1%} (bound {SPEEDUP_BOUND:.0%}): {'within' if ok else 'OUTSIDE'} the bounds",
+    ]
     return "\n".join(lines + _zero1_lines(constants, checks)), ok
 
 
 def _zero1_lines(constants: dict[str, tuple[float, float]], checks: Sequence[Check]) -> list[str]:
     """The ZeRO-1 reading of Table 2 as report lines (not part of the check's bounds)."""
-    lines = ["", "DeepSpeed ZeRO-1 reading of Table 2 (Megatron-LM's distributed optimizer is ZeRO-1: gradients "
-             "reduced once per step at the boundary, weights all-gathered once per step): the speed-up of ZeRO-1 + "
-             "SDP4Bit (TLq to each bucket's owners, qWD refresh) over DeepSpeed ZeRO-1 (an fp32 all-reduce of each "
-             "gradient bucket, the 16-bit all-gather), DeepSpeed's default bucket of 5e8 elements, with the "
-             "constants fitted above. A reading, not a new fit, and not part of the check's bounds.",
-             "", "| row | reported speed-up | Megatron model | DeepSpeed ZeRO-1 model | ZeRO-1 vs reported |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "DeepSpeed ZeRO-1 reading of Table 2 (Megatron-LM's distributed optimizer is ZeRO-1: gradients "
+        "reduced once per step at the boundary, weights all-gathered once per step): the speed-up of ZeRO-1 + "
+        "SDP4Bit (TLq to each bucket's owners, qWD refresh) over DeepSpeed ZeRO-1 (an fp32 all-reduce of each "
+        "gradient bucket, the 16-bit all-gather), DeepSpeed's default bucket of 5e8 elements, with the "
+        "constants fitted above. A reading, not a new fit, and not part of the check's bounds.",
+        "",
+        "| row | reported speed-up | Megatron model | DeepSpeed ZeRO-1 model | ZeRO-1 vs reported |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for group, reported, megatron, zero1 in zero1_reading(constants, checks):
         lines.append(f"| {group} | {reported:.2f}x | {megatron:.2f}x | {zero1:.2f}x | {zero1 / reported - 1:+.1%} |")
     return lines

@@ -23,9 +23,10 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
@@ -94,19 +95,28 @@ class Plan:
         b = self.block
         sdp4bit = replace(b, quantized_weights=True, quantized_gradients=True, zeropp=False)
         if self.system == "megatron":
-            return {"Megatron": replace(b, quantized_weights=False, quantized_gradients=False),
-                    "ZeRO++": replace(sdp4bit, bits_intra=4), "SDP4Bit": sdp4bit,
-                    "qWD": replace(sdp4bit, quantized_gradients=False),
-                    "TLq-HS": replace(sdp4bit, quantized_weights=False)}
+            return {
+                "Megatron": replace(b, quantized_weights=False, quantized_gradients=False),
+                "ZeRO++": replace(sdp4bit, bits_intra=4),
+                "SDP4Bit": sdp4bit,
+                "qWD": replace(sdp4bit, quantized_gradients=False),
+                "TLq-HS": replace(sdp4bit, quantized_weights=False),
+            }
         if self.stage != 3:
-            return {self.baseline: replace(b, quantized_weights=False, quantized_gradients=False), "SDP4Bit": sdp4bit,
-                    "qWD": replace(sdp4bit, quantized_gradients=False),
-                    "TLq-HS": replace(sdp4bit, quantized_weights=False)}
-        return {"ZeRO-3": replace(b, quantized_weights=False, quantized_gradients=False, zeropp=False),
-                "ZeRO++": replace(b, zeropp=True), "SDP4Bit": replace(sdp4bit, replica="node"),
-                "SDP4Bit (rank replica)": replace(sdp4bit, replica="rank"),
-                "qWD": replace(sdp4bit, quantized_gradients=False, replica="node"),
-                "TLq-HS": replace(sdp4bit, quantized_weights=False)}
+            return {
+                self.baseline: replace(b, quantized_weights=False, quantized_gradients=False),
+                "SDP4Bit": sdp4bit,
+                "qWD": replace(sdp4bit, quantized_gradients=False),
+                "TLq-HS": replace(sdp4bit, quantized_weights=False),
+            }
+        return {
+            "ZeRO-3": replace(b, quantized_weights=False, quantized_gradients=False, zeropp=False),
+            "ZeRO++": replace(b, zeropp=True),
+            "SDP4Bit": replace(sdp4bit, replica="node"),
+            "SDP4Bit (rank replica)": replace(sdp4bit, replica="rank"),
+            "qWD": replace(sdp4bit, quantized_gradients=False, replica="node"),
+            "TLq-HS": replace(sdp4bit, quantized_weights=False),
+        }
 
     def step(self, scheme: Scheme, name: str) -> StepTime:
         work = self.job.workload(self.rates)
@@ -139,12 +149,19 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         """The row for --json: the gradient bytes both as sent and with an all-reduce counted as a reduce-scatter."""
-        return {"variant": self.variant, "stage": self.stage, "step_s": self.step.step_s, "speedup": self.speedup,
-                "cross_node_bytes": self.step.cross_node_bytes, "tokens_per_s": self.step.tokens_per_s,
-                "compute_s": self.step.compute_s, "exposed_s": self.step.exposed_s,
-                "replica_bytes_per_gpu": self.replica_bytes,
-                "grad_cross_node_bytes": self.step.grad_cross_node_bytes,
-                "grad_cross_node_bytes_as_reduce_scatter": self.step.grad_cross_node_bytes_as_reduce_scatter}
+        return {
+            "variant": self.variant,
+            "stage": self.stage,
+            "step_s": self.step.step_s,
+            "speedup": self.speedup,
+            "cross_node_bytes": self.step.cross_node_bytes,
+            "tokens_per_s": self.step.tokens_per_s,
+            "compute_s": self.step.compute_s,
+            "exposed_s": self.step.exposed_s,
+            "replica_bytes_per_gpu": self.replica_bytes,
+            "grad_cross_node_bytes": self.step.grad_cross_node_bytes,
+            "grad_cross_node_bytes_as_reduce_scatter": self.step.grad_cross_node_bytes_as_reduce_scatter,
+        }
 
 
 def project(plan: Plan) -> list[Row]:
@@ -157,8 +174,11 @@ def project(plan: Plan) -> list[Row]:
 def candidates(plan: Plan, rows: Sequence[Row]) -> list[Row]:
     """The rows the recommendation chooses from: SDP4Bit's variants whose replica fits the GPU's memory."""
     memory = plan.cluster.gpu.memory_gb * 1e9
-    return [r for r in rows[1:] if r.variant != "ZeRO++"
-            and (r.replica_bytes <= RANK_REPLICA_MEMORY_SHARE * memory or "rank" not in r.variant)]
+    return [
+        r
+        for r in rows[1:]
+        if r.variant != "ZeRO++" and (r.replica_bytes <= RANK_REPLICA_MEMORY_SHARE * memory or "rank" not in r.variant)
+    ]
 
 
 def uncertainty(plan: Plan) -> sensitivity.Sensitivity:
@@ -180,13 +200,17 @@ def recommend(plan: Plan, rows: Sequence[Row]) -> str:
     best = max(fits, key=lambda r: r.speedup)
     exposed = base.step.exposed_s / base.step.step_s
     if best.speedup < 1 + GAIN_WORTH_IT:
-        return (f"communication hides behind compute here ({exposed:.0%} of the {base.variant} step is exposed "
-                f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off"
-                f"{_round_robin_hint(plan, rows)}")
+        return (
+            f"communication hides behind compute here ({exposed:.0%} of the {base.variant} step is exposed "
+            f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off"
+            f"{_round_robin_hint(plan, rows)}"
+        )
     leaner = [r for r in fits if r.speedup >= best.speedup / (1 + GAIN_WORTH_IT / 2)]
     choice = min(leaner, key=lambda r: (len(_block(plan, r.variant)), -r.speedup))
-    return (f"use {choice.variant}: {choice.speedup:.2f}x over {base.variant} ({exposed:.0%} of its step is exposed "
-            f"communication); \"sdp4bit\": {json.dumps(_block(plan, choice.variant))}{_round_robin_hint(plan, rows)}")
+    return (
+        f"use {choice.variant}: {choice.speedup:.2f}x over {base.variant} ({exposed:.0%} of its step is exposed "
+        f'communication); "sdp4bit": {json.dumps(_block(plan, choice.variant))}{_round_robin_hint(plan, rows)}'
+    )
 
 
 def _round_robin_hint(plan: Plan, rows: Sequence[Row]) -> str:
@@ -194,8 +218,10 @@ def _round_robin_hint(plan: Plan, rows: Sequence[Row]) -> str:
     spread = round_robin_projection(plan, rows)
     if spread is None or spread[1] <= max(r.speedup for r in rows):
         return ""
-    return (f"; better: zero_optimization.round_robin_gradients: true, which spreads each bucket's owners over more "
-            f"nodes, with SDP4Bit: {spread[1]:.2f}x over {rows[0].variant}")
+    return (
+        f"; better: zero_optimization.round_robin_gradients: true, which spreads each bucket's owners over more "
+        f"nodes, with SDP4Bit: {spread[1]:.2f}x over {rows[0].variant}"
+    )
 
 
 def _block(plan: Plan, variant: str) -> dict[str, Any]:
@@ -207,9 +233,14 @@ def _block(plan: Plan, variant: str) -> dict[str, Any]:
         if s.replica != "node" and plan.stage == 3:
             block["weight_replica"] = s.replica
     if s.quantized_gradients:
-        block.update(quantized_gradients=True, gradient_quantization_bits_intra=s.bits_intra,
-                     gq_group_size_intra=s.group_intra, gradient_quantization_bits_inter=s.bits_inter,
-                     gq_group_size_inter=s.group_inter, hadamard_transform=True)
+        block.update(
+            quantized_gradients=True,
+            gradient_quantization_bits_intra=s.bits_intra,
+            gq_group_size_intra=s.group_intra,
+            gradient_quantization_bits_inter=s.bits_inter,
+            gq_group_size_inter=s.group_inter,
+            hadamard_transform=True,
+        )
     return block
 
 
@@ -217,22 +248,33 @@ def table(plan: Plan, rows: Sequence[Row]) -> str:
     """The projection as a markdown table."""
     where = plan.cluster.describe()
     if plan.measured:
-        where = (f"{plan.cluster.nodes} x {plan.cluster.gpus_per_node} {plan.measured['device_name']} ranks as "
-                 f"measured, {plan.cluster.inter_node_gbps:g} Gbit/s per node")
-    lines = [f"{where} ({plan.cluster.flops_s / 1e12:,.3g} TFLOP/s achieved per GPU, links at "
-             f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
-             f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
-             f"micro-batch(es) per step, TP {plan.job.tp}"
-             f"{f', PP {plan.job.pp}' if plan.job.pp > 1 else ''}, {plan.describe()}"
-             f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
-             "", "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+        where = (
+            f"{plan.cluster.nodes} x {plan.cluster.gpus_per_node} {plan.measured['device_name']} ranks as "
+            f"measured, {plan.cluster.inter_node_gbps:g} Gbit/s per node"
+        )
+    lines = [
+        f"{where} ({plan.cluster.flops_s / 1e12:,.3g} TFLOP/s achieved per GPU, links at "
+        f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
+        f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
+        f"micro-batch(es) per step, TP {plan.job.tp}"
+        f"{f', PP {plan.job.pp}' if plan.job.pp > 1 else ''}, {plan.describe()}"
+        f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
+        "",
+        "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r.variant} | {r.step.step_s:.3f} | {r.step.tokens_per_s:,.0f} | {r.step.exposed_s:.3f} | "
-                     f"{r.step.cross_node_bytes / 1e9:.2f} | {r.replica_bytes / 1e9:.2f} | {r.speedup:.2f}x |")
+        lines.append(
+            f"| {r.variant} | {r.step.step_s:.3f} | {r.step.tokens_per_s:,.0f} | {r.step.exposed_s:.3f} | "
+            f"{r.step.cross_node_bytes / 1e9:.2f} | {r.replica_bytes / 1e9:.2f} | {r.speedup:.2f}x |"
+        )
     if plan.stage in (1, 2):
-        lines += ["", _gradient_note(plan, rows), *_owner_load_note(plan, rows),
-                  "ZeRO++ exists on ZeRO-3 only: not compared on stages 1 and 2."]
+        lines += [
+            "",
+            _gradient_note(plan, rows),
+            *_owner_load_note(plan, rows),
+            "ZeRO++ exists on ZeRO-3 only: not compared on stages 1 and 2.",
+        ]
     return "\n".join(lines)
 
 
@@ -265,15 +307,19 @@ def _owner_load_note(plan: Plan, rows: Sequence[Row]) -> list[str]:
         return []
     own = partition(plan.job.workload(plan.rates).tensors, plan.layout.world)
     layout = " in round_robin_gradients' layout" if scheme.round_robin else ""
-    line = (f"SDP4Bit's gradients go to each bucket's owners: with reduce_bucket_size {scheme.reduce_bucket:,} over "
-            f"partitions of {own:,} elements{layout}, a bucket's busiest node sends or receives {ratio:.1f}x the mean "
-            "node's share of its inter-node bytes; a larger reduce_bucket_size spreads each bucket over more owners")
+    line = (
+        f"SDP4Bit's gradients go to each bucket's owners: with reduce_bucket_size {scheme.reduce_bucket:,} over "
+        f"partitions of {own:,} elements{layout}, a bucket's busiest node sends or receives {ratio:.1f}x the mean "
+        "node's share of its inter-node bytes; a larger reduce_bucket_size spreads each bucket over more owners"
+    )
     spread = round_robin_projection(plan, rows)
     if spread is not None:
         sdp4bit = next(r.speedup for r in rows if r.variant == "SDP4Bit")
-        line += (f"; so does zero_optimization.round_robin_gradients: true (--round-robin-gradients), which "
-                 f"interleaves the parameters over the partitions: busiest node {spread[0]:.1f}x the mean, SDP4Bit "
-                 f"{spread[1]:.2f}x over {rows[0].variant} with it ({sdp4bit:.2f}x without)")
+        line += (
+            f"; so does zero_optimization.round_robin_gradients: true (--round-robin-gradients), which "
+            f"interleaves the parameters over the partitions: busiest node {spread[0]:.1f}x the mean, SDP4Bit "
+            f"{spread[1]:.2f}x over {rows[0].variant} with it ({sdp4bit:.2f}x without)"
+        )
     return [line]
 
 
@@ -285,9 +331,11 @@ def _gradient_note(plan: Plan, rows: Sequence[Row]) -> str:
     sent, halved = base.grad_cross_node_bytes, base.grad_cross_node_bytes_as_reduce_scatter
     if not sdp4bit:
         return f"gradients: no bytes cross nodes on one node ({plan.baseline} all-reduces them inside it)"
-    return (f"gradients across nodes per step: {plan.baseline} all-reduces {sent / 1e9:.2f} GB, a reduce-scatter "
-            f"would send {halved / 1e9:.2f} GB, SDP4Bit sends {sdp4bit / 1e9:.2f} GB ({sent / sdp4bit:.1f}x below the "
-            f"all-reduce, {halved / sdp4bit:.1f}x below a reduce-scatter)")
+    return (
+        f"gradients across nodes per step: {plan.baseline} all-reduces {sent / 1e9:.2f} GB, a reduce-scatter "
+        f"would send {halved / 1e9:.2f} GB, SDP4Bit sends {sdp4bit / 1e9:.2f} GB ({sent / sdp4bit:.1f}x below the "
+        f"all-reduce, {halved / sdp4bit:.1f}x below a reduce-scatter)"
+    )
 
 
 def plot(plan: Plan, path: Path) -> None:
@@ -313,8 +361,11 @@ def plot(plan: Plan, path: Path) -> None:
     ax.set_xlabel("inter-node bandwidth per node, Gbit/s")
     ax.set_ylabel(f"speed-up over {next(iter(curves))}")
     ax.axvline(plan.cluster.inter_node_gbps, color="grey", linestyle=":", label="this cluster")
-    ax.set_title(f"{plan.job.shape.numel() / 1e9:.2f}B on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
-                 f"{plan.cluster.gpu.name.upper()} ({plan.describe()})", fontsize=10)
+    ax.set_title(
+        f"{plan.job.shape.numel() / 1e9:.2f}B on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
+        f"{plan.cluster.gpu.name.upper()} ({plan.describe()})",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -322,61 +373,100 @@ def plot(plan: Plan, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sdp4bit-plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sdp4bit-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     model = p.add_argument_group("model (a card, a config.json, or --params with --layers and --hidden)")
     model.add_argument("--model", help=f"a card ({', '.join(CARDS)}) or the path of a Hugging Face config.json")
     model.add_argument("--params", type=float, help="parameters, e.g. 7e9 (with --layers and --hidden)")
     model.add_argument("--layers", type=int, help="transformer layers (with --params)")
     model.add_argument("--hidden", type=int, help="hidden size (with --params)")
     cluster = p.add_argument_group("cluster")
-    cluster.add_argument("--measured", type=Path,
-                         help="the file sdp4bit-measure wrote on your nodes: its nodes and ranks per node (unless "
-                              "--nodes, --gpus-per-node), inter-node rate (the line rate at efficiency 1 without "
-                              "--inter-node-gbps, else --measured-inter-node-gbps), intra-node rate, codec throughput "
-                              "and achieved TFLOP/s (unless --tflops); CPU ranks are projected with gloo's blocking "
-                              "collectives")
+    cluster.add_argument(
+        "--measured",
+        type=Path,
+        help="the file sdp4bit-measure wrote on your nodes: its nodes and ranks per node (unless "
+        "--nodes, --gpus-per-node), inter-node rate (the line rate at efficiency 1 without "
+        "--inter-node-gbps, else --measured-inter-node-gbps), intra-node rate, codec throughput "
+        "and achieved TFLOP/s (unless --tflops); CPU ranks are projected with gloo's blocking "
+        "collectives",
+    )
     cluster.add_argument("--nodes", type=int, help="number of nodes (required without --measured)")
     cluster.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or --measured's ranks per node)")
-    cluster.add_argument("--inter-node-gbps", type=float,
-                         help="inter-node bandwidth per node, Gbit/s each way (all its NICs together; required "
-                              "without --measured)")
+    cluster.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        help="inter-node bandwidth per node, Gbit/s each way (all its NICs together; required without --measured)",
+    )
     cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
-    cluster.add_argument("--tflops", type=float,
-                         help="achieved TFLOP/s per GPU on this model (default: 40%% of the preset's dense bf16 peak)")
-    cluster.add_argument("--link-efficiency", type=float,
-                         help=f"share of the inter-node line rate the collectives reach (default {LINK_EFFICIENCY})")
-    cluster.add_argument("--measured-inter-node-gbps", type=float,
-                         help="the rate per node the collectives reached on these nodes, measured, Gbit/s (instead of "
-                              "--link-efficiency: it sets the efficiency to this rate / --inter-node-gbps)")
+    cluster.add_argument(
+        "--tflops",
+        type=float,
+        help="achieved TFLOP/s per GPU on this model (default: 40%% of the preset's dense bf16 peak)",
+    )
+    cluster.add_argument(
+        "--link-efficiency",
+        type=float,
+        help=f"share of the inter-node line rate the collectives reach (default {LINK_EFFICIENCY})",
+    )
+    cluster.add_argument(
+        "--measured-inter-node-gbps",
+        type=float,
+        help="the rate per node the collectives reached on these nodes, measured, Gbit/s (instead of "
+        "--link-efficiency: it sets the efficiency to this rate / --inter-node-gbps)",
+    )
     job = p.add_argument_group("job")
-    job.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
-                     help="the weights' dtype (default: the config's bf16 or fp16 where enabled, else fp32, as in "
-                          "DeepSpeed; bf16 without --config)")
+    job.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        help="the weights' dtype (default: the config's bf16 or fp16 where enabled, else fp32, as in "
+        "DeepSpeed; bf16 without --config)",
+    )
     job.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a node (default 1)")
-    job.add_argument("--pp", type=int, default=1,
-                     help="pipeline parallelism across nodes (default 1; --system megatron, or ZeRO stage 1: "
-                          "DeepSpeed's pipeline engine takes stages 0 and 1 only)")
+    job.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline parallelism across nodes (default 1; --system megatron, or ZeRO stage 1: "
+        "DeepSpeed's pipeline engine takes stages 0 and 1 only)",
+    )
     job.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     job.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-batch (default 1, or the config's)")
     job.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1, or the config's)")
-    job.add_argument("--system", choices=("deepspeed", "megatron"), default="deepspeed",
-                     help="DeepSpeed ZeRO with this package (default), or Megatron-LM's distributed optimizer with "
-                          "the paper's SDP4Bit fork")
-    job.add_argument("--stage", type=int,
-                     help="DeepSpeed ZeRO stage: 1, 2 or 3 (default 3, or the config's zero_optimization.stage); "
-                          "stages 1 and 2 compare plain ZeRO-1/2, SDP4Bit, qWD and TLq-HS (ZeRO++ runs on stage 3 "
-                          "only)")
-    job.add_argument("--round-robin-gradients", action="store_true",
-                     help="stages 1 and 2: DeepSpeed's zero_optimization.round_robin_gradients, which interleaves the "
-                          "parameters over the partitions so that each gradient bucket goes to many owners (default "
-                          "off, or the config's)")
-    job.add_argument("--config", type=Path, help="a ds_config.json: its zero_optimization settings (overlap_comm "
-                                                 "defaults as in DeepSpeed: on for stage 3, off for 1 and 2; "
-                                                 "round_robin_gradients), batch sizes, communication_data_type and "
-                                                 "sdp4bit block")
-    job.add_argument("--no-overlap", action="store_true",
-                     help="collectives block compute (the bound opposite to the perfect overlap assumed otherwise)")
+    job.add_argument(
+        "--system",
+        choices=("deepspeed", "megatron"),
+        default="deepspeed",
+        help="DeepSpeed ZeRO with this package (default), or Megatron-LM's distributed optimizer with "
+        "the paper's SDP4Bit fork",
+    )
+    job.add_argument(
+        "--stage",
+        type=int,
+        help="DeepSpeed ZeRO stage: 1, 2 or 3 (default 3, or the config's zero_optimization.stage); "
+        "stages 1 and 2 compare plain ZeRO-1/2, SDP4Bit, qWD and TLq-HS (ZeRO++ runs on stage 3 "
+        "only)",
+    )
+    job.add_argument(
+        "--round-robin-gradients",
+        action="store_true",
+        help="stages 1 and 2: DeepSpeed's zero_optimization.round_robin_gradients, which interleaves the "
+        "parameters over the partitions so that each gradient bucket goes to many owners (default "
+        "off, or the config's)",
+    )
+    job.add_argument(
+        "--config",
+        type=Path,
+        help="a ds_config.json: its zero_optimization settings (overlap_comm "
+        "defaults as in DeepSpeed: on for stage 3, off for 1 and 2; "
+        "round_robin_gradients), batch sizes, communication_data_type and "
+        "sdp4bit block",
+    )
+    job.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="collectives block compute (the bound opposite to the perfect overlap assumed otherwise)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     out.add_argument("--plot", type=Path, help="draw the speed-up against inter-node bandwidth into this image file")
@@ -390,8 +480,10 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     if args.model:
         return from_hf_config(args.model) if Path(args.model).suffix == ".json" else card(args.model)
     if any(v is None for v in sizes):
-        raise PlanError(f"--model (one of {', '.join(CARDS)}, or a config.json), or all of --params, --layers and "
-                        "--hidden, is required")
+        raise PlanError(
+            f"--model (one of {', '.join(CARDS)}, or a config.json), or all of --params, --layers and "
+            "--hidden, is required"
+        )
     return from_size(args.params, args.layers, args.hidden)
 
 
@@ -415,8 +507,10 @@ def _ds_config(path: Path | None) -> dict[str, Any]:
 def _block_scheme(ds: dict[str, Any]) -> Scheme:
     """The SDP4Bit settings and ZeRO-3 sizes of a ds_config (validated by the package's own config), or defaults."""
     zero = ds.get("zero_optimization", {})
-    sizes = {"persistence_threshold": int(zero.get("stage3_param_persistence_threshold", 100_000)),
-             "reduce_bucket": int(zero.get("reduce_bucket_size", 500_000_000))}
+    sizes = {
+        "persistence_threshold": int(zero.get("stage3_param_persistence_threshold", 100_000)),
+        "reduce_bucket": int(zero.get("reduce_bucket_size", 500_000_000)),
+    }
     if "sdp4bit" not in ds:
         return Scheme(**sizes)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its accelerator line on import
@@ -425,11 +519,18 @@ def _block_scheme(ds: dict[str, Any]) -> Scheme:
         cfg = parse_config(ds["sdp4bit"])
     except SDP4BitConfigError as exc:
         raise PlanError(f"--config: {exc}") from None
-    return Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
-                  bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
-                  bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
-                  pipeline=cfg.gradient_alltoall_pipeline, replica=cfg.weight_replica,
-                  refresh_bucket=cfg.refresh_bucket_size, **sizes)
+    return Scheme(
+        weight_bits=cfg.weight_quantization_bits,
+        weight_group=cfg.wq_group_size,
+        bits_intra=cfg.gradient_quantization_bits_intra,
+        group_intra=cfg.gq_group_size_intra,
+        bits_inter=cfg.gradient_quantization_bits_inter,
+        group_inter=cfg.gq_group_size_inter,
+        pipeline=cfg.gradient_alltoall_pipeline,
+        replica=cfg.weight_replica,
+        refresh_bucket=cfg.refresh_bucket_size,
+        **sizes,
+    )
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -442,8 +543,11 @@ def _dtype_bytes(args: argparse.Namespace, ds: dict[str, Any]) -> int:
         return DTYPE_BYTES[args.dtype]
     if not ds:
         return DTYPE_BYTES["bf16"]
-    enabled = [key for key in ("bf16", "fp16")  # "auto": the Hugging Face integration's, which fills it in
-               if isinstance(ds.get(key), dict) and ds[key].get("enabled") in (True, "auto")]
+    enabled = [
+        key
+        for key in ("bf16", "fp16")  # "auto": the Hugging Face integration's, which fills it in
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled") in (True, "auto")
+    ]
     return DTYPE_BYTES[enabled[0]] if enabled else DTYPE_BYTES["fp32"]
 
 
@@ -472,13 +576,23 @@ def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> 
     zero12 = args.system == "deepspeed" and stage in (1, 2)
     if args.round_robin_gradients and not zero12:
         got = "--system megatron" if args.system == "megatron" else f"ZeRO stage {stage}"
-        raise PlanError(f"--round-robin-gradients with {got}: allowed with --system deepspeed on --stage 1 or 2 only "
-                        "(DeepSpeed reads round_robin_gradients on ZeRO stages 1 and 2)")
+        raise PlanError(
+            f"--round-robin-gradients with {got}: allowed with --system deepspeed on --stage 1 or 2 only "
+            "(DeepSpeed reads round_robin_gradients on ZeRO stages 1 and 2)"
+        )
     return zero12 and (args.round_robin_gradients or value)
 
 
-MEASURED_KEYS = {"format": int, "nodes": int, "ranks_per_node": int, "device": str, "inter_node_gbps": (float, None),
-                 "intra_node_gbs": (float, None), "codec_gbs": float, "tflops": (float, None)}
+MEASURED_KEYS = {
+    "format": int,
+    "nodes": int,
+    "ranks_per_node": int,
+    "device": str,
+    "inter_node_gbps": (float, None),
+    "intra_node_gbs": (float, None),
+    "codec_gbs": float,
+    "tflops": (float, None),
+}
 
 
 def _measured(path: Path | None) -> dict[str, Any] | None:
@@ -494,13 +608,25 @@ def _measured(path: Path | None) -> dict[str, Any] | None:
     for key, kinds in MEASURED_KEYS.items():
         allowed = kinds if isinstance(kinds, tuple) else (kinds,)
         value = found.get(key)
-        ok = any(value is None if kind is None else isinstance(value, (int, float) if kind is float else kind)
-                 and not isinstance(value, bool) for kind in allowed)
+        ok = any(
+            value is None
+            if kind is None
+            else isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+            for kind in allowed
+        )
         if ok and isinstance(value, (int, float)) and not value > 0:
             ok = False
         if not ok:
-            names = " or ".join("null" if k is None else "a positive number" if k is float else
-                                "a positive integer" if k is int else "a string" for k in allowed)
+            names = " or ".join(
+                "null"
+                if k is None
+                else "a positive number"
+                if k is float
+                else "a positive integer"
+                if k is int
+                else "a string"
+                for k in allowed
+            )
             raise PlanError(f"--measured {path}: {key} = {value!r}: allowed: {names} (as sdp4bit-measure writes it)")
     if found["format"] != 1:
         raise PlanError(f"--measured {path}: format = {found['format']}: allowed: 1 (this sdp4bit-plan's)")
@@ -519,8 +645,16 @@ def _cluster(args: argparse.Namespace, measured: dict[str, Any] | None) -> Clust
         raise PlanError("--inter-node-gbps is required (or --measured with a file measured on several nodes)")
     efficiency = _link_efficiency(args, m.get("inter_node_gbps"), line)
     tflops = args.tflops if args.tflops is not None else m.get("tflops")
-    return Cluster(nodes, per_node, gpu(args.gpu), line, tflops, efficiency,
-                   intra_gbs=m.get("intra_node_gbs"), codec_gbs=m.get("codec_gbs"))
+    return Cluster(
+        nodes,
+        per_node,
+        gpu(args.gpu),
+        line,
+        tflops,
+        efficiency,
+        intra_gbs=m.get("intra_node_gbs"),
+        codec_gbs=m.get("codec_gbs"),
+    )
 
 
 def _link_efficiency(args: argparse.Namespace, measured_gbps: float | None, line_gbps: float) -> float:
@@ -533,11 +667,13 @@ def _link_efficiency(args: argparse.Namespace, measured_gbps: float | None, line
     if args.measured_inter_node_gbps is None:
         return LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency
     if args.link_efficiency is not None:
-        raise PlanError("--link-efficiency and --measured-inter-node-gbps: give one (the measured rate sets the "
-                        "efficiency)")
+        raise PlanError(
+            "--link-efficiency and --measured-inter-node-gbps: give one (the measured rate sets the efficiency)"
+        )
     if not args.measured_inter_node_gbps > 0 or not line_gbps > 0:
-        raise PlanError(f"--measured-inter-node-gbps {args.measured_inter_node_gbps}: must be > 0, with "
-                        "--inter-node-gbps > 0")
+        raise PlanError(
+            f"--measured-inter-node-gbps {args.measured_inter_node_gbps}: must be > 0, with --inter-node-gbps > 0"
+        )
     return args.measured_inter_node_gbps / line_gbps
 
 
@@ -547,13 +683,17 @@ def _pipeline(args: argparse.Namespace, stage: int, cluster: Cluster) -> None:
     if args.pp == 1:
         return
     if args.system == "deepspeed" and stage != 1:
-        raise PlanError(f"--pp {args.pp} with ZeRO stage {stage}: allowed with --system megatron or --stage 1 only "
-                        "(DeepSpeed's pipeline engine takes ZeRO stages 0 and 1)")
+        raise PlanError(
+            f"--pp {args.pp} with ZeRO stage {stage}: allowed with --system megatron or --stage 1 only "
+            "(DeepSpeed's pipeline engine takes ZeRO stages 0 and 1)"
+        )
     per_node = cluster.gpus_per_node // args.tp
     replicas, left = divmod(cluster.world, args.tp * args.pp)
     if left or replicas % per_node:
-        raise PlanError(f"--pp {args.pp}: {cluster.world} GPUs / (--tp {args.tp} x --pp {args.pp}) must be a whole "
-                        f"number of nodes' {per_node} data-parallel ranks each")
+        raise PlanError(
+            f"--pp {args.pp}: {cluster.world} GPUs / (--tp {args.tp} x --pp {args.pp}) must be a whole "
+            f"number of nodes' {per_node} data-parallel ranks each"
+        )
 
 
 def build(args: argparse.Namespace) -> Plan:
@@ -564,25 +704,40 @@ def build(args: argparse.Namespace) -> Plan:
     cluster = _cluster(args, measured)
     if cluster.gpus_per_node >= 1 and cluster.gpus_per_node % args.tp:
         divisors = [d for d in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % d == 0]
-        raise PlanError(f"--tp {args.tp} does not divide --gpus-per-node {cluster.gpus_per_node}; allowed: "
-                        f"{', '.join(map(str, divisors))}")
+        raise PlanError(
+            f"--tp {args.tp} does not divide --gpus-per-node {cluster.gpus_per_node}; allowed: "
+            f"{', '.join(map(str, divisors))}"
+        )
     ds = _ds_config(args.config)
     zero = ds.get("zero_optimization", {})
     comm = {"fp32": 4, "float32": 4}.get(str(ds.get("communication_data_type", "")).lower())
-    live = min(int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
-               int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)))
+    live = min(
+        int(zero.get("stage3_max_live_parameters", DEEPSPEED_LIVE_PARAMETERS)),
+        int(zero.get("stage3_max_reuse_distance", DEEPSPEED_LIVE_PARAMETERS)),
+    )
     megatron = args.system == "megatron"
     stage = _stage(args, zero)
     _pipeline(args, stage, cluster)
     overlap_comm = zero.get("overlap_comm", stage == 3 or not zero)  # DeepSpeed's default: on for stage 3 only
-    job = Job(_shape(args), seq=args.seq, micro_batch=args.micro_batch or int(ds.get(
-                  "train_micro_batch_size_per_gpu", 1)),
-              grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)), tp=args.tp, pp=args.pp,
-              dtype_bytes=_dtype_bytes(args, ds), comm_bytes=4 if megatron else comm, live_parameters=live,
-              overlap=not (args.no_overlap or megatron or overlap_comm is False
-                           or (measured or {}).get("device") == "cpu"))
-    return Plan(job, cluster, args.system, replace(_block_scheme(ds), stage=stage,
-                                                   round_robin=_round_robin(args, zero, stage)), measured)
+    job = Job(
+        _shape(args),
+        seq=args.seq,
+        micro_batch=args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 1)),
+        grad_accum=args.grad_accum or int(ds.get("gradient_accumulation_steps", 1)),
+        tp=args.tp,
+        pp=args.pp,
+        dtype_bytes=_dtype_bytes(args, ds),
+        comm_bytes=4 if megatron else comm,
+        live_parameters=live,
+        overlap=not (args.no_overlap or megatron or overlap_comm is False or (measured or {}).get("device") == "cpu"),
+    )
+    return Plan(
+        job,
+        cluster,
+        args.system,
+        replace(_block_scheme(ds), stage=stage, round_robin=_round_robin(args, zero, stage)),
+        measured,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -606,9 +761,11 @@ def _measured_line(plan: Plan) -> str:
     """Which inputs came from the measurement file, with their values."""
     m, c = plan.measured, plan.cluster
     tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model"
-    return (f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
-            f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "
-            f"GB/s per rank, codec {c.codec_bytes_s / 1e9:,.3g} GB/s{tflops}")
+    return (
+        f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
+        f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "
+        f"GB/s per rank, codec {c.codec_bytes_s / 1e9:,.3g} GB/s{tflops}"
+    )
 
 
 def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:

@@ -11,8 +11,8 @@ adapters would explain it), the H800 cluster's 14% of its 3.2 Tbit/s: the nomina
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .hardware import ACHIEVED_FRACTION, LINK_EFFICIENCY
 
@@ -34,9 +34,11 @@ class Setting:
 
 # (link efficiency, achieved share of peak) that `sdp4bit_cost.paper.check` fits to each cluster's Table 2 and 4 rows
 PAPER_FITS = {"A100": (1.497, 0.266), "H800": (0.144, 0.154)}
-SETTINGS = (Setting("the paper's H800 cluster", PAPER_FITS["H800"][1], PAPER_FITS["H800"][0]),
-            Setting("the paper's A100 cluster", PAPER_FITS["A100"][1], PAPER_FITS["A100"][0]),
-            Setting("the planner's defaults", ACHIEVED_FRACTION, LINK_EFFICIENCY))
+SETTINGS = (
+    Setting("the paper's H800 cluster", PAPER_FITS["H800"][1], PAPER_FITS["H800"][0]),
+    Setting("the paper's A100 cluster", PAPER_FITS["A100"][1], PAPER_FITS["A100"][0]),
+    Setting("the planner's defaults", ACHIEVED_FRACTION, LINK_EFFICIENCY),
+)
 
 Speedup = Callable[[float, float], float]  # (share of peak, link efficiency) -> the best SDP4Bit speed-up
 
@@ -92,8 +94,10 @@ def analyse(speedup: Speedup, fraction: float, efficiency: float) -> Sensitivity
     fractions = _axis(fraction, [(s.source, s.peak_fraction) for s in SETTINGS])
     efficiencies = _axis(efficiency, [(s.source, s.link_efficiency) for s in SETTINGS])
     grid = tuple(tuple(speedup(f, e) for _, e in efficiencies) for _, f in fractions)
-    flips = (Flip("link efficiency", flip_value(lambda e: speedup(fraction, e), *LINK_RANGE)),
-             Flip("achieved compute", flip_value(lambda f: speedup(f, efficiency), *COMPUTE_RANGE)))
+    flips = (
+        Flip("link efficiency", flip_value(lambda e: speedup(fraction, e), *LINK_RANGE)),
+        Flip("achieved compute", flip_value(lambda f: speedup(f, efficiency), *COMPUTE_RANGE)),
+    )
     return Sensitivity(fractions, efficiencies, grid, speedup(fraction, efficiency) >= 1 + GAIN_WORTH_IT, flips)
 
 
@@ -106,27 +110,36 @@ def describe_flips(result: Sensitivity, peak_tflops: float, nominal_gbps: float)
             continue
         if flip.input == "link efficiency":
             direction = "reach" if result.recommended else "fall to"
-            parts.append(f"the links {direction} {flip.value:.0%} of line rate ({flip.value * nominal_gbps:,.0f} "
-                         f"Gbit/s per node)")
+            parts.append(
+                f"the links {direction} {flip.value:.0%} of line rate ({flip.value * nominal_gbps:,.0f} "
+                f"Gbit/s per node)"
+            )
         else:
             direction = "falls to" if result.recommended else "reaches"
-            parts.append(f"the achieved compute {direction} {flip.value:.0%} of peak ({flip.value * peak_tflops:,.0f} "
-                         f"TFLOP/s per GPU)")
+            parts.append(
+                f"the achieved compute {direction} {flip.value:.0%} of peak ({flip.value * peak_tflops:,.0f} "
+                f"TFLOP/s per GPU)"
+            )
     if not parts:
-        return (f"SDP4Bit's answer ({now}) holds for any link efficiency from {LINK_RANGE[0]:.0%} to {LINK_RANGE[1]:.0%} "
-                f"and any achieved compute from {COMPUTE_RANGE[0]:.0%} to {COMPUTE_RANGE[1]:.0%} of peak")
-    return (f"SDP4Bit's answer turns from {now} to {then} if " + ", or if ".join(parts)
-            + " (the other input as above)")
+        return (
+            f"SDP4Bit's answer ({now}) holds for any link efficiency from {LINK_RANGE[0]:.0%} to {LINK_RANGE[1]:.0%} "
+            f"and any achieved compute from {COMPUTE_RANGE[0]:.0%} to {COMPUTE_RANGE[1]:.0%} of peak"
+        )
+    return f"SDP4Bit's answer turns from {now} to {then} if " + ", or if ".join(parts) + " (the other input as above)"
 
 
 def table(result: Sensitivity, peak_tflops: float, baseline: str) -> str:
     """The grid as markdown: SDP4Bit's best speed-up over the baseline for each pair of plausible values."""
     head = " | ".join(f"links at {e:.0%} ({s})" for s, e in result.efficiencies)
-    lines = [f"| achieved compute \\ inter-node links | {head} |",
-             "|---|" + "---:|" * len(result.efficiencies)]
+    lines = [f"| achieved compute \\ inter-node links | {head} |", "|---|" + "---:|" * len(result.efficiencies)]
     for (source, fraction), row in zip(result.fractions, result.grid, strict=True):
         cells = " | ".join(f"{v:.2f}x" for v in row)
         lines.append(f"| {fraction:.0%} of peak, {fraction * peak_tflops:,.0f} TFLOP/s ({source}) | {cells} |")
-    return "\n".join([f"How sure: SDP4Bit's best speed-up over {baseline} as the two inputs nobody knows before a job "
-                      "runs vary over what real clusters reached:", "", *lines])
-
+    return "\n".join(
+        [
+            f"How sure: SDP4Bit's best speed-up over {baseline} as the two inputs nobody knows before a job "
+            "runs vary over what real clusters reached:",
+            "",
+            *lines,
+        ]
+    )

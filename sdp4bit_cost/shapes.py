@@ -119,8 +119,9 @@ def card(name: str) -> ModelShape:
     try:
         return CARDS[name.lower()]
     except KeyError:
-        raise ShapeError(f"--model {name!r}: unknown card; allowed: {', '.join(CARDS)}, or a path to a Hugging "
-                         "Face config.json") from None
+        raise ShapeError(
+            f"--model {name!r}: unknown card; allowed: {', '.join(CARDS)}, or a path to a Hugging Face config.json"
+        ) from None
 
 
 def from_size(params: float, layers: int, hidden: int) -> ModelShape:
@@ -134,8 +135,10 @@ def from_size(params: float, layers: int, hidden: int) -> ModelShape:
     without_mlp = base.numel() - per_mlp_column * base.mlp
     ffn = round((params - without_mlp) / per_mlp_column)
     if ffn < 1:
-        raise ShapeError(f"--params {params:.3g} is too small for {layers} layers of width {hidden} "
-                         f"(the attention and embeddings alone have {without_mlp:,} parameters)")
+        raise ShapeError(
+            f"--params {params:.3g} is too small for {layers} layers of width {hidden} "
+            f"(the attention and embeddings alone have {without_mlp:,} parameters)"
+        )
     return ModelShape(layers, hidden, base.heads, ffn=ffn)
 
 
@@ -157,13 +160,22 @@ def from_hf_config(path: str | Path) -> ModelShape:
     heads = _first(config, "num_attention_heads", "n_head")
     vocab = _first(config, "vocab_size")
     if not all(isinstance(v, int) for v in (layers, hidden, heads, vocab)):
-        raise ShapeError(f"--model {path}: needs integer num_hidden_layers/n_layer, hidden_size/n_embd, "
-                         "num_attention_heads/n_head and vocab_size")
+        raise ShapeError(
+            f"--model {path}: needs integer num_hidden_layers/n_layer, hidden_size/n_embd, "
+            "num_attention_heads/n_head and vocab_size"
+        )
     gpt2_like = config.get("model_type") in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode")
     gated = config.get("hidden_act") in ("silu", "swiglu")
-    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=vocab,
-                      positions=int(_first(config, "n_positions", "max_position_embeddings", default=2048)),
-                      ffn=_first(config, "intermediate_size", "n_inner"),
-                      kv_heads=_first(config, "num_key_value_heads"), gated=gated, biases=gpt2_like,
-                      tied=bool(config.get("tie_word_embeddings", gpt2_like)),
-                      learned_positions=config.get("model_type") in ("gpt2", "opt", "gpt_bigcode"))
+    return ModelShape(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        positions=int(_first(config, "n_positions", "max_position_embeddings", default=2048)),
+        ffn=_first(config, "intermediate_size", "n_inner"),
+        kv_heads=_first(config, "num_key_value_heads"),
+        gated=gated,
+        biases=gpt2_like,
+        tied=bool(config.get("tie_word_embeddings", gpt2_like)),
+        learned_positions=config.get("model_type") in ("gpt2", "opt", "gpt_bigcode"),
+    )

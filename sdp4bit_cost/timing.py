@@ -94,12 +94,22 @@ class Job:
         activations = self.micro_batch * self.seq * self.shape.hidden * self.dtype_bytes
         tp_seconds = 0.0
         if self.tp > 1:  # four all-reduces per layer, each a ring over the tp GPUs of the node
-            tp_seconds = self.shape.layers / self.pp * 4 * 2 * (self.tp - 1) / self.tp * activations / \
-                rates.intra_bytes_s
-        return Workload(tensors, self.flops_per_micro_batch() / rates.flops_s + tp_seconds, self.grad_accum,
-                        self.tp, self.pp, self.dtype_bytes, self.comm_bytes, second_pass(sum(tensors),
-                                                                                        self.live_parameters),
-                        self.overlap, self.micro_batch * self.seq, 2 * (self.pp - 1) * activations)
+            tp_seconds = (
+                self.shape.layers / self.pp * 4 * 2 * (self.tp - 1) / self.tp * activations / rates.intra_bytes_s
+            )
+        return Workload(
+            tensors,
+            self.flops_per_micro_batch() / rates.flops_s + tp_seconds,
+            self.grad_accum,
+            self.tp,
+            self.pp,
+            self.dtype_bytes,
+            self.comm_bytes,
+            second_pass(sum(tensors), self.live_parameters),
+            self.overlap,
+            self.micro_batch * self.seq,
+            2 * (self.pp - 1) * activations,
+        )
 
 
 @dataclass(frozen=True)
@@ -163,8 +173,9 @@ def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates) -> dict[str, 
     return out
 
 
-def deepspeed_step(work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "",
-                   backend: str = "nccl") -> StepTime:
+def deepspeed_step(
+    work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "", backend: str = "nccl"
+) -> StepTime:
     """One optimizer step of DeepSpeed ZeRO-3 (with or without SDP4Bit, or ZeRO++), or of ZeRO-1/2 (with or without
     SDP4Bit) where `scheme.stage` says so, on `layout` data-parallel ranks."""
     if scheme.stage == 3:
@@ -179,12 +190,22 @@ def deepspeed_step(work: Workload, layout: Layout, scheme: Scheme, rates: Rates,
         comm = phase_comm(transfers, layout, work.tp, rates)
         micro += max(busy, comm) if work.overlap else busy + comm
     after = [t for t in step.transfers if t.phase == "step"]
-    tail = (phase_comm(after, layout, work.tp, rates) + sum(t.codec for t in after) / rates.codec_bytes_s
-            + _boundary_s(step, work, layout, rates))
+    tail = (
+        phase_comm(after, layout, work.tp, rates)
+        + sum(t.codec for t in after) / rates.codec_bytes_s
+        + _boundary_s(step, work, layout, rates)
+    )
     whole = step.per_optimizer_step(m)
-    return StepTime(variant, m * micro + tail, m * work.compute_s, work.tp * whole.cross_total, _tokens(work, layout),
-                    _parts(whole, layout, work.tp, rates), work.tp * whole.grad_cross,
-                    work.tp * whole.grad_cross_as_reduce_scatter)
+    return StepTime(
+        variant,
+        m * micro + tail,
+        m * work.compute_s,
+        work.tp * whole.cross_total,
+        _tokens(work, layout),
+        _parts(whole, layout, work.tp, rates),
+        work.tp * whole.grad_cross,
+        work.tp * whole.grad_cross_as_reduce_scatter,
+    )
 
 
 def _boundary_s(step: StepBytes, work: Workload, layout: Layout, rates: Rates) -> float:
@@ -210,13 +231,21 @@ def sequential_seconds(work: Workload, layout: Layout, step: StepBytes, rates: R
     """One step with everything in sequence and each of `step`'s transfers once (Megatron-LM as the paper ran it, or
     DeepSpeed ZeRO-1 in the same setting): the pipeline's micro-batches (idling (p - 1) stage times), then the
     data-parallel collectives and the codec."""
-    compute = ((work.grad_accum + work.pp - 1) * work.compute_s
-               + work.grad_accum * work.pipeline_send_bytes / rates.inter_bytes_s)
+    compute = (
+        work.grad_accum + work.pp - 1
+    ) * work.compute_s + work.grad_accum * work.pipeline_send_bytes / rates.inter_bytes_s
     comm = phase_comm(step.transfers, layout, work.tp, rates)
     codec = sum(t.codec for t in step.transfers) / rates.codec_bytes_s
-    return StepTime(variant, compute + comm + codec, work.grad_accum * work.compute_s, work.tp * step.cross_total,
-                    _tokens(work, layout), _parts(step, layout, work.tp, rates), work.tp * step.grad_cross,
-                    work.tp * step.grad_cross_as_reduce_scatter)
+    return StepTime(
+        variant,
+        compute + comm + codec,
+        work.grad_accum * work.compute_s,
+        work.tp * step.cross_total,
+        _tokens(work, layout),
+        _parts(step, layout, work.tp, rates),
+        work.tp * step.grad_cross,
+        work.tp * step.grad_cross_as_reduce_scatter,
+    )
 
 
 def _tokens(work: Workload, layout: Layout) -> float:

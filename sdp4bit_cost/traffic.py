@@ -11,8 +11,8 @@ ZeRO-1/2 builder counts them as SDP4Bit's ZeRO-1/2 exchange defines them, per ra
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 # "boundary": the backward of the last micro-batch of an optimizer step, where ZeRO-1 reduces the accumulated gradients
 PHASES = ("forward", "backward", "boundary", "step")
@@ -58,8 +58,10 @@ class Scheme:
         if self.zeropp and self.stage != 3:
             raise ValueError(f"ZeRO++ with ZeRO stage {self.stage}: ZeRO++ exists on stage 3 only")
         if self.round_robin and self.stage == 3:
-            raise ValueError("round_robin (zero_optimization.round_robin_gradients) with ZeRO stage 3: allowed on "
-                             "stages 1 and 2 only")
+            raise ValueError(
+                "round_robin (zero_optimization.round_robin_gradients) with ZeRO stage 3: allowed on "
+                "stages 1 and 2 only"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,13 @@ class Transfer:
 
     def times(self, m: int) -> Transfer:
         """The same transfer run `m` times."""
-        peaks = {name: None if getattr(self, name) is None else m * getattr(self, name)
-                 for name in ("peak_cross", "peak_intra")}
-        return replace(self, wire=m * self.wire, cross=m * self.cross, intra=m * self.intra, codec=m * self.codec,
-                       **peaks)
+        peaks = {
+            name: None if getattr(self, name) is None else m * getattr(self, name)
+            for name in ("peak_cross", "peak_intra")
+        }
+        return replace(
+            self, wire=m * self.wire, cross=m * self.cross, intra=m * self.intra, codec=m * self.codec, **peaks
+        )
 
 
 @dataclass
@@ -143,8 +148,9 @@ class StepBytes:
     def grad_cross_as_reduce_scatter(self) -> float:
         """Cross-node bytes of the gradient reduction with ZeRO-1/2's all-reduce counted as the reduce-scatter that
         would do its job (half its bytes), so that a ratio against it is not twice what a reduce-scatter gives."""
-        return sum(t.cross / 2 if t.kind == ALL_REDUCE else t.cross for t in self.transfers
-                   if t.kind.startswith("grad_"))
+        return sum(
+            t.cross / 2 if t.kind == ALL_REDUCE else t.cross for t in self.transfers if t.kind.startswith("grad_")
+        )
 
     def per_optimizer_step(self, grad_accum: int) -> StepBytes:
         """The transfers of one optimizer step: the forward's and backward's once per micro-batch (`grad_accum`
@@ -201,8 +207,15 @@ def tlq_part(bucket: Sequence[int], world: int, s: Scheme) -> int:
     return max(1, -(-used // unit)) * unit
 
 
-def zero3_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int,
-               comm_bytes: int | None = None, second_pass: float = 0.0, backend: str = "nccl") -> StepBytes:
+def zero3_step(
+    tensors: Sequence[int],
+    scheme: Scheme,
+    layout: Layout,
+    dtype_bytes: int,
+    comm_bytes: int | None = None,
+    second_pass: float = 0.0,
+    backend: str = "nccl",
+) -> StepBytes:
     """The transfers of one DeepSpeed ZeRO-3 micro-batch, plus its optimizer step's, for parameter tensors of these
     element counts.
 
@@ -223,14 +236,27 @@ def zero3_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_byt
         if scheme.quantized_weights:
             _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout)
         else:
-            _gathers(out, "param_gather", own * dtype_bytes, ring_cross(own * dtype_bytes, layout),
-                     _ring_intra(own * dtype_bytes, layout), second_pass)
+            _gathers(
+                out,
+                "param_gather",
+                own * dtype_bytes,
+                ring_cross(own * dtype_bytes, layout),
+                _ring_intra(own * dtype_bytes, layout),
+                second_pass,
+            )
         if scheme.quantized_gradients:
             _grads_tlq(out, tensors, dtype_bytes, scheme, layout)
         else:
             wire = sum(tensors) * comm_bytes
-            out.add(Transfer("grad_reduce_scatter", "backward", wire, reduce_scatter_cross(wire, layout, backend),
-                             intra=_ring_intra(wire / w, layout)))
+            out.add(
+                Transfer(
+                    "grad_reduce_scatter",
+                    "backward",
+                    wire,
+                    reduce_scatter_cross(wire, layout, backend),
+                    intra=_ring_intra(wire / w, layout),
+                )
+            )
     wire = sum(shard(n, w) for n in persistent) * dtype_bytes
     out.add(Transfer("persistent_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
     return out
@@ -249,8 +275,15 @@ def _gathers(out: StepBytes, kind: str, wire: float, cross: float, intra: float,
         out.add(Transfer(kind, "backward", wire * second_pass, cross * second_pass, intra=intra * second_pass))
 
 
-def _weights_qwd(out: StepBytes, own: int, dtype_bytes: int, second_pass: float, s: Scheme, layout: Layout,
-                 codes: float | None = None) -> None:
+def _weights_qwd(
+    out: StepBytes,
+    own: int,
+    dtype_bytes: int,
+    second_pass: float,
+    s: Scheme,
+    layout: Layout,
+    codes: float | None = None,
+) -> None:
     """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters, or `codes` bytes where
     the caller counts them), all-gathered among the ranks with its local index (one ring per local index); the rank
     replica then gathers what arrived inside the node; the node replica's forward/backward gathers stay inside the
@@ -265,8 +298,9 @@ def _weights_qwd(out: StepBytes, own: int, dtype_bytes: int, second_pass: float,
     if n > 1:
         out.add(Transfer("weight_refresh", "step", codes, ring_cross(codes, layout, members_per_node=1), codec=codec))
     if s.replica == "rank" and d > 1:
-        out.add(Transfer("weight_refresh", "step", n * codes, 0.0, intra=(d - 1) * n * codes,
-                         codec=0.0 if n > 1 else codec))
+        out.add(
+            Transfer("weight_refresh", "step", n * codes, 0.0, intra=(d - 1) * n * codes, codec=0.0 if n > 1 else codec)
+        )
     elif s.replica == "node" and d > 1:
         per_rank = n * own * dtype_bytes
         _gathers(out, "weight_gather", per_rank, 0.0, (d - 1) * per_rank, second_pass)
@@ -288,16 +322,29 @@ def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Schem
     w, n, d = layout.world, layout.nodes, layout.per_node
     for bucket in gradient_buckets(tensors, s.reduce_bucket):
         part = tlq_part(bucket, w, s)
-        intra, inter = codes_and_scales(part, s.bits_intra, s.group_intra), codes_and_scales(part, s.bits_inter,
-                                                                                             s.group_inter)
+        intra, inter = (
+            codes_and_scales(part, s.bits_intra, s.group_intra),
+            codes_and_scales(part, s.bits_inter, s.group_inter),
+        )
         codec = _tlq_codec(part, layout, grad_bytes, intra, inter)
         if d > 1:
-            out.add(Transfer("grad_intra", "backward", w * intra, 0.0, intra=(d - 1) * n * intra, codec=codec,
-                             levels=s.pipeline))
+            out.add(
+                Transfer(
+                    "grad_intra", "backward", w * intra, 0.0, intra=(d - 1) * n * intra, codec=codec, levels=s.pipeline
+                )
+            )
         if n > 1:
             wire = (n if d > 1 else w) * inter
-            out.add(Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec,
-                             levels=s.pipeline))
+            out.add(
+                Transfer(
+                    "grad_inter",
+                    "backward",
+                    wire,
+                    w * wire * (n - 1) / n,
+                    codec=0.0 if d > 1 else codec,
+                    levels=s.pipeline,
+                )
+            )
 
 
 def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: Layout) -> None:
@@ -306,21 +353,32 @@ def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass:
     with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out)."""
     w, n, d = layout.world, layout.nodes, layout.per_node
     codes = codes_and_scales(own, 8, 2048)
-    out.add(Transfer("param_gather", "forward", codes, ring_cross(codes, layout), intra=_ring_intra(codes, layout),
-                     codec=own * (dtype_bytes + 1) + w * own * (1 + dtype_bytes)))
+    out.add(
+        Transfer(
+            "param_gather",
+            "forward",
+            codes,
+            ring_cross(codes, layout),
+            intra=_ring_intra(codes, layout),
+            codec=own * (dtype_bytes + 1) + w * own * (1 + dtype_bytes),
+        )
+    )
     if second_pass and d > 1:
         per_rank = n * own * dtype_bytes
-        out.add(Transfer("param_gather", "backward", per_rank * second_pass, 0.0,
-                         intra=(d - 1) * per_rank * second_pass))
+        out.add(
+            Transfer("param_gather", "backward", per_rank * second_pass, 0.0, intra=(d - 1) * per_rank * second_pass)
+        )
     part = total / w
     codec = total * (dtype_bytes + 0.5) + d * n * part * 0.5 + n * part * 0.5 * 2 + part * 4
     if d > 1:
-        out.add(Transfer("grad_intra", "backward", total * 0.5, 0.0, intra=total * 0.5 * (d - 1) / d, codec=codec,
-                         levels=1))
+        out.add(
+            Transfer("grad_intra", "backward", total * 0.5, 0.0, intra=total * 0.5 * (d - 1) / d, codec=codec, levels=1)
+        )
     if n > 1:
         wire = (n if d > 1 else w) * part * 0.5
-        out.add(Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec,
-                         levels=1))
+        out.add(
+            Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec, levels=1)
+        )
 
 
 def partition(tensors: Sequence[int], world: int) -> int:
@@ -347,8 +405,9 @@ def flat_offsets(tensors: Sequence[int], world: int, round_robin: bool = False) 
     return offsets
 
 
-def group_layouts(tensors: Sequence[int], world: int, round_robin: bool = False,
-                  groups: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+def group_layouts(
+    tensors: Sequence[int], world: int, round_robin: bool = False, groups: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
     """Each tensor's offset in its param group's flat buffer (`groups[i]`: tensor i's group, default all one group),
     and each group's partition size: DeepSpeed flattens every group into a buffer of its own."""
     groups = list(groups) if groups is not None else [0] * len(tensors)
@@ -357,13 +416,14 @@ def group_layouts(tensors: Sequence[int], world: int, round_robin: bool = False,
         members = [i for i, g in enumerate(groups) if g == group]
         sizes = [tensors[i] for i in members]
         own.append(partition(sizes, world) if sizes else 0)
-        for i, offset in zip(members, flat_offsets(sizes, world, round_robin)):
+        for i, offset in zip(members, flat_offsets(sizes, world, round_robin), strict=True):
             offsets[i] = offset
     return offsets, own
 
 
-def zero12_owned(tensors: Sequence[int], bucket: int, world: int, round_robin: bool = False,
-                 groups: Sequence[int] | None = None) -> list[list[int]]:
+def zero12_owned(
+    tensors: Sequence[int], bucket: int, world: int, round_robin: bool = False, groups: Sequence[int] | None = None
+) -> list[list[int]]:
     """L_r of each ZeRO-1/2 gradient bucket, in the order they are reduced: how many of the bucket's elements lie in
     rank r's partition of their param group's flat buffer (`groups`, as group_layouts reads it).
 
@@ -391,18 +451,24 @@ def _add_overlaps(lengths: list[int], start: int, numel: int, own: int) -> None:
         lengths[r] += min(end, (r + 1) * own) - max(start, r * own)
 
 
-def zero12_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int,
-                comm_bytes: int | None = None, rank: int | None = None,
-                groups: Sequence[int] | None = None) -> StepBytes:
+def zero12_step(
+    tensors: Sequence[int],
+    scheme: Scheme,
+    layout: Layout,
+    dtype_bytes: int,
+    comm_bytes: int | None = None,
+    rank: int | None = None,
+    groups: Sequence[int] | None = None,
+) -> StepBytes:
     """The transfers of one DeepSpeed ZeRO-1 or ZeRO-2 micro-batch (`scheme.stage`), plus its optimizer step's, for
     parameter tensors of these element counts (all trainable, in the model's order), in one param group or in the
     groups `groups` names (`groups[i]`: tensor i's).
 
     Every rank holds the whole 16-bit model; rank r owns partition r of each group's padded flat buffer (the
-    parameters in the model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each bucket is
-    all-reduced in `comm_bytes` per element (default the dtype's), or with SDP4Bit's TLq exchanged to its owners; stage
-    2 per micro-batch ("backward"), stage 1 once per step at the accumulation boundary ("boundary"). After the step
-    the partitions are all-gathered in 16 bits, or with qWD refreshed as 4-bit differences. Where ranks differ
+    parameters in the model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each
+    bucket is all-reduced in `comm_bytes` per element (default the dtype's), or with SDP4Bit's TLq exchanged to its
+    owners; stage 2 per micro-batch ("backward"), stage 1 once per step at the accumulation boundary ("boundary"). After
+    the step the partitions are all-gathered in 16 bits, or with qWD refreshed as 4-bit differences. Where ranks differ
     (TLq's pieces go to a bucket's owners), wire, intra and codec are `rank`'s, or without it the mean over the ranks;
     cross counts every rank's, and the peaks the busiest node's and rank's.
     """
@@ -418,8 +484,15 @@ def zero12_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_by
             _grads_to_owners(out, _owner_pieces(lengths, scheme), comm_bytes, scheme, layout, phase, rank)
     else:
         wire = sum(tensors) * comm_bytes
-        out.add(Transfer(ALL_REDUCE, phase, wire, all_reduce_cross(wire, layout),
-                         intra=2 * _ring_intra(wire / layout.world, layout)))
+        out.add(
+            Transfer(
+                ALL_REDUCE,
+                phase,
+                wire,
+                all_reduce_cross(wire, layout),
+                intra=2 * _ring_intra(wire / layout.world, layout),
+            )
+        )
     if scheme.quantized_weights:
         codes = sum(refresh_codes(size, scheme, layout.world) for size in partitions)
         _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes)
@@ -450,27 +523,48 @@ def _owner_pieces(lengths: Sequence[int], s: Scheme) -> list[int]:
     return [-(-n // unit) * unit for n in lengths]
 
 
-def _grads_to_owners(out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: Layout, phase: str,
-                     rank: int | None) -> None:
+def _grads_to_owners(
+    out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: Layout, phase: str, rank: int | None
+) -> None:
     """TLq on ZeRO-1/2 for one bucket: the intra-node all-to-all of every rank's pieces, then the inter-node one of
     the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces)."""
     n, d = layout.nodes, layout.per_node
     total = sum(pieces)
     column = [sum(pieces[local::d]) for local in range(d)]
-    row = [sum(pieces[node * d:(node + 1) * d]) for node in range(n)]
-    codec = _per_rank(layout, rank, lambda node, local: _owner_codec(total, column[local], pieces[node * d + local],
-                                                                     grad_bytes, s, layout))
+    row = [sum(pieces[node * d : (node + 1) * d]) for node in range(n)]
+    codec = _per_rank(
+        layout,
+        rank,
+        lambda node, local: _owner_codec(total, column[local], pieces[node * d + local], grad_bytes, s, layout),
+    )
     if d > 1:
         whole = _intra_codes(total, s)
-        out.add(Transfer("grad_intra", phase, whole, 0.0,
-                         intra=_per_rank(layout, rank, lambda node, local: (d - 1) * _intra_codes(column[local], s)),
-                         codec=codec, levels=s.pipeline,
-                         peak_intra=max(max(whole - _intra_codes(c, s), (d - 1) * _intra_codes(c, s)) for c in column)))
+        out.add(
+            Transfer(
+                "grad_intra",
+                phase,
+                whole,
+                0.0,
+                intra=_per_rank(layout, rank, lambda node, local: (d - 1) * _intra_codes(column[local], s)),
+                codec=codec,
+                levels=s.pipeline,
+                peak_intra=max(max(whole - _intra_codes(c, s), (d - 1) * _intra_codes(c, s)) for c in column),
+            )
+        )
     if n > 1:
         whole = _inter_codes(total, s)
         wire = whole if d == 1 else _per_rank(layout, rank, lambda node, local: _inter_codes(column[local], s))
-        out.add(Transfer("grad_inter", phase, wire, (n - 1) * whole, codec=0.0 if d > 1 else codec, levels=s.pipeline,
-                         peak_cross=max(max(whole - _inter_codes(r, s), (n - 1) * _inter_codes(r, s)) for r in row)))
+        out.add(
+            Transfer(
+                "grad_inter",
+                phase,
+                wire,
+                (n - 1) * whole,
+                codec=0.0 if d > 1 else codec,
+                levels=s.pipeline,
+                peak_cross=max(max(whole - _inter_codes(r, s), (n - 1) * _inter_codes(r, s)) for r in row),
+            )
+        )
 
 
 def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme, layout: Layout) -> float:
@@ -500,8 +594,9 @@ def _per_rank(layout: Layout, rank: int | None, value: Callable[[int, int], floa
     return sum(value(node, local) for node in range(layout.nodes) for local in range(layout.per_node)) / layout.world
 
 
-def megatron_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int = 2,
-                  grad_bytes: int = 4) -> StepBytes:
+def megatron_step(
+    tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int = 2, grad_bytes: int = 4
+) -> StepBytes:
     """The transfers of one step of Megatron-LM's distributed optimizer as the paper ran it: gradients reduce-scattered
     once per step (fp32 main gradients, or the fork's TLq), the updated 16-bit weights all-gathered once after the
     optimizer step (or the fork's 4-bit differences: every rank holds the whole model, so one ring over the
@@ -511,8 +606,16 @@ def megatron_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_
     out = StepBytes()
     if scheme.quantized_weights:
         codes = codes_and_scales(own, scheme.weight_bits, scheme.weight_group)
-        out.add(Transfer("weight_refresh", "step", codes, ring_cross(codes, layout), intra=_ring_intra(codes, layout),
-                         codec=own * 2 * dtype_bytes + codes + w * (own * 2 * dtype_bytes + codes)))
+        out.add(
+            Transfer(
+                "weight_refresh",
+                "step",
+                codes,
+                ring_cross(codes, layout),
+                intra=_ring_intra(codes, layout),
+                codec=own * 2 * dtype_bytes + codes + w * (own * 2 * dtype_bytes + codes),
+            )
+        )
     else:
         wire = own * dtype_bytes
         out.add(Transfer("param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
@@ -520,6 +623,13 @@ def megatron_step(tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_
         _grads_tlq(out, tensors, grad_bytes, scheme, layout)
     else:
         wire = sum(tensors) * grad_bytes
-        out.add(Transfer("grad_reduce_scatter", "backward", wire, reduce_scatter_cross(wire, layout, "nccl"),
-                         intra=_ring_intra(wire / w, layout)))
+        out.add(
+            Transfer(
+                "grad_reduce_scatter",
+                "backward",
+                wire,
+                reduce_scatter_cross(wire, layout, "nccl"),
+                intra=_ring_intra(wire / w, layout),
+            )
+        )
     return out

@@ -26,8 +26,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -44,8 +45,15 @@ def free_port() -> int:
 # (GPT-2's modeling, DeepSpeed's engine and its ZeRO optimizer check, which imports torch.compile's inductor), about
 # ten seconds per job of 4 ranks on 2 cores otherwise. deepspeed_sdp4bit is not among them: importing it installs
 # its initialize hook, which a job must do itself.
-_PRELOAD = ["torch", "deepspeed", "transformers", "transformers.models.gpt2.modeling_gpt2", "deepspeed.runtime.engine",
-            "deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx"]
+_PRELOAD = [
+    "torch",
+    "deepspeed",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch._inductor.compile_fx",
+]
 
 
 def _context(backend: str) -> Any:
@@ -59,13 +67,21 @@ def _context(backend: str) -> Any:
     return ctx
 
 
-def _worker(rank: int, world: int, port: int, env: dict[str, str], backend: str, fn: Callable, args: tuple,
-            queue: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, env: dict[str, str], backend: str, fn: Callable, args: tuple, queue: Any
+) -> None:
     sys.stdout = sys.stderr  # the parent's stdout stays machine-readable (benchmarks print JSON lines there)
     os.environ.clear()  # the parent's environment now (a fork-server rank would otherwise keep the server's)
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     ok = False
     try:
         import deepspeed
@@ -119,8 +135,9 @@ def _collect(procs: list[Any], queue: Any, timeout: float, results: dict[int, An
                 failures.extend(f"rank {r} exited with code {procs[r].exitcode} before reporting" for r in dead)
                 return
             if time.monotonic() > deadline:
-                failures.append(f"no report from ranks {sorted(set(range(len(procs))) - set(results))} "
-                                f"within {timeout:.0f} s")
+                failures.append(
+                    f"no report from ranks {sorted(set(range(len(procs))) - set(results))} within {timeout:.0f} s"
+                )
                 return
             continue
         if not ok:
@@ -143,15 +160,23 @@ def _remove_shm_buffers(port: int) -> None:
             path.unlink()
 
 
-def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None,
-                    timeout: float = 900.0, backend: str = "gloo") -> list[Any]:
+def run_distributed(
+    world: int,
+    fn: Callable,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 900.0,
+    backend: str = "gloo",
+) -> list[Any]:
     """fn(*args) on `world` ranks (gloo on CPU, or nccl with one GPU per rank); results in rank order."""
     ctx = _context(backend)
     queue = ctx.Queue()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, env, backend, fn, args, queue), daemon=False)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, env, backend, fn, args, queue), daemon=False)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -166,8 +191,11 @@ def run_distributed(world: int, fn: Callable, *args: Any, env: dict[str, str] | 
             p.join(timeout=60)
         _remove_shm_buffers(port)
     if not failures:
-        failures = [f"rank {r} reported, then exited with code {p.exitcode} (None: still running after 60 s)"
-                    for r, p in enumerate(procs) if p.exitcode != 0]
+        failures = [
+            f"rank {r} reported, then exited with code {p.exitcode} (None: still running after 60 s)"
+            for r, p in enumerate(procs)
+            if p.exitcode != 0
+        ]
     if failures:
         raise RuntimeError("distributed worker failed\n" + "\n".join(failures))
     return [results[r] for r in range(world)]
@@ -187,8 +215,9 @@ def run_once(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:
         if args in failures:
-            raise EarlierRunFailed(f"{fn.__name__}{args} failed earlier in this test run: {failures[args]}") \
-                from failures[args]
+            raise EarlierRunFailed(
+                f"{fn.__name__}{args} failed earlier in this test run: {failures[args]}"
+            ) from failures[args]
         if args not in results:
             try:
                 results[args] = fn(*args)

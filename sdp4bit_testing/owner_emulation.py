@@ -72,8 +72,9 @@ def piece_lengths(runs: list[RunTuple], s: Settings) -> tuple[list[int], list[in
 class _Emulator:
     """The walk over destinations and slices for one call."""
 
-    def __init__(self, buckets: list[torch.Tensor], runs: list[RunTuple], s: Settings,
-                 counters: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, buckets: list[torch.Tensor], runs: list[RunTuple], s: Settings, counters: list[tuple[int, int]]
+    ) -> None:
         """Cut every rank's pieces and note where each slice sits in the senders' buffers."""
         self.s = s
         self.buckets = buckets
@@ -82,12 +83,12 @@ class _Emulator:
         self.slice = [p // s.pipeline for p in self.padded]
         self.counters = counters
         order = [n * s.ranks_per_node + local for local in range(s.ranks_per_node) for n in range(s.nodes)]
-        self.position = {r: sum(self.slice[q] for q in order[:order.index(r)]) for r in order}
+        self.position = {r: sum(self.slice[q] for q in order[: order.index(r)]) for r in order}
 
     def piece(self, src: int, dest: int) -> torch.Tensor:
         """Rank src's values of dest's runs, in bucket order, then zeros up to dest's padded piece."""
         bucket = self.buckets[src]
-        values = [bucket[start:start + numel] for owner, start, numel in self.runs if owner == dest]
+        values = [bucket[start : start + numel] for owner, start, numel in self.runs if owner == dest]
         values.append(torch.zeros(self.padded[dest] - self.lengths[dest], dtype=bucket.dtype))
         return torch.cat(values)
 
@@ -97,9 +98,15 @@ class _Emulator:
         s, n = self.s, self.slice[dest]
         bits, group = self.s.first_level
         offset = self.counters[src][0] + y * sum(self.slice) + self.position[dest]
-        return reference.quantize(self.piece(src, dest)[y * n:(y + 1) * n].contiguous(), bits=bits, group_size=group,
-                                  stochastic=s.stochastic, seed=derive_seed(s.seed, src, STAGE_QUANTIZE),
-                                  offset=offset & _M64, hadamard=s.hadamard)
+        return reference.quantize(
+            self.piece(src, dest)[y * n : (y + 1) * n].contiguous(),
+            bits=bits,
+            group_size=group,
+            stochastic=s.stochastic,
+            seed=derive_seed(s.seed, src, STAGE_QUANTIZE),
+            offset=offset & _M64,
+            hadamard=s.hadamard,
+        )
 
     def requantized(self, mid: int, dest: int, y: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `mid` (dest's local index, some node) sums its node's D copies of dest's slice y, ranks in order,
@@ -111,9 +118,17 @@ class _Emulator:
         got = [self.quantized(node * s.ranks_per_node + j, dest, y) for j in range(s.ranks_per_node)]
         offset = self.counters[mid][1] + y * sum(column) + sum(column[:dest_node])
         return reference.dequantize_reduce_quantize(
-            torch.cat([c for c, _ in got]), torch.cat([sc for _, sc in got]), pieces=s.ranks_per_node,
-            in_bits=s.bits_intra, in_group=s.group_intra, out_bits=s.bits_inter, out_group=s.group_inter,
-            stochastic=s.stochastic, seed=derive_seed(s.seed, mid, STAGE_REQUANTIZE), offset=offset & _M64)
+            torch.cat([c for c, _ in got]),
+            torch.cat([sc for _, sc in got]),
+            pieces=s.ranks_per_node,
+            in_bits=s.bits_intra,
+            in_group=s.group_intra,
+            out_bits=s.bits_inter,
+            out_group=s.group_inter,
+            stochastic=s.stochastic,
+            seed=derive_seed(s.seed, mid, STAGE_REQUANTIZE),
+            offset=offset & _M64,
+        )
 
     def slice_result(self, dest: int, y: int) -> torch.Tensor:
         """Dest's slice y: the pieces it receives (from node 0 or rank 0 on), summed and cast."""
@@ -125,15 +140,22 @@ class _Emulator:
         else:
             got = [self.quantized(src, dest, y) for src in range(s.world)]
             bits, group = s.first_level
-        return reference.dequantize_reduce(torch.cat([c for c, _ in got]), torch.cat([sc for _, sc in got]),
-                                           pieces=len(got), bits=bits, group_size=group,
-                                           dtype=self.buckets[0].dtype, hadamard=s.hadamard, mul=1.0)
+        return reference.dequantize_reduce(
+            torch.cat([c for c, _ in got]),
+            torch.cat([sc for _, sc in got]),
+            pieces=len(got),
+            bits=bits,
+            group_size=group,
+            dtype=self.buckets[0].dtype,
+            hadamard=s.hadamard,
+            mul=1.0,
+        )
 
     def output(self, dest: int) -> torch.Tensor:
         """Dest's reduced runs: its slices joined, padding dropped."""
         if not self.lengths[dest]:
             return torch.empty(0, dtype=self.buckets[0].dtype)
-        return torch.cat([self.slice_result(dest, y) for y in range(self.s.pipeline)])[:self.lengths[dest]]
+        return torch.cat([self.slice_result(dest, y) for y in range(self.s.pipeline)])[: self.lengths[dest]]
 
     def counters_after(self) -> list[tuple[int, int]]:
         """Each rank quantized its whole send buffer, and on two levels requantized its local index's pieces."""
@@ -141,17 +163,17 @@ class _Emulator:
         out = []
         for rank, (quantize, requantize) in enumerate(self.counters):
             column = sum(self.padded[n * s.ranks_per_node + rank % s.ranks_per_node] for n in range(s.nodes))
-            out.append(((quantize + sum(self.padded)) & _M64,
-                        (requantize + (column if s.two_level else 0)) & _M64))
+            out.append(((quantize + sum(self.padded)) & _M64, (requantize + (column if s.two_level else 0)) & _M64))
         return out
 
 
-def emulate_owner_reduce(buckets: list[torch.Tensor], runs: list[RunTuple], s: Settings,
-                         counters: list[tuple[int, int]] | None = None) -> Emulated:
+def emulate_owner_reduce(
+    buckets: list[torch.Tensor], runs: list[RunTuple], s: Settings, counters: list[tuple[int, int]] | None = None
+) -> Emulated:
     """Every rank's output given every rank's bucket (buckets[rank]) and the bucket's runs (owner, start, numel)."""
     counters = counters or [(0, 0)] * s.world
     if s.world == 1:
-        values = [buckets[0][start:start + numel] for _, start, numel in merged(runs)]
+        values = [buckets[0][start : start + numel] for _, start, numel in merged(runs)]
         return Emulated([torch.cat(values) if values else buckets[0][:0].clone()], counters)
     em = _Emulator(buckets, runs, s, counters)
     return Emulated([em.output(r) for r in range(s.world)], em.counters_after())

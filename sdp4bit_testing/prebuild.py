@@ -16,8 +16,8 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from deepspeed.accelerator import get_accelerator
 
@@ -43,8 +43,11 @@ def _codec_portable() -> object:
 
 # in the order the tests need them; the first is built alone (the suite's first compiled tests wait for it, and a
 # second compile beside it would slow it down), the rest two at a time
-BUILDS: dict[str, Callable[[], object]] = {"codec-cpu": _codec_native, "deepspeed-shm": _deepspeed_shm_op,
-                                           "codec-cpu-x86-64": _codec_portable}
+BUILDS: dict[str, Callable[[], object]] = {
+    "codec-cpu": _codec_native,
+    "deepspeed-shm": _deepspeed_shm_op,
+    "codec-cpu-x86-64": _codec_portable,
+}
 
 
 def build(name: str) -> int:
@@ -55,8 +58,11 @@ def build(name: str) -> int:
     except Exception as err:  # reported here; the test that needs the op builds it again and fails with the cause
         print(f"prebuild: {name} failed after {time.monotonic() - start:.1f} s: {err}", flush=True)
         return 1
-    print(f"prebuild: {name} {'ready' if built is not None else 'not available here'} in "
-          f"{time.monotonic() - start:.1f} s", flush=True)
+    print(
+        f"prebuild: {name} {'ready' if built is not None else 'not available here'} in "
+        f"{time.monotonic() - start:.1f} s",
+        flush=True,
+    )
     return 0
 
 

@@ -21,26 +21,38 @@ def _partitions(tail: str, r: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.zeros(WORLD, 2 * GROUP)
     x[:, :GROUP] = torch.randn(WORLD, GROUP, generator=gen)
-    x[:, GROUP:GROUP + r] = 1.0 if tail == "constant" else torch.randn(WORLD, r, generator=gen)
+    x[:, GROUP : GROUP + r] = 1.0 if tail == "constant" else torch.randn(WORLD, r, generator=gen)
     return x
 
 
-def _reduced(op: Any, device: torch.device, x: torch.Tensor, valid: int, hadamard: bool,
-             stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduced(
+    op: Any, device: torch.device, x: torch.Tensor, valid: int, hadamard: bool, stochastic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mean over the partitions as TLq's last step computes it, the codes of the first partition's group)."""
-    codes, scales = op.swizzle_quantize(x.reshape(-1).to(device), bits=BITS, group_size=GROUP, nodes=1,
-                                        ranks_per_node=WORLD, slices=1, stochastic=stochastic, seed=7, valid=valid,
-                                        hadamard=hadamard)
-    mean = op.dequantize_reduce(codes, scales, pieces=WORLD, bits=BITS, group_size=GROUP, hadamard=hadamard,
-                                mul=1.0 / WORLD, valid=valid)
-    return mean.cpu(), codes[:GROUP * BITS // 8].cpu()
+    codes, scales = op.swizzle_quantize(
+        x.reshape(-1).to(device),
+        bits=BITS,
+        group_size=GROUP,
+        nodes=1,
+        ranks_per_node=WORLD,
+        slices=1,
+        stochastic=stochastic,
+        seed=7,
+        valid=valid,
+        hadamard=hadamard,
+    )
+    mean = op.dequantize_reduce(
+        codes, scales, pieces=WORLD, bits=BITS, group_size=GROUP, hadamard=hadamard, mul=1.0 / WORLD, valid=valid
+    )
+    return mean.cpu(), codes[: GROUP * BITS // 8].cpu()
 
 
 def _single(op: Any, device: torch.device, x: torch.Tensor, valid: int, hadamard: bool) -> torch.Tensor:
     """One partition through quantize(valid) and back through dequantize_reduce(valid) (the inverse)."""
     codes, scales = op.quantize(x.to(device), bits=BITS, group_size=GROUP, valid=valid, hadamard=hadamard)
-    return op.dequantize_reduce(codes, scales, pieces=1, bits=BITS, group_size=GROUP, hadamard=hadamard,
-                                valid=valid).cpu()
+    return op.dequantize_reduce(
+        codes, scales, pieces=1, bits=BITS, group_size=GROUP, hadamard=hadamard, valid=valid
+    ).cpu()
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -59,13 +71,19 @@ def tail_problems(op: Any, device: torch.device) -> list[str]:
             for stochastic in (False, True):
                 smoothed, smoothed_codes = _reduced(op, device, x, valid, True, stochastic)
                 plain, plain_codes = _reduced(op, device, x, valid, False, stochastic)
-                problems += _compare(f"{tail} r={r} stochastic={stochastic}", smoothed[tail_of], plain[tail_of],
-                                     want[tail_of], tail)
+                problems += _compare(
+                    f"{tail} r={r} stochastic={stochastic}", smoothed[tail_of], plain[tail_of], want[tail_of], tail
+                )
                 if torch.equal(smoothed_codes, plain_codes):
                     problems.append(f"{tail} r={r}: the whole blocks before the tail were not transformed")
             single = _single(op, device, x[0], valid, True)
-            problems += _compare(f"{tail} r={r} quantize", single[tail_of], _single(op, device, x[0], valid, False)[
-                tail_of], x[0, tail_of].double(), tail)
+            problems += _compare(
+                f"{tail} r={r} quantize",
+                single[tail_of],
+                _single(op, device, x[0], valid, False)[tail_of],
+                x[0, tail_of].double(),
+                tail,
+            )
     return problems
 
 
@@ -73,8 +91,10 @@ def _compare(what: str, smoothed: torch.Tensor, plain: torch.Tensor, want: torch
     """The smoothed tail's error must not exceed the plain one's; a constant tail must come back exactly."""
     problems = []
     if _relative(smoothed, want) > _relative(plain, want):
-        problems.append(f"{what}: relative error {_relative(smoothed, want):.4g} with the transform, "
-                        f"{_relative(plain, want):.4g} without")
+        problems.append(
+            f"{what}: relative error {_relative(smoothed, want):.4g} with the transform, "
+            f"{_relative(plain, want):.4g} without"
+        )
     if tail == "constant" and not torch.equal(smoothed.double(), want):
         problems.append(f"{what}: a constant tail of 1.0 came back as {smoothed.tolist()}")
     return problems

@@ -68,7 +68,7 @@ def rank_buffer(tensors: list[torch.Tensor], s: Settings, part: int, lead: int) 
         pieces = [torch.zeros(lead)]
         for t in tensors:
             c = math.ceil(t.numel() / s.world)
-            piece = t.flatten()[dest * c:(dest + 1) * c].to(torch.float32)
+            piece = t.flatten()[dest * c : (dest + 1) * c].to(torch.float32)
             pieces.append(torch.cat((piece, torch.zeros(c - piece.numel()))))
         row = torch.cat(pieces)
         rows.append(torch.cat((row, torch.zeros(part - row.numel()))))
@@ -77,8 +77,10 @@ def rank_buffer(tensors: list[torch.Tensor], s: Settings, part: int, lead: int) 
 
 def _block(codes: torch.Tensor, scales: torch.Tensor, start: int, length: int, bits: int, group: int):
     """Codes and scales of elements [start, start+length) of a plainly quantized buffer."""
-    return (codes[start * bits // 8:(start + length) * bits // 8].clone(),
-            scales[start // group:(start + length) // group].clone())
+    return (
+        codes[start * bits // 8 : (start + length) * bits // 8].clone(),
+        scales[start // group : (start + length) // group].clone(),
+    )
 
 
 def _expand(scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -112,11 +114,19 @@ class _Emulator:
         valid up to the end of its chunks; counters run on over the whole buffer)."""
         bits, group = self.first
         rows = rank_buffer(tensors, self.s, self.part, self.lead).view(self.s.world, self.part)
-        encoded = [reference.quantize(row, bits=bits, group_size=group, stochastic=self.s.stochastic,
-                                      seed=derive_seed(self.s.seed, k, STAGE_QUANTIZE),
-                                      offset=(self.counters[k][0] + dest * self.part) % 2**64, valid=self.valid,
-                                      hadamard=self.s.hadamard)
-                   for dest, row in enumerate(rows)]
+        encoded = [
+            reference.quantize(
+                row,
+                bits=bits,
+                group_size=group,
+                stochastic=self.s.stochastic,
+                seed=derive_seed(self.s.seed, k, STAGE_QUANTIZE),
+                offset=(self.counters[k][0] + dest * self.part) % 2**64,
+                valid=self.valid,
+                hadamard=self.s.hadamard,
+            )
+            for dest, row in enumerate(rows)
+        ]
         return torch.cat([c for c, _ in encoded]), torch.cat([sc for _, sc in encoded])
 
     def _first_block(self, src: int, dest: int, y: int):
@@ -133,9 +143,17 @@ class _Emulator:
         got = [self._first_block(node * s.ranks_per_node + j, dest, y) for j in range(s.ranks_per_node)]
         offset = self.counters[mid][1] + y * s.nodes * self.block + dest_node * self.block
         codes, scales = reference.dequantize_reduce_quantize(
-            torch.cat([c for c, _ in got]), torch.cat([sc for _, sc in got]), pieces=s.ranks_per_node,
-            in_bits=s.bits_intra, in_group=s.group_intra, out_bits=s.bits_inter, out_group=s.group_inter,
-            stochastic=s.stochastic, seed=derive_seed(s.seed, mid, STAGE_REQUANTIZE), offset=offset)
+            torch.cat([c for c, _ in got]),
+            torch.cat([sc for _, sc in got]),
+            pieces=s.ranks_per_node,
+            in_bits=s.bits_intra,
+            in_group=s.group_intra,
+            out_bits=s.bits_inter,
+            out_group=s.group_inter,
+            stochastic=s.stochastic,
+            seed=derive_seed(s.seed, mid, STAGE_REQUANTIZE),
+            offset=offset,
+        )
         bound1 = sum(_expand(sc, s.group_intra) for _, sc in got)
         return codes, scales, bound1 + _expand(scales, s.group_inter)
 
@@ -149,16 +167,29 @@ class _Emulator:
             return [c for c, _ in got], [sc for _, sc in got], bits, group, bound
         node, local = divmod(dest, s.ranks_per_node)
         got = [self._requantized(m * s.ranks_per_node + local, node, y) for m in range(s.nodes)]
-        return ([c for c, _, _ in got], [sc for _, sc, _ in got], s.bits_inter, s.group_inter,
-                sum(b for _, _, b in got))
+        return (
+            [c for c, _, _ in got],
+            [sc for _, sc, _ in got],
+            s.bits_inter,
+            s.group_inter,
+            sum(b for _, _, b in got),
+        )
 
     def slice_result(self, dest: int, y: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Destination `dest`'s slice y: the final reduction and its error bound."""
         codes, scales, bits, group, bound = self._final_pieces(dest, y)
         valid = min(self.block, max(0, self.valid - y * self.block))
-        out = reference.dequantize_reduce(torch.cat(codes), torch.cat(scales), pieces=len(codes), bits=bits,
-                                          group_size=group, dtype=self.dtype, hadamard=self.s.hadamard,
-                                          mul=1.0 / self.s.world, valid=valid)
+        out = reference.dequantize_reduce(
+            torch.cat(codes),
+            torch.cat(scales),
+            pieces=len(codes),
+            bits=bits,
+            group_size=group,
+            dtype=self.dtype,
+            hadamard=self.s.hadamard,
+            mul=1.0 / self.s.world,
+            valid=valid,
+        )
         if self.s.hadamard:
             bound = bound.view(-1, 32).mean(dim=1).repeat_interleave(32)
         factor = 1.0 if self.s.stochastic else 0.5
@@ -169,13 +200,14 @@ class _Emulator:
         out, pos = [], self.lead
         for n, c in zip(self.numels, self.chunks, strict=True):
             real = max(0, min(c, n - dest * c))
-            out.append(part[pos:pos + real])
+            out.append(part[pos : pos + real])
             pos += c
         return out
 
 
-def emulate_tlq(inputs: list[list[torch.Tensor]], s: Settings,
-                counters: list[tuple[int, int]] | None = None) -> Emulated:
+def emulate_tlq(
+    inputs: list[list[torch.Tensor]], s: Settings, counters: list[tuple[int, int]] | None = None
+) -> Emulated:
     """TLq's outputs for every rank given every rank's input tensors (inputs[rank] is that rank's list)."""
     counters = counters or [(0, 0)] * s.world
     if s.world == 1:

@@ -14,8 +14,14 @@ from sdp4bit_testing.zero3_harness import base_config
 REDUCE_BUCKET = 50_000
 
 
-def ds_config(stage: int, dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1,
-              offload: bool = False, **zero: Any) -> dict[str, Any]:
+def ds_config(
+    stage: int,
+    dtype: torch.dtype = torch.float32,
+    sdp4bit: dict | None = None,
+    grad_accum: int = 1,
+    offload: bool = False,
+    **zero: Any,
+) -> dict[str, Any]:
     """A ZeRO-1/2 config for the tiny model; `offload` moves the optimizer to the CPU (DeepSpeed's ZeRO-Offload,
     with the torch optimizer the harness passes)."""
     section: dict[str, Any] = {"stage": stage, "reduce_bucket_size": REDUCE_BUCKET, **zero}

@@ -27,8 +27,8 @@ from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.rounding import derive_seed
 from deepspeed_sdp4bit.config import parse_config
 from sdp4bit_testing.owner_emulation import Settings, emulate_owner_reduce, merged, piece_lengths
-from sdp4bit_testing.zero12_harness import flats
 from sdp4bit_testing.zero3_recording import STAGES, RunExpectations, difference, raw_bits, refresh_schedule
+from sdp4bit_testing.zero12_harness import flats
 
 _M64 = (1 << 64) - 1
 
@@ -38,10 +38,14 @@ def record(engine: Any, step: int) -> dict[str, Any]:
     optimizer step `step` (engine.global_steps when the call starts). Returns the log, which fills up as training
     runs."""
     optimizer = engine.optimizer
-    log: dict[str, Any] = {"reduce": [], "deliveries": [], "refresh": [], "step": step,
-                           "grad_numel": sum(p.numel() for group in optimizer.bit16_groups for p in group),
-                           "partitions": [flat.numel() // torch.distributed.get_world_size()
-                                          for flat in optimizer.bit16_groups_flat]}
+    log: dict[str, Any] = {
+        "reduce": [],
+        "deliveries": [],
+        "refresh": [],
+        "step": step,
+        "grad_numel": sum(p.numel() for group in optimizer.bit16_groups for p in group),
+        "partitions": [flat.numel() // torch.distributed.get_world_size() for flat in optimizer.bit16_groups_flat],
+    }
     if engine.sdp4bit.reducer is not None:
         _wrap_reducer(engine, log, step)
     if engine.sdp4bit.store is not None:
@@ -59,10 +63,14 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
     def reduce(bucket: torch.Tensor, runs: Any, logical_element_size: int | None = None) -> torch.Tensor:
         """The reducer's own call, logged with the rounding state before it."""
         state = reducer.state_dict()
-        entry: dict[str, Any] = {"step": engine.global_steps, "boundary": engine.is_gradient_accumulation_boundary(),
-                                 "runs": [(r.owner, r.start, r.numel) for r in runs], "numel": bucket.numel(),
-                                 "seeds": (state["quantize"]["seed"], state["requantize"]["seed"]),
-                                 "counters": (state["quantize"]["counter"], state["requantize"]["counter"])}
+        entry: dict[str, Any] = {
+            "step": engine.global_steps,
+            "boundary": engine.is_gradient_accumulation_boundary(),
+            "runs": [(r.owner, r.start, r.numel) for r in runs],
+            "numel": bucket.numel(),
+            "seeds": (state["quantize"]["seed"], state["requantize"]["seed"]),
+            "counters": (state["quantize"]["counter"], state["requantize"]["counter"]),
+        }
         out = inner_reduce(bucket, runs, logical_element_size)
         if entry["step"] == step:
             entry["input"], entry["output"] = bucket.detach().clone(), out.detach().clone()
@@ -79,16 +87,20 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
         inner_scatter(bucket, *args, **kwargs)
         if returned:
             want = torch.cat(returned)
-            log["deliveries"].append({"step": engine.global_steps, "calls": len(returned),
-                                      "delivered": _delivered(owned, outputs_before, want),
-                                      "outputs": sum(before is not None for before in outputs_before)})
+            log["deliveries"].append(
+                {
+                    "step": engine.global_steps,
+                    "calls": len(returned),
+                    "delivered": _delivered(owned, outputs_before, want),
+                    "outputs": sum(before is not None for before in outputs_before),
+                }
+            )
 
     reducer.reduce = reduce
     optimizer.allreduce_and_scatter = allreduce_and_scatter
 
 
-def _delivered(owned: list[adapter.BucketEntry], outputs_before: list[torch.Tensor | None],
-               want: torch.Tensor) -> bool:
+def _delivered(owned: list[adapter.BucketEntry], outputs_before: list[torch.Tensor | None], want: torch.Tensor) -> bool:
     """Whether the owned entries' slices hold `want`'s runs in order, and each fp32 partition slice beside one equals
     its value before plus that run."""
     got = torch.cat([e.tensor.reshape(-1) for e in owned]) if owned else torch.empty(0, dtype=want.dtype)
@@ -111,8 +123,12 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
     def refresh(new: Any, quantize: bool = True) -> Any:
         """The store's own refresh, logged."""
         state = store.state_dict()["rounding"]
-        entry: dict[str, Any] = {"step": engine.global_steps, "quantize": quantize, "seed": state["seed"],
-                                 "counter": state["counter"]}
+        entry: dict[str, Any] = {
+            "step": engine.global_steps,
+            "quantize": quantize,
+            "seed": state["seed"],
+            "counter": state["counter"],
+        }
         if entry["step"] == step:
             entry["before"] = flats(engine)
         written = inner(new, quantize)
@@ -138,11 +154,18 @@ class Expected(RunExpectations):
     def settings(self) -> Settings:
         """The reducer's settings as the block states them."""
         cfg = self.cfg
-        return Settings(nodes=self.nodes, ranks_per_node=cfg.ranks_per_node,
-                        bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
-                        bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
-                        hadamard=cfg.hadamard_transform, pipeline=cfg.gradient_alltoall_pipeline,
-                        stochastic=cfg.stochastic_rounding, seed=cfg.seed)
+        return Settings(
+            nodes=self.nodes,
+            ranks_per_node=cfg.ranks_per_node,
+            bits_intra=cfg.gradient_quantization_bits_intra,
+            group_intra=cfg.gq_group_size_intra,
+            bits_inter=cfg.gradient_quantization_bits_inter,
+            group_inter=cfg.gq_group_size_inter,
+            hadamard=cfg.hadamard_transform,
+            pipeline=cfg.gradient_alltoall_pipeline,
+            stochastic=cfg.stochastic_rounding,
+            seed=cfg.seed,
+        )
 
 
 def expected(config: dict[str, Any], world: int, steps: int) -> Expected:
@@ -150,8 +173,9 @@ def expected(config: dict[str, Any], world: int, steps: int) -> Expected:
     cfg = parse_config(config["sdp4bit"])
     if not isinstance(cfg.ranks_per_node, int):
         raise ValueError("the recorded runs name ranks_per_node explicitly")
-    return Expected(cfg, world, steps, config.get("gradient_accumulation_steps", 1),
-                    stage=config["zero_optimization"]["stage"])
+    return Expected(
+        cfg, world, steps, config.get("gradient_accumulation_steps", 1), stage=config["zero_optimization"]["stage"]
+    )
 
 
 def check(logs: list[dict[str, Any]], config: dict[str, Any], steps: int) -> tuple[list[str], dict[str, int]]:
@@ -178,15 +202,23 @@ def _schedule(logs: list[dict[str, Any]], e: Expected) -> list[str]:
             numel = sum(c["numel"] for c in calls if c["step"] == step)
             want = log["grad_numel"] * rounds if step >= e.start else 0
             if numel != want:
-                problems.append(f"rank {rank} step {step}: reduced {numel} gradient elements, expected {want} "
-                                f"(stage {e.stage}, start step {e.start}, {e.micro_steps} micro-steps)")
+                problems.append(
+                    f"rank {rank} step {step}: reduced {numel} gradient elements, expected {want} "
+                    f"(stage {e.stage}, start step {e.start}, {e.micro_steps} micro-steps)"
+                )
         if e.stage == 1:
-            problems += [f"rank {rank} call {i}: stage 1 reduced before the accumulation boundary"
-                         for i, c in enumerate(calls) if not c["boundary"]]
+            problems += [
+                f"rank {rank} call {i}: stage 1 reduced before the accumulation boundary"
+                for i, c in enumerate(calls)
+                if not c["boundary"]
+            ]
         elif e.micro_steps > 1 and calls and all(c["boundary"] for c in calls):
             problems.append(f"rank {rank}: stage 2 reduced only at the accumulation boundary")
-        problems += [f"rank {rank} bucket {i} (step {d['step']}): DeepSpeed's gradient slices do not hold the "
-                     "reduced runs" for i, d in enumerate(log["deliveries"]) if not d["delivered"]]
+        problems += [
+            f"rank {rank} bucket {i} (step {d['step']}): DeepSpeed's gradient slices do not hold the reduced runs"
+            for i, d in enumerate(log["deliveries"])
+            if not d["delivered"]
+        ]
     return problems
 
 
@@ -198,30 +230,43 @@ def check_gradients(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
     if not e.cfg.quantized_gradients or problems:
         return problems, 0
     s = e.settings()
-    seeds = [(derive_seed(s.seed, r, STAGES["quantize"]), derive_seed(s.seed, r, STAGES["requantize"]))
-             for r in range(e.world)]
-    problems += [f"rank {r} call {i}: rounding seeds {c['seeds']}, expected {seeds[r]} from seed {s.seed}"
-                 for r, rank_calls in enumerate(calls) for i, c in enumerate(rank_calls) if c["seeds"] != seeds[r]]
+    seeds = [
+        (derive_seed(s.seed, r, STAGES["quantize"]), derive_seed(s.seed, r, STAGES["requantize"]))
+        for r in range(e.world)
+    ]
+    problems += [
+        f"rank {r} call {i}: rounding seeds {c['seeds']}, expected {seeds[r]} from seed {s.seed}"
+        for r, rank_calls in enumerate(calls)
+        for i, c in enumerate(rank_calls)
+        if c["seeds"] != seeds[r]
+    ]
     counters, compared = [(0, 0)] * e.world, 0
     for index, entries in enumerate(zip(*calls, strict=True)):
         runs = merged(entries[0]["runs"])  # DeepSpeed 0.19.8 leaves the owners' own runs unmerged, rank by rank
-        problems += [f"call {index}: rank {r} reduced other runs than rank 0" for r, c in enumerate(entries)
-                     if merged(c["runs"]) != runs]
+        problems += [
+            f"call {index}: rank {r} reduced other runs than rank 0"
+            for r, c in enumerate(entries)
+            if merged(c["runs"]) != runs
+        ]
         if [c["counters"] for c in entries] != counters:
-            problems.append(f"call {index}: rounding counters {[c['counters'] for c in entries]}, expected "
-                            f"{counters} from the calls before")
+            problems.append(
+                f"call {index}: rounding counters {[c['counters'] for c in entries]}, expected "
+                f"{counters} from the calls before"
+            )
         if "input" in entries[0]:
             emulated = emulate_owner_reduce([c["input"] for c in entries], runs, s, counters)
             compared += 1
             for rank, entry in enumerate(entries):
-                problems += difference(f"step {entry['step']} call {index} rank {rank}", entry["output"],
-                                        emulated.outputs[rank])
+                problems += difference(
+                    f"step {entry['step']} call {index} rank {rank}", entry["output"], emulated.outputs[rank]
+                )
         counters = _counters_after(runs, s, counters)
     return problems, compared
 
 
-def _counters_after(runs: list[tuple[int, int, int]], s: Settings,
-                    counters: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _counters_after(
+    runs: list[tuple[int, int, int]], s: Settings, counters: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     """Each rank quantized every piece, and on two levels requantized its local index's pieces."""
     _, padded = piece_lengths(runs, s)
     two_level = s.nodes > 1 and s.ranks_per_node > 1
@@ -237,19 +282,27 @@ def _emulate_partition(new: torch.Tensor, old: torch.Tensor, e: Expected, seed: 
     cfg, out = e.cfg, old.clone()
     for start in range(0, new.numel(), e.run_numel):
         stop = min(start + e.run_numel, new.numel())
-        codes, scales = reference.diff_quantize(new[start:stop], out[start:stop], bits=cfg.weight_quantization_bits,
-                                                group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding,
-                                                seed=seed, offset=counter + start)
-        reference.dequantize_add_(out[start:stop], codes, scales, bits=cfg.weight_quantization_bits,
-                                  group_size=cfg.wq_group_size)
+        codes, scales = reference.diff_quantize(
+            new[start:stop],
+            out[start:stop],
+            bits=cfg.weight_quantization_bits,
+            group_size=cfg.wq_group_size,
+            stochastic=cfg.stochastic_rounding,
+            seed=seed,
+            offset=counter + start,
+        )
+        reference.dequantize_add_(
+            out[start:stop], codes, scales, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size
+        )
     return out
 
 
 def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str], int]:
     """The refresh schedule, and at the recorded step every rank's flat buffers after the refresh against the
     reference codec's refresh of every partition. Returns (differences, number of refreshes compared)."""
-    problems = refresh_schedule(logs, e, e.cfg.weight_differences and e.world > 1,
-                                lambda log, entry: sum(log["partitions"]))
+    problems = refresh_schedule(
+        logs, e, e.cfg.weight_differences and e.world > 1, lambda log, entry: sum(log["partitions"])
+    )
     recorded = [next((entry for entry in log["refresh"] if "before" in entry), None) for log in logs]
     if problems or recorded[0] is None:
         return problems, 0
@@ -261,12 +314,20 @@ def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
             new = recorded[owner]["before"][group][part]
             old = recorded[(owner + 1) % world]["before"][group][part]
             entry = recorded[owner]
-            want = new.clone() if not entry["quantize"] else _emulate_partition(
-                new, old, e, derive_seed(e.cfg.seed, owner, STAGES["refresh"]), entry["counter"] + counter_base)
+            want = (
+                new.clone()
+                if not entry["quantize"]
+                else _emulate_partition(
+                    new, old, e, derive_seed(e.cfg.seed, owner, STAGES["refresh"]), entry["counter"] + counter_base
+                )
+            )
             for rank in range(world):
-                problems += difference(f"rank {rank}'s copy of group {group} partition {owner} after the refresh at "
-                                        f"step {entry['step']} (quantize={entry['quantize']})",
-                                        recorded[rank]["after"][group][part], want)
+                problems += difference(
+                    f"rank {rank}'s copy of group {group} partition {owner} after the refresh at "
+                    f"step {entry['step']} (quantize={entry['quantize']})",
+                    recorded[rank]["after"][group][part],
+                    want,
+                )
     return problems, world
 
 
@@ -306,7 +367,9 @@ def _refresh_wire_bytes(log: dict[str, Any], e: Expected, config: dict[str, Any]
     runs = [min(e.run_numel, size - start) for size in log["partitions"] for start in range(0, size, e.run_numel)]
     total = 0
     for entry in log["refresh"]:
-        one = sum(_codes(n, cfg.weight_quantization_bits, cfg.wq_group_size) if entry["quantize"] else n * element
-                  for n in runs)
+        one = sum(
+            _codes(n, cfg.weight_quantization_bits, cfg.wq_group_size) if entry["quantize"] else n * element
+            for n in runs
+        )
         total += (one if e.nodes > 1 else 0) + (e.nodes * one if e.world > e.nodes else 0)
     return total

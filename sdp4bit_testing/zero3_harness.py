@@ -18,18 +18,37 @@ VOCAB, SEQ, MICRO_BATCH = 256, 64, 4
 
 # The paper's sdp4bit block (4-bit weight differences in groups of 2048; gradients 8-bit inside a node and 4-bit
 # across, groups of 128, Hadamard-smoothed) on 2 ranks per node: what the integration tests and benchmarks run.
-PAPER = {"quantized_weights": True, "weight_quantization_bits": 4, "wq_group_size": 2048,
-         "quantized_gradients": True, "gradient_quantization_bits_intra": 8, "gq_group_size_intra": 128,
-         "gradient_quantization_bits_inter": 4, "gq_group_size_inter": 128, "hadamard_transform": True,
-         "ranks_per_node": 2}
+PAPER = {
+    "quantized_weights": True,
+    "weight_quantization_bits": 4,
+    "wq_group_size": 2048,
+    "quantized_gradients": True,
+    "gradient_quantization_bits_intra": 8,
+    "gq_group_size_intra": 128,
+    "gradient_quantization_bits_inter": 4,
+    "gq_group_size_inter": 128,
+    "hadamard_transform": True,
+    "ranks_per_node": 2,
+}
+
 
 def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
     """A 2-layer, width-128 GPT-2 from transformers with dropout off (deterministic)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -70,11 +89,22 @@ def base_config(zero: dict[str, Any], dtype: torch.dtype, sdp4bit: dict | None, 
     return config
 
 
-def ds_config(dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1,
-              **zero: Any) -> dict[str, Any]:
+def ds_config(
+    dtype: torch.dtype = torch.float32, sdp4bit: dict | None = None, grad_accum: int = 1, **zero: Any
+) -> dict[str, Any]:
     """A ZeRO-3 config for the tiny model; persistence threshold 0 so every parameter is gathered."""
-    return base_config({"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 20000,
-                        "stage3_prefetch_bucket_size": 20000, **zero}, dtype, sdp4bit, grad_accum)
+    return base_config(
+        {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 20000,
+            "stage3_prefetch_bucket_size": 20000,
+            **zero,
+        },
+        dtype,
+        sdp4bit,
+        grad_accum,
+    )
 
 
 def make_engine(config: dict[str, Any], seed: int = 0, lr: float = 2e-3, model: torch.nn.Module | None = None) -> Any:
@@ -125,7 +155,7 @@ def own_shard_of(full: torch.Tensor, param: torch.nn.Parameter) -> tuple[torch.T
 
     rank, shard = torch.distributed.get_rank(), param.ds_tensor.numel()
     valid = valid_numel(param.ds_numel, torch.distributed.get_world_size(), rank)
-    return full.reshape(-1)[rank * shard:rank * shard + valid], param.ds_tensor.reshape(-1)[:valid]
+    return full.reshape(-1)[rank * shard : rank * shard + valid], param.ds_tensor.reshape(-1)[:valid]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -143,14 +173,18 @@ def first_difference(name: str, mine: torch.Tensor, theirs: torch.Tensor, what: 
     if differ.numel() == 0:
         return []
     i = int(differ[0])
-    return [f"{name}: {differ.numel()} of {mine.numel()} elements differ ({what}), the first at {i}: "
-            f"{mine[i].item()!r} vs {theirs[i].item()!r}"]
+    return [
+        f"{name}: {differ.numel()} of {mine.numel()} elements differ ({what}), the first at {i}: "
+        f"{mine[i].item()!r} vs {theirs[i].item()!r}"
+    ]
 
 
 def checksum_problems(runtime: Any) -> list[str]:
     """The replica regions whose copies differ between their holders, by parameter name and shard (collective)."""
-    return [f"replica checksum of {runtime.name(key)} shard {shard} differs between its holders"
-            for key, shard in runtime.store.checksum().mismatches]
+    return [
+        f"replica checksum of {runtime.name(key)} shard {shard} differs between its holders"
+        for key, shard in runtime.store.checksum().mismatches
+    ]
 
 
 def served_vs_ds_tensor(module: torch.nn.Module) -> list[str]:
@@ -169,8 +203,10 @@ def unlike(name: str, full: torch.Tensor, value: float) -> list[str]:
     off = (full.reshape(-1) != value).nonzero().reshape(-1)
     if off.numel() == 0:
         return []
-    return [f"{name}: {off.numel()} of {full.numel()} elements are not {value}, the first at {int(off[0])}: "
-            f"{full.reshape(-1)[int(off[0])].item()!r}"]
+    return [
+        f"{name}: {off.numel()} of {full.numel()} elements are not {value}, the first at {int(off[0])}: "
+        f"{full.reshape(-1)[int(off[0])].item()!r}"
+    ]
 
 
 class LogCapture:

@@ -41,8 +41,7 @@ def record(engine: Any, step: int) -> dict[str, Any]:
     at optimizer step `step` (engine.global_steps when the call starts). Returns the log, which fills up as
     training runs."""
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    log: dict[str, Any] = {"reduce": [], "refresh": [], "step": step,
-                           "grad_numel": sum(p.ds_numel for p in params)}
+    log: dict[str, Any] = {"reduce": [], "refresh": [], "step": step, "grad_numel": sum(p.ds_numel for p in params)}
     runtime = engine.sdp4bit
     if runtime.reducer is not None:
         _wrap_reducer(engine, params, log["reduce"], step)
@@ -65,10 +64,13 @@ def _wrap_reducer(engine: Any, params: list[torch.nn.Parameter], log: list[dict[
         """TLq's own call, logged with the rounding state before it."""
         state = reducer.state_dict()
         grads = _grad_tensors(params)
-        entry: dict[str, Any] = {"step": engine.global_steps, "numels": [t.numel() for t in tensors],
-                                 "seeds": (state["quantize"]["seed"], state["requantize"]["seed"]),
-                                 "counters": (state["quantize"]["counter"], state["requantize"]["counter"]),
-                                 "from_grads": all((t.data_ptr(), t.numel()) in grads for t in tensors)}
+        entry: dict[str, Any] = {
+            "step": engine.global_steps,
+            "numels": [t.numel() for t in tensors],
+            "seeds": (state["quantize"]["seed"], state["requantize"]["seed"]),
+            "counters": (state["quantize"]["counter"], state["requantize"]["counter"]),
+            "from_grads": all((t.data_ptr(), t.numel()) in grads for t in tensors),
+        }
         if entry["step"] == step:
             entry["inputs"] = [t.detach().reshape(-1).clone() for t in tensors]
         outputs = inner(tensors, group)
@@ -82,7 +84,9 @@ def _wrap_reducer(engine: Any, params: list[torch.nn.Parameter], log: list[dict[
         if entry is not None and "returned" in entry:
             returned = entry.pop("returned")
             entry["delivered"] = len(returned) == len(grad_partitions) and all(
-                torch.equal(raw_bits(g), raw_bits(r.to(g.dtype))) for g, r in zip(grad_partitions, returned, strict=True))
+                torch.equal(raw_bits(g), raw_bits(r.to(g.dtype)))
+                for g, r in zip(grad_partitions, returned, strict=True)
+            )
             if "inputs" in entry:
                 entry["outputs"] = returned
         return partition_inner(params_to_release, grad_partitions)
@@ -101,11 +105,16 @@ def _wrap_store(engine: Any, log: list[dict[str, Any]], step: int) -> None:
         """The store's own refresh, logged; at the recorded step also the weights it serves afterwards."""
         keys = sorted(new)
         state = store.state_dict()["rounding"]
-        entry: dict[str, Any] = {"step": engine.global_steps, "quantize": quantize, "seed": state["seed"],
-                                 "counter": state["counter"], "elem": store.own_shard(keys[0]).element_size(),
-                                 "numel": [engine.sdp4bit.units.params[k].ds_numel for k in keys],
-                                 "shard": [store.shard_numel(k) for k in keys],
-                                 "valid": [store.valid_numel(k, rank) for k in keys]}
+        entry: dict[str, Any] = {
+            "step": engine.global_steps,
+            "quantize": quantize,
+            "seed": state["seed"],
+            "counter": state["counter"],
+            "elem": store.own_shard(keys[0]).element_size(),
+            "numel": [engine.sdp4bit.units.params[k].ds_numel for k in keys],
+            "shard": [store.shard_numel(k) for k in keys],
+            "valid": [store.valid_numel(k, rank) for k in keys],
+        }
         if entry["step"] == step:
             entry["new"] = [new[k].detach().reshape(-1).clone() for k in keys]
             entry["before"] = torch.cat([store.own_shard(k) for k in keys])
@@ -146,8 +155,11 @@ class Expected(RunExpectations):
     def refreshes(self) -> bool:
         """Whether the weight store runs: qWD on, unless node replicas on one node (turned off at initialize)."""
         cfg = self.cfg
-        return (cfg.quantized_weights and cfg.weight_quantization == "difference"
-                and not (cfg.weight_replica == "node" and self.nodes == 1))
+        return (
+            cfg.quantized_weights
+            and cfg.weight_quantization == "difference"
+            and not (cfg.weight_replica == "node" and self.nodes == 1)
+        )
 
     @property
     def slots(self) -> int:
@@ -166,10 +178,18 @@ def expected(config: dict[str, Any], world: int, steps: int) -> Expected:
 def settings(e: Expected) -> Settings:
     """TLq's settings as the config block states them (defaults where it says nothing)."""
     cfg = e.cfg
-    return Settings(nodes=e.nodes, ranks_per_node=cfg.ranks_per_node, bits_intra=cfg.gradient_quantization_bits_intra,
-                    group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,
-                    group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,
-                    pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)
+    return Settings(
+        nodes=e.nodes,
+        ranks_per_node=cfg.ranks_per_node,
+        bits_intra=cfg.gradient_quantization_bits_intra,
+        group_intra=cfg.gq_group_size_intra,
+        bits_inter=cfg.gradient_quantization_bits_inter,
+        group_inter=cfg.gq_group_size_inter,
+        hadamard=cfg.hadamard_transform,
+        pipeline=cfg.gradient_alltoall_pipeline,
+        stochastic=cfg.stochastic_rounding,
+        seed=cfg.seed,
+    )
 
 
 def raw_bits(t: torch.Tensor) -> torch.Tensor:
@@ -187,8 +207,10 @@ def difference(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
     i = int(differ[0])
     norm = want.double().norm()
     ratio = (got.double().norm() / norm).item() if norm > 0 else math.nan
-    return [f"{what}: {differ.numel()} of {want.numel()} elements differ, first at {i}: got {got[i].item()!r}, "
-            f"expected {want[i].item()!r}; norm(got)/norm(expected) = {ratio:.6g}"]
+    return [
+        f"{what}: {differ.numel()} of {want.numel()} elements differ, first at {i}: got {got[i].item()!r}, "
+        f"expected {want[i].item()!r}; norm(got)/norm(expected) = {ratio:.6g}"
+    ]
 
 
 def check(logs: list[dict[str, Any]], config: dict[str, Any], steps: int) -> tuple[list[str], dict[str, int]]:
@@ -213,13 +235,21 @@ def _tlq_schedule(logs: list[dict[str, Any]], e: Expected) -> list[str]:
             numel = sum(sum(c["numels"]) for c in calls if c["step"] == step)
             want = log["grad_numel"] * e.micro_steps if step >= e.start else 0
             if numel != want:
-                problems.append(f"rank {rank} step {step}: TLq reduced {numel} gradient elements, expected {want} "
-                                f"(start step {e.start}, {e.micro_steps} micro-steps of {log['grad_numel']})")
-        problems += [f"rank {rank} call {i} (step {c['step']}): inputs are not the parameters' gradients"
-                     for i, c in enumerate(calls) if not c["from_grads"]]
-        problems += [f"rank {rank} call {i} (step {c['step']}): partition_grads did not receive TLq's outputs "
-                     f"({'different values' if 'delivered' in c else 'never called'})"
-                     for i, c in enumerate(calls) if not c.get("delivered")]
+                problems.append(
+                    f"rank {rank} step {step}: TLq reduced {numel} gradient elements, expected {want} "
+                    f"(start step {e.start}, {e.micro_steps} micro-steps of {log['grad_numel']})"
+                )
+        problems += [
+            f"rank {rank} call {i} (step {c['step']}): inputs are not the parameters' gradients"
+            for i, c in enumerate(calls)
+            if not c["from_grads"]
+        ]
+        problems += [
+            f"rank {rank} call {i} (step {c['step']}): partition_grads did not receive TLq's outputs "
+            f"({'different values' if 'delivered' in c else 'never called'})"
+            for i, c in enumerate(calls)
+            if not c.get("delivered")
+        ]
     return problems
 
 
@@ -231,15 +261,23 @@ def check_gradients(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
     if not e.cfg.quantized_gradients or problems:
         return problems, 0
     s = settings(e)
-    seeds = [(derive_seed(s.seed, r, STAGES["quantize"]), derive_seed(s.seed, r, STAGES["requantize"]))
-             for r in range(e.world)]
-    problems += [f"rank {r} call {i}: rounding seeds {c['seeds']}, expected {seeds[r]} from seed {s.seed}"
-                 for r, rank_calls in enumerate(calls) for i, c in enumerate(rank_calls) if c["seeds"] != seeds[r]]
+    seeds = [
+        (derive_seed(s.seed, r, STAGES["quantize"]), derive_seed(s.seed, r, STAGES["requantize"]))
+        for r in range(e.world)
+    ]
+    problems += [
+        f"rank {r} call {i}: rounding seeds {c['seeds']}, expected {seeds[r]} from seed {s.seed}"
+        for r, rank_calls in enumerate(calls)
+        for i, c in enumerate(rank_calls)
+        if c["seeds"] != seeds[r]
+    ]
     counters, compared = [(0, 0)] * e.world, 0
     for index, entries in enumerate(zip(*calls, strict=True)):
         if [c["counters"] for c in entries] != counters:
-            problems.append(f"call {index}: rounding counters {[c['counters'] for c in entries]}, expected "
-                            f"{counters} from the calls before")
+            problems.append(
+                f"call {index}: rounding counters {[c['counters'] for c in entries]}, expected "
+                f"{counters} from the calls before"
+            )
         if "inputs" in entries[0]:
             emulated = emulate_tlq([c["inputs"] for c in entries], s, counters)
             compared += 1
@@ -267,24 +305,39 @@ def _buckets(shard: list[int], bucket_numel: int, slots: int) -> list[tuple[int,
 def _emulate_refresh(entry: dict[str, Any], e: Expected, rank: int) -> torch.Tensor:
     """This rank's w~ run after the refresh, from its new shards and its w~ before it."""
     cfg = e.cfg
-    new = torch.cat([torch.nn.functional.pad(t[:v], (0, ps - v))
-                     for t, v, ps in zip(entry["new"], entry["valid"], entry["shard"], strict=True)])
+    new = torch.cat(
+        [
+            torch.nn.functional.pad(t[:v], (0, ps - v))
+            for t, v, ps in zip(entry["new"], entry["valid"], entry["shard"], strict=True)
+        ]
+    )
     run = entry["before"].clone()
     if not entry["quantize"]:
         return new.to(run.dtype)
     seed, counter = derive_seed(cfg.seed, rank, STAGES["refresh"]), entry["counter"]
     for start, stop in _buckets(entry["shard"], cfg.refresh_bucket_size, e.slots):
-        codes, scales = reference.diff_quantize(new[start:stop], run[start:stop], bits=cfg.weight_quantization_bits,
-                                                group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding,
-                                                seed=seed, offset=counter)
-        reference.dequantize_add_(run[start:stop], codes, scales, bits=cfg.weight_quantization_bits,
-                                  group_size=cfg.wq_group_size)
+        codes, scales = reference.diff_quantize(
+            new[start:stop],
+            run[start:stop],
+            bits=cfg.weight_quantization_bits,
+            group_size=cfg.wq_group_size,
+            stochastic=cfg.stochastic_rounding,
+            seed=seed,
+            offset=counter,
+        )
+        reference.dequantize_add_(
+            run[start:stop], codes, scales, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size
+        )
         counter += stop - start
     return run
 
 
-def refresh_schedule(logs: list[dict[str, Any]], e: RunExpectations, refreshes: bool,
-                     numel: Callable[[dict[str, Any], dict[str, Any]], int]) -> list[str]:
+def refresh_schedule(
+    logs: list[dict[str, Any]],
+    e: RunExpectations,
+    refreshes: bool,
+    numel: Callable[[dict[str, Any], dict[str, Any]], int],
+) -> list[str]:
     """One refresh per optimizer step when the weight store runs (`refreshes`; none otherwise), quantized from the
     start step on, with the config's seed and counters that follow the refreshes before: a quantized refresh
     advances the counter by `numel(log, entry)`."""
@@ -317,12 +370,15 @@ def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
     runs = [_emulate_refresh(entries[0], e, rank) for rank, entries in enumerate(recorded)]
     entry, offset = recorded[0][0], 0
     for index, (numel, ps) in enumerate(zip(entry["numel"], entry["shard"], strict=True)):
-        want = torch.cat([run[offset:offset + ps] for run in runs])[:numel]
+        want = torch.cat([run[offset : offset + ps] for run in runs])[:numel]
         offset += ps
         for rank, entries in enumerate(recorded):
-            problems += difference(f"rank {rank} serves parameter {index} after the refresh at step "
-                                    f"{entry['step']} (quantize={entry['quantize']})", entries[0]["served"][index],
-                                    want)
+            problems += difference(
+                f"rank {rank} serves parameter {index} after the refresh at step "
+                f"{entry['step']} (quantize={entry['quantize']})",
+                entries[0]["served"][index],
+                want,
+            )
     return problems, len(runs)
 
 
@@ -343,8 +399,10 @@ def _grad_wire_bytes(log: dict[str, Any], e: Expected) -> dict[str, int]:
     elif s.ranks_per_node == 1:
         levels = [("grad_inter", s.bits_inter, s.group_inter, s.world)]
     else:
-        levels = [("grad_intra", s.bits_intra, s.group_intra, s.world),
-                  ("grad_inter", s.bits_inter, s.group_inter, s.nodes)]
+        levels = [
+            ("grad_intra", s.bits_intra, s.group_intra, s.world),
+            ("grad_inter", s.bits_inter, s.group_inter, s.nodes),
+        ]
     for entry in log["reduce"]:
         _, part, _ = part_length(entry["numels"], s)
         for kind, bits, group, dests in levels:
@@ -360,8 +418,9 @@ def _refresh_wire_bytes(log: dict[str, Any], e: Expected) -> int:
     for entry in log["refresh"]:
         runs = [stop - start for start, stop in _buckets(entry["shard"], cfg.refresh_bucket_size, e.slots)]
         if entry["quantize"]:
-            one = sum(codes_nbytes(n, cfg.weight_quantization_bits) + 4 * num_groups(n, cfg.wq_group_size)
-                      for n in runs)
+            one = sum(
+                codes_nbytes(n, cfg.weight_quantization_bits) + 4 * num_groups(n, cfg.wq_group_size) for n in runs
+            )
         else:
             one = sum(runs) * entry["elem"]
         inside = e.nodes * one if cfg.weight_replica == "rank" and e.world > e.nodes else 0

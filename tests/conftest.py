@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
-settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100,
-                          print_blob=True)
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100, print_blob=True)
 settings.register_profile("local", deadline=None, max_examples=300)
 settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))
 

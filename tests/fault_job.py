@@ -20,8 +20,13 @@ import torch
 
 from sdp4bit_testing import zero3_harness as H
 
-BLOCK = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128,
-         "hadamard_transform": True, "ranks_per_node": 2}
+BLOCK = {
+    "quantized_weights": True,
+    "quantized_gradients": True,
+    "gq_group_size_intra": 128,
+    "hadamard_transform": True,
+    "ranks_per_node": 2,
+}
 
 
 def _fail(how: str, out: Path) -> None:

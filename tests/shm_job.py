@@ -65,8 +65,12 @@ def own_engine(group: Any) -> Any:
     import deepspeed_sdp4bit  # noqa: F401  (installs the engine hooks)
 
     model = torch.nn.Linear(8, 8)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      mpu=OwnGroup(group), config={"train_micro_batch_size_per_gpu": 1})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        mpu=OwnGroup(group),
+        config={"train_micro_batch_size_per_gpu": 1},
+    )
     return engine
 
 

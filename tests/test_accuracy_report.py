@@ -22,8 +22,9 @@ FINALS = {
 
 
 def _stats() -> dict[str, dict]:
-    results = {accuracy.Run(v, s): {"final_val_loss": loss} for v, losses in FINALS.items()
-               for s, loss in enumerate(losses)}
+    results = {
+        accuracy.Run(v, s): {"final_val_loss": loss} for v, losses in FINALS.items() for s, loss in enumerate(losses)
+    }
     return accuracy.aggregate(results, list(FINALS), "baseline")
 
 
@@ -48,18 +49,28 @@ def test_same_seed_difference_leaves_out_the_seeds_offset() -> None:
 
 def test_ordering_checks() -> None:
     found = dict((text.split(":")[0], ok) for text, ok in accuracy.checks(_stats()))
-    assert found == {"qW is the worst of Table 1's variants (worst": True,
-                     "qW's gap +0.4000 = 4.0 x the baseline's std 0.1000 (> 3)": True,
-                     "SDP4Bit within 0.5% of baseline": True,
-                     "qWD within 0.5% of baseline": True,
-                     "TLq-HS's gap <= TLq's": False}
+    assert found == {
+        "qW is the worst of Table 1's variants (worst": True,
+        "qW's gap +0.4000 = 4.0 x the baseline's std 0.1000 (> 3)": True,
+        "SDP4Bit within 0.5% of baseline": True,
+        "qWD within 0.5% of baseline": True,
+        "TLq-HS's gap <= TLq's": False,
+    }
 
 
 def _report(runs: list[tuple[str, int, float]]) -> str:
     """The markdown of these (variant, seed, final loss) results, one table per stage that has some."""
     trainer = {"seq_len": 128, "global_batch": 64, "train_iters": 600}
-    found = {accuracy.Run(v, s): {"final_val_loss": loss, "parameters": 1e6, "trainer": trainer, "wall_s": 60.0,
-                                  "settings": {"model": "tiny"}} for v, s, loss in runs}
+    found = {
+        accuracy.Run(v, s): {
+            "final_val_loss": loss,
+            "parameters": 1e6,
+            "trainer": trainer,
+            "wall_s": 60.0,
+            "settings": {"model": "tiny"},
+        }
+        for v, s, loss in runs
+    }
     tables = {title: accuracy.aggregate(found, members, baseline) for title, baseline, members in accuracy.TABLES}
     return accuracy.markdown(tables, found)
 
@@ -74,8 +85,9 @@ def test_zero2_has_its_own_table_with_gaps_to_plain_zero2() -> None:
     """ZeRO-2's variants are compared with plain ZeRO-2, not with ZeRO-3's baseline, and checked against the same
     tolerance as ZeRO-3's SDP4Bit and qWD."""
     runs = [("baseline", s, 5.0) for s in range(2)] + [("ZeRO-2", s, 4.0 + s / 10) for s in range(2)]
-    runs += [("ZeRO-2+SDP4Bit", s, 4.01 + s / 10) for s in range(2)] + [("ZeRO-2+qWD", s, 4.1 + s / 10)
-                                                                          for s in range(2)]
+    runs += [("ZeRO-2+SDP4Bit", s, 4.01 + s / 10) for s in range(2)] + [
+        ("ZeRO-2+qWD", s, 4.1 + s / 10) for s in range(2)
+    ]
     runs += [("ZeRO-2+TLq-HS", s, 4.0 + s / 10) for s in range(2)]
     text = _report(runs)
     assert "| ZeRO-3: GPT (tiny" in text and "| ZeRO-2: GPT (tiny" in text
@@ -98,8 +110,11 @@ def test_a_result_of_other_settings_or_probe_steps_is_refused(tmp_path: Path) ->
         (tmp_path / run.folder / "result.json").write_text(json.dumps({"settings": expected, "grad_error": errors}))
     assert accuracy.load_result(tmp_path, probe, expected, args.grad_error_steps)["settings"] == expected
     assert accuracy.load_result(tmp_path, other, expected, [10]) is not None
-    with pytest.raises(SystemExit, match=r"measured the gradient errors at steps \[10, 50, 150, 300, 450, 599\].*"
-                                         r"--grad_error_steps are \[10\]"):
+    with pytest.raises(
+        SystemExit,
+        match=r"measured the gradient errors at steps \[10, 50, 150, 300, 450, 599\].*"
+        r"--grad_error_steps are \[10\]",
+    ):
         accuracy.load_result(tmp_path, probe, expected, [10])
     with pytest.raises(SystemExit, match="was made with other settings"):
         accuracy.load_result(tmp_path, other, {**expected, "steps": 300}, args.grad_error_steps)

@@ -18,8 +18,15 @@ from sdp4bit_testing import zero3_harness as H
 from sdp4bit_testing import zero12_harness as H12
 from sdp4bit_testing.dist_harness import run_distributed
 
-AUTO = {"auto": True, "ranks_per_node": 2, "quantized_weights": True, "quantized_gradients": True,
-        "gq_group_size_intra": 128, "hadamard_transform": True, "verify_interval": 1}
+AUTO = {
+    "auto": True,
+    "ranks_per_node": 2,
+    "quantized_weights": True,
+    "quantized_gradients": True,
+    "gq_group_size_intra": 128,
+    "hadamard_transform": True,
+    "verify_interval": 1,
+}
 
 
 def _model(overlap: bool = False, candidates: tuple[bool, bool] = (True, True)) -> auto.JobModel:
@@ -54,8 +61,9 @@ def test_the_fewest_parts_within_the_tolerance_win() -> None:
         fastest = min(decision.predicted.values())
         chosen = decision.predicted[auto.label(decision.weights, decision.gradients)]
         assert chosen <= fastest * (1 + auto.TOLERANCE)
-        fewer = [t for name, t in decision.predicted.items()
-                 if name.count("+") + (name != "ZeRO-3") < len(decision.parts())]
+        fewer = [
+            t for name, t in decision.predicted.items() if name.count("+") + (name != "ZeRO-3") < len(decision.parts())
+        ]
         assert all(t > fastest * (1 + auto.TOLERANCE) for t in fewer)
 
 
@@ -84,8 +92,9 @@ def test_the_block_refuses_what_auto_cannot_do() -> None:
     with pytest.raises(SDP4BitConfigError, match="quantization_start_step = 2: auto times"):
         parse_config({"auto": True, "quantized_gradients": True, "quantization_start_step": 2})
     with pytest.raises(SDP4BitConfigError, match="weight_quantization = 'direct'"):
-        parse_config({"auto": True, "quantized_weights": True, "weight_quantization": "direct",
-                      "weight_replica": "off"})
+        parse_config(
+            {"auto": True, "quantized_weights": True, "weight_quantization": "direct", "weight_replica": "off"}
+        )
 
 
 class _InfoCapture(logging.Handler):
@@ -135,8 +144,10 @@ def _job(checkpoint: str, stage: int) -> dict[str, Any]:
         auto.AutoTuner.local_measurements = _forced(auto.Measurements(50e9, 1e9, 1e9, 1.0))
         resumed = H.make_engine(_config(stage))
         resumed.load_checkpoint(checkpoint, tag="auto")
-        restored = resumed.sdp4bit.stats()["auto"], (resumed.sdp4bit.store is not None,
-                                                     resumed.sdp4bit.reducer is not None)
+        restored = (
+            resumed.sdp4bit.stats()["auto"],
+            (resumed.sdp4bit.store is not None, resumed.sdp4bit.reducer is not None),
+        )
         H.train_steps(resumed, AUTO_START_STEP + 2, AUTO_START_STEP + 3)
         resumed_bytes = resumed.sdp4bit.last_step_bytes["grad_inter"]["wire_bytes"]
         resumed.destroy()
@@ -149,9 +160,17 @@ def _job(checkpoint: str, stage: int) -> dict[str, Any]:
     finally:
         auto.AutoTuner.local_measurements = original
         logger.removeHandler(handler)
-    return {"measuring": measuring, "decided": decided, "parts": parts, "verified": verified, "restored": restored,
-            "resumed_grad_inter_bytes": resumed_bytes, "fast": fast_decision, "fast_parts": fast_parts,
-            "lines": [line for line in handler.lines if line.startswith("sdp4bit auto")]}
+    return {
+        "measuring": measuring,
+        "decided": decided,
+        "parts": parts,
+        "verified": verified,
+        "restored": restored,
+        "resumed_grad_inter_bytes": resumed_bytes,
+        "fast": fast_decision,
+        "fast_parts": fast_parts,
+        "lines": [line for line in handler.lines if line.startswith("sdp4bit auto")],
+    }
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ def test_calls_rounds_and_before_are_as_asked() -> None:
     def count(name: str):
         return lambda: calls.__setitem__(name, calls[name] + 1)
 
-    medians = interleaved_ms([count("a"), count("b")], torch.device("cpu"), rounds=5, batch=3, warmup=2,
-                             before=count("before"))
+    medians = interleaved_ms(
+        [count("a"), count("b")], torch.device("cpu"), rounds=5, batch=3, warmup=2, before=count("before")
+    )
     assert calls == {"a": 2 + 5 * 3, "b": 2 + 5 * 3, "before": 2 * 5}
     assert len(medians) == 2 and all(m >= 0 for m in medians)
 

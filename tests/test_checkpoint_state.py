@@ -33,7 +33,7 @@ def test_truncated_missing_and_damaged_files_are_named(tmp_path: Path) -> None:
     path = tmp_path / "model_states.pt"
     torch.save({"module": torch.arange(4096, dtype=torch.float32)}, path)
     whole = path.read_bytes()
-    path.write_bytes(whole[:len(whole) // 2])
+    path.write_bytes(whole[: len(whole) // 2])
     assert state.why_unreadable(str(path)).startswith("BadZipFile")
     assert state.why_unreadable(str(tmp_path / "absent.pt")).startswith("FileNotFoundError")
     with zipfile.ZipFile(tmp_path / "copy.pt", "w") as archive:
@@ -41,4 +41,6 @@ def test_truncated_missing_and_damaged_files_are_named(tmp_path: Path) -> None:
     damaged = bytearray((tmp_path / "copy.pt").read_bytes())
     damaged[100] ^= 0xFF  # inside the stored entry's data, after its 30-byte header and name
     path.write_bytes(bytes(damaged))
-    assert state.why_unreadable(str(path)) == "its entry model_states/data/0 does not match its CRC (the file was damaged)"
+    assert (
+        state.why_unreadable(str(path)) == "its entry model_states/data/0 does not match its CRC (the file was damaged)"
+    )

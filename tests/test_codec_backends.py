@@ -3,9 +3,9 @@
 The backend is a parameter: 'cpu' always runs (the op is JIT-built through CodecCPUBuilder on first use, for this
 CPU: -march=native), 'cpu-x86-64' runs the same tests on the same source built for the oldest 64-bit x86
 (-march=x86-64: no AVX, no FMA, no SSE4 rounding instructions), so the op's results do not depend on the
-instruction set it is compiled for, and 'cuda' runs the very same tests when a CUDA device exists (marked gpu). The reference always runs on CPU tensors, since
-it is the definition; compiled outputs are moved to the CPU and compared bit pattern by bit pattern (a NaN equals
-a NaN whatever its payload; +0 and -0 differ).
+instruction set it is compiled for, and 'cuda' runs the very same tests when a CUDA device exists (marked gpu). The
+reference always runs on CPU tensors, since it is the definition; compiled outputs are moved to the CPU and compared bit
+pattern by bit pattern (a NaN equals a NaN whatever its payload; +0 and -0 differ).
 
 Covering design, so the file stays near a minute on 2 cores:
 - quantize, dequantize, dequantize-add: the full product of sizes {1, 31, 32, 33, 2047, 2048, 2049, 100003} x
@@ -47,10 +47,16 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cpu-x86-64", id="cpu-x86-64", marks=pytest.mark.skipif(
-        platform.machine() != "x86_64", reason="the portable build is for x86-64 CPUs")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")]),
+    pytest.param(
+        "cpu-x86-64",
+        id="cpu-x86-64",
+        marks=pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build is for x86-64 CPUs"),
+    ),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+    ),
 ]
 
 
@@ -65,8 +71,9 @@ def backend(request: pytest.FixtureRequest) -> tuple[CompiledBackend, torch.devi
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Same dtype, shape and bit patterns; NaNs match NaNs regardless of payload."""
     got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{list(got.shape)} vs " \
-                                                                 f"{want.dtype}{list(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
+    )
     if not want.dtype.is_floating_point:
         bad = (got != want).nonzero()
     else:
@@ -75,8 +82,10 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         bad = (~((nan_got & nan_want) | (same & ~nan_got & ~nan_want))).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise AssertionError(f"{what}: {bad.numel()} of {want.numel()} elements differ, first at {i}: "
-                             f"got {got[i].item()!r}, reference {want[i].item()!r}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {want.numel()} elements differ, first at {i}: "
+            f"got {got[i].item()!r}, reference {want[i].item()!r}"
+        )
 
 
 def assert_codes_equal(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -133,11 +142,13 @@ def rotated_cases(sizes: tuple[int, ...]) -> Iterator:
 
 
 def quant_kw(bits: int, group: int, stochastic: bool, case: int) -> dict:
-    return dict(bits=bits, group_size=group, stochastic=stochastic, seed=SEED + case,
-                offset=OFFSETS[case % len(OFFSETS)])
+    return dict(
+        bits=bits, group_size=group, stochastic=stochastic, seed=SEED + case, offset=OFFSETS[case % len(OFFSETS)]
+    )
 
 
 # ------------------------------------------------------------------------------------------ quantize family
+
 
 @pytest.mark.parametrize("stochastic", (False, True), ids=("rn", "sr"))
 @pytest.mark.parametrize("numel,group,dtype,bits", product_cases())
@@ -153,15 +164,14 @@ def test_quantize_and_decode(backend, numel, group, dtype, bits, stochastic):
     assert_bits_equal(decoded, R.dequantize(*want, numel=numel, bits=bits, group_size=group, dtype=dtype), "decoded")
 
 
-@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic",
-                         rotated_cases(SIZES + (BIG,)))
+@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic", rotated_cases(SIZES + (BIG,)))
 def test_quantize_masks_padding(backend, case, numel, group, dtype, bits, stochastic):
     """valid < numel: NaN and huge garbage past `valid` change nothing (same bits as zeros there)."""
     op, dev = backend
     valid = [0, numel // 2, numel - 1, (numel * 3) // 5][case % 4]
     x = values(numel, dtype, case)
     x[valid:] = float("nan")
-    x[valid + 1::3] = 6e4
+    x[valid + 1 :: 3] = 6e4
     kw = quant_kw(bits, group, stochastic, case)
     want = R.quantize(x, valid=valid, **kw)
     assert_codes_equal(op.quantize(x.to(dev), valid=valid, **kw), want)
@@ -170,8 +180,7 @@ def test_quantize_masks_padding(backend, case, numel, group, dtype, bits, stocha
     assert_codes_equal(op.quantize(zeroed.to(dev), valid=valid, **kw), want)
 
 
-@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic",
-                         rotated_cases(SIZES + (BIG,)))
+@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic", rotated_cases(SIZES + (BIG,)))
 def test_quantize_nonfinite(backend, case, numel, group, dtype, bits, stochastic):
     """NaN, +Inf and -Inf inputs: the same NaN scales and zero codes as the reference, other groups unchanged."""
     op, dev = backend
@@ -190,8 +199,7 @@ def test_quantize_nonfinite(backend, case, numel, group, dtype, bits, stochastic
 HAD_SIZES = (32, 2048, 100032, BIG)
 
 
-@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic",
-                         rotated_cases(HAD_SIZES))
+@pytest.mark.parametrize("case,numel,group,dtype,bits,stochastic", rotated_cases(HAD_SIZES))
 def test_quantize_hadamard(backend, case, numel, group, dtype, bits, stochastic):
     """Hadamard-fused quantize, every other case with a partial valid length (masking comes first)."""
     op, dev = backend
@@ -213,6 +221,7 @@ def test_hadamard32(backend, numel, dtype, inverse):
 
 
 # ------------------------------------------------------------------------------------------ decode family
+
 
 def random_codes(numel: int, bits: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Arbitrary code bytes (every nibble value, -8 included) and scales with 0, NaN, tiny and huge entries."""
@@ -287,10 +296,26 @@ def swizzle_cases() -> Iterator:
             for dt in DTYPES:
                 for hadamard in (False, True):
                     blocks_per_group = 1 + k % 3
-                    yield pytest.param(k, nodes, rpn, slices, group * blocks_per_group, group, dt, BITS[k % 2],
-                                       (k // 2) % 2 == 1, hadamard,
-                                       id=case_id(f"{nodes}x{rpn}x{slices}", group, dt, BITS[k % 2],
-                                                  (k // 2) % 2 == 1, "had" if hadamard else "plain"))
+                    yield pytest.param(
+                        k,
+                        nodes,
+                        rpn,
+                        slices,
+                        group * blocks_per_group,
+                        group,
+                        dt,
+                        BITS[k % 2],
+                        (k // 2) % 2 == 1,
+                        hadamard,
+                        id=case_id(
+                            f"{nodes}x{rpn}x{slices}",
+                            group,
+                            dt,
+                            BITS[k % 2],
+                            (k // 2) % 2 == 1,
+                            "had" if hadamard else "plain",
+                        ),
+                    )
                     k += 1
 
 
@@ -318,16 +343,27 @@ def reduce_cases() -> Iterator:
     for pieces in (1, 2, 3, 8):
         for in_group, out_group in GROUP_PAIRS:
             for in_bits in BITS:
-                yield pytest.param(k, pieces, in_bits, in_group, BITS[k % 2], out_group, (k // 2) % 2 == 1,
-                                   id=case_id(f"p{pieces}", in_bits, in_group, BITS[k % 2], out_group,
-                                              (k // 2) % 2 == 1))
+                yield pytest.param(
+                    k,
+                    pieces,
+                    in_bits,
+                    in_group,
+                    BITS[k % 2],
+                    out_group,
+                    (k // 2) % 2 == 1,
+                    id=case_id(f"p{pieces}", in_bits, in_group, BITS[k % 2], out_group, (k // 2) % 2 == 1),
+                )
                 k += 1
 
 
 def piece_codes(pieces: int, piece: int, bits: int, group: int, case: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pieces quantized as the senders would (stochastic, per-piece seeds), one group made NaN."""
-    parts = [R.quantize(values(piece, torch.float32, case * 31 + k), bits=bits, group_size=group, stochastic=True,
-                        seed=case + k) for k in range(pieces)]
+    parts = [
+        R.quantize(
+            values(piece, torch.float32, case * 31 + k), bits=bits, group_size=group, stochastic=True, seed=case + k
+        )
+        for k in range(pieces)
+    ]
     codes, scales = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     scales[(case * 5) % scales.numel()] = float("nan")
     return codes, scales
@@ -338,8 +374,16 @@ def test_dequantize_reduce_quantize(backend, case, pieces, in_bits, in_group, ou
     op, dev = backend
     piece = math.lcm(in_group, out_group) * (1 + case % 3)
     codes, scales = piece_codes(pieces, piece, in_bits, in_group, case)
-    kw = dict(pieces=pieces, in_bits=in_bits, in_group=in_group, out_bits=out_bits, out_group=out_group,
-              stochastic=stochastic, seed=SEED - case, offset=OFFSETS[case % len(OFFSETS)])
+    kw = dict(
+        pieces=pieces,
+        in_bits=in_bits,
+        in_group=in_group,
+        out_bits=out_bits,
+        out_group=out_group,
+        stochastic=stochastic,
+        seed=SEED - case,
+        offset=OFFSETS[case % len(OFFSETS)],
+    )
     want = R.dequantize_reduce_quantize(codes, scales, **kw)
     assert_codes_equal(op.dequantize_reduce_quantize(codes.to(dev), scales.to(dev), **kw), want)
 
@@ -352,9 +396,23 @@ def dr_cases() -> Iterator:
     for pieces in (1, 2, 3, 8):
         for group in (32, 128, 2048, 8192):
             for dt in DTYPES:
-                yield pytest.param(k, pieces, BITS[k % 2], group, dt, (k // 2) % 2 == 1, MULS[k % 4],
-                                   id=case_id(f"p{pieces}", BITS[k % 2], group, dt,
-                                              "had" if (k // 2) % 2 else "plain", f"mul{MULS[k % 4]:.4g}"))
+                yield pytest.param(
+                    k,
+                    pieces,
+                    BITS[k % 2],
+                    group,
+                    dt,
+                    (k // 2) % 2 == 1,
+                    MULS[k % 4],
+                    id=case_id(
+                        f"p{pieces}",
+                        BITS[k % 2],
+                        group,
+                        dt,
+                        "had" if (k // 2) % 2 else "plain",
+                        f"mul{MULS[k % 4]:.4g}",
+                    ),
+                )
                 k += 1
 
 
@@ -394,16 +452,23 @@ def test_reference_gives_the_same_bits_on_cuda(dtype):
     want = R.quantize(x, **kw)
     got = R.quantize(x.to(cuda), **kw)
     assert_codes_equal(got, want)
-    assert_bits_equal(R.dequantize(*[t.to(cuda) for t in want], numel=x.numel(), bits=4, group_size=128,
-                                   dtype=dtype), R.dequantize(*want, numel=x.numel(), bits=4, group_size=128,
-                                                              dtype=dtype), "dequantize")
+    assert_bits_equal(
+        R.dequantize(*[t.to(cuda) for t in want], numel=x.numel(), bits=4, group_size=128, dtype=dtype),
+        R.dequantize(*want, numel=x.numel(), bits=4, group_size=128, dtype=dtype),
+        "dequantize",
+    )
     codes, scales = piece_codes(4, 4096, 8, 128, 3)
     drq = dict(pieces=4, in_bits=8, in_group=128, out_bits=4, out_group=2048, stochastic=True, seed=SEED)
-    assert_codes_equal(R.dequantize_reduce_quantize(codes.to(cuda), scales.to(cuda), **drq),
-                       R.dequantize_reduce_quantize(codes, scales, **drq))
+    assert_codes_equal(
+        R.dequantize_reduce_quantize(codes.to(cuda), scales.to(cuda), **drq),
+        R.dequantize_reduce_quantize(codes, scales, **drq),
+    )
     dr = dict(pieces=4, bits=8, group_size=128, dtype=dtype, hadamard=True, mul=1.0 / 3.0)
-    assert_bits_equal(R.dequantize_reduce(codes.to(cuda), scales.to(cuda), **dr),
-                      R.dequantize_reduce(codes, scales, **dr), "dequantize_reduce")
+    assert_bits_equal(
+        R.dequantize_reduce(codes.to(cuda), scales.to(cuda), **dr),
+        R.dequantize_reduce(codes, scales, **dr),
+        "dequantize_reduce",
+    )
 
 
 def test_out_buffers_are_filled_and_checked(backend):
@@ -418,8 +483,11 @@ def test_out_buffers_are_filled_and_checked(backend):
     values_out = torch.empty(4096, dtype=torch.float16, device=dev)
     decoded = op.dequantize(*got, numel=4096, bits=4, group_size=128, out=values_out)
     assert decoded is values_out
-    assert_bits_equal(decoded, R.dequantize(*[t.cpu() for t in got], numel=4096, bits=4, group_size=128,
-                                            dtype=torch.float16), "dequantize out")
+    assert_bits_equal(
+        decoded,
+        R.dequantize(*[t.cpu() for t in got], numel=4096, bits=4, group_size=128, dtype=torch.float16),
+        "dequantize out",
+    )
     reduced = torch.empty(2048, dtype=torch.float32, device=dev)
     assert op.dequantize_reduce(*got, pieces=2, bits=4, group_size=128, out=reduced) is reduced
     with pytest.raises(ValueError, match="do not fit 4096 elements"):

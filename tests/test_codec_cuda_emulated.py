@@ -55,8 +55,18 @@ def internals(emulated_op: ModuleType) -> Internals:
 
 def test_fast_division_is_exact(internals: Internals) -> None:
     """The precomputed 32-bit division behind swizzled addressing and non-power-of-two group indices."""
-    divisors = list(range(1, 300)) + [1000, 4095, 4097, 65535, 65537, 1_000_003, (1 << 31) - 1, 1 << 31,
-                                      (1 << 31) + 1, (1 << 32) - 1]
+    divisors = list(range(1, 300)) + [
+        1000,
+        4095,
+        4097,
+        65535,
+        65537,
+        1_000_003,
+        (1 << 31) - 1,
+        1 << 31,
+        (1 << 31) + 1,
+        (1 << 32) - 1,
+    ]
     for d in divisors:
         assert internals.fastdiv_mismatches(d, 0, 1 << 16, 1) == 0, d  # small dividends, every one
         assert internals.fastdiv_mismatches(d, (1 << 32) - (1 << 16), 1 << 16, 1) == 0, d  # the top of the range
@@ -90,72 +100,329 @@ def test_binding_checks_every_argument(emulated_op: ModuleType) -> None:
         with pytest.raises(RuntimeError, match=match):
             call(*args)
 
-    rejects("quantize: x must be a CUDA tensor, got one on meta", op.quantize, x.to("meta"), codes, scales, 4, 32,
-            False, 0, 0, 64, False)
-    rejects("quantize: codes must be a CUDA tensor", op.quantize, x, codes.to("meta"), scales, 4, 32, False, 0, 0,
-            64, False)
-    rejects("quantize: x dtype Double is not one of", op.quantize, x.double(), codes, scales, 4, 32, False, 0, 0, 64,
-            False)
-    rejects("quantize: x must be contiguous", op.quantize, torch.randn(64, 2)[:, 0], codes, scales, 4, 32, False, 0,
-            0, 64, False)
+    rejects(
+        "quantize: x must be a CUDA tensor, got one on meta",
+        op.quantize,
+        x.to("meta"),
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
+    rejects(
+        "quantize: codes must be a CUDA tensor", op.quantize, x, codes.to("meta"), scales, 4, 32, False, 0, 0, 64, False
+    )
+    rejects(
+        "quantize: x dtype Double is not one of", op.quantize, x.double(), codes, scales, 4, 32, False, 0, 0, 64, False
+    )
+    rejects(
+        "quantize: x must be contiguous",
+        op.quantize,
+        torch.randn(64, 2)[:, 0],
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
     rejects("quantize: bits must be 4 or 8, got 5", op.quantize, x, codes, scales, 5, 32, False, 0, 0, 64, False)
-    rejects(r"quantize: group_size must be a multiple of 32 in \[32, 8192\], got 48", op.quantize, x, codes, scales,
-            4, 48, False, 0, 0, 64, False)
-    rejects(r"quantize: valid must be in \[0, 64\], got 65", op.quantize, x, codes, scales, 4, 32, False, 0, 0, 65,
-            False)
-    rejects("quantize: hadamard needs a multiple of 32 elements, got 48", op.quantize, torch.randn(48),
-            torch.empty(24, dtype=torch.uint8), scales, 4, 32, False, 0, 0, 48, True)
-    rejects("quantize: codes has 16 bytes; 64 elements at 4 bits need 32", op.quantize, x, codes[:16], scales, 4, 32,
-            False, 0, 0, 64, False)
-    rejects("quantize: codes must be uint8", op.quantize, x, codes.to(torch.int8), scales, 4, 32, False, 0, 0, 64,
-            False)
+    rejects(
+        r"quantize: group_size must be a multiple of 32 in \[32, 8192\], got 48",
+        op.quantize,
+        x,
+        codes,
+        scales,
+        4,
+        48,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
+    rejects(
+        r"quantize: valid must be in \[0, 64\], got 65", op.quantize, x, codes, scales, 4, 32, False, 0, 0, 65, False
+    )
+    rejects(
+        "quantize: hadamard needs a multiple of 32 elements, got 48",
+        op.quantize,
+        torch.randn(48),
+        torch.empty(24, dtype=torch.uint8),
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        48,
+        True,
+    )
+    rejects(
+        "quantize: codes has 16 bytes; 64 elements at 4 bits need 32",
+        op.quantize,
+        x,
+        codes[:16],
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
+    rejects(
+        "quantize: codes must be uint8", op.quantize, x, codes.to(torch.int8), scales, 4, 32, False, 0, 0, 64, False
+    )
     rejects("quantize: scales must be float32", op.quantize, x, codes, scales.double(), 4, 32, False, 0, 0, 64, False)
-    rejects("quantize: scales has 1 entries; 64 elements in groups of 32 need 2", op.quantize, x, codes, scales[:1], 4,
-            32, False, 0, 0, 64, False)
+    rejects(
+        "quantize: scales has 1 entries; 64 elements in groups of 32 need 2",
+        op.quantize,
+        x,
+        codes,
+        scales[:1],
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
     rejects("key must be a 32-bit unsigned value", op.quantize, x, codes, scales, 4, 32, True, 1 << 32, 0, 64, False)
     rejects("key must be a 32-bit unsigned value", op.quantize, x, codes, scales, 4, 32, True, -1, 0, 64, False)
-    rejects("diff_quantize: new has 64 elements, ref has 63", op.diff_quantize, x, torch.randn(63), codes, scales, 4,
-            32, False, 0, 0, 64)
-    rejects("diff_quantize: ref dtype Int is not one of", op.diff_quantize, x, torch.ones(64, dtype=torch.int32),
-            codes, scales, 4, 32, False, 0, 0, 64)
-    rejects("swizzle_quantize: nodes 0, ranks_per_node 1 and slices 1 must be >= 1", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 0, 1, 1, False, 0, 0, 64, False)
-    rejects("swizzle_quantize: 64 elements do not split into 3 partitions x 1 slices", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 1, 3, 1, False, 0, 0, 64, False)
-    rejects("swizzle_quantize: block of 16 elements is not a multiple of group_size 32", op.swizzle_quantize, x, codes,
-            scales, 4, 32, 2, 2, 1, False, 0, 0, 16, False)
-    rejects(r"swizzle_quantize: valid must be in \[0, 32\] \(the elements of a partition\), got 33",
-            op.swizzle_quantize, x, codes, scales, 4, 32, 1, 2, 1, False, 0, 0, 33, False)
-    rejects("dequantize_reduce_quantize: 64 elements do not split into 3 pieces", op.dequantize_reduce_quantize,
-            codes, scales, 3, 4, 32, codes, scales, 4, 32, False, 0, 0)
-    rejects("dequantize_reduce_quantize: piece of 32 elements is not a multiple of out_group 64",
-            op.dequantize_reduce_quantize, codes, scales, 2, 4, 32, codes[:16], scales[:1], 4, 64, False, 0, 0)
-    rejects("dequantize_reduce_quantize: out_codes has 32 bytes; 32 elements at 4 bits need 16",
-            op.dequantize_reduce_quantize, codes, scales, 2, 4, 32, codes, scales[:1], 4, 32, False, 0, 0)
-    rejects("dequantize_reduce_quantize: in_bits must be 4 or 8, got 2", op.dequantize_reduce_quantize, codes,
-            scales, 2, 2, 32, codes, scales, 4, 32, False, 0, 0)
+    rejects(
+        "diff_quantize: new has 64 elements, ref has 63",
+        op.diff_quantize,
+        x,
+        torch.randn(63),
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+    )
+    rejects(
+        "diff_quantize: ref dtype Int is not one of",
+        op.diff_quantize,
+        x,
+        torch.ones(64, dtype=torch.int32),
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+        64,
+    )
+    rejects(
+        "swizzle_quantize: nodes 0, ranks_per_node 1 and slices 1 must be >= 1",
+        op.swizzle_quantize,
+        x,
+        codes,
+        scales,
+        4,
+        32,
+        0,
+        1,
+        1,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
+    rejects(
+        "swizzle_quantize: 64 elements do not split into 3 partitions x 1 slices",
+        op.swizzle_quantize,
+        x,
+        codes,
+        scales,
+        4,
+        32,
+        1,
+        3,
+        1,
+        False,
+        0,
+        0,
+        64,
+        False,
+    )
+    rejects(
+        "swizzle_quantize: block of 16 elements is not a multiple of group_size 32",
+        op.swizzle_quantize,
+        x,
+        codes,
+        scales,
+        4,
+        32,
+        2,
+        2,
+        1,
+        False,
+        0,
+        0,
+        16,
+        False,
+    )
+    rejects(
+        r"swizzle_quantize: valid must be in \[0, 32\] \(the elements of a partition\), got 33",
+        op.swizzle_quantize,
+        x,
+        codes,
+        scales,
+        4,
+        32,
+        1,
+        2,
+        1,
+        False,
+        0,
+        0,
+        33,
+        False,
+    )
+    rejects(
+        "dequantize_reduce_quantize: 64 elements do not split into 3 pieces",
+        op.dequantize_reduce_quantize,
+        codes,
+        scales,
+        3,
+        4,
+        32,
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+    )
+    rejects(
+        "dequantize_reduce_quantize: piece of 32 elements is not a multiple of out_group 64",
+        op.dequantize_reduce_quantize,
+        codes,
+        scales,
+        2,
+        4,
+        32,
+        codes[:16],
+        scales[:1],
+        4,
+        64,
+        False,
+        0,
+        0,
+    )
+    rejects(
+        "dequantize_reduce_quantize: out_codes has 32 bytes; 32 elements at 4 bits need 16",
+        op.dequantize_reduce_quantize,
+        codes,
+        scales,
+        2,
+        4,
+        32,
+        codes,
+        scales[:1],
+        4,
+        32,
+        False,
+        0,
+        0,
+    )
+    rejects(
+        "dequantize_reduce_quantize: in_bits must be 4 or 8, got 2",
+        op.dequantize_reduce_quantize,
+        codes,
+        scales,
+        2,
+        2,
+        32,
+        codes,
+        scales,
+        4,
+        32,
+        False,
+        0,
+        0,
+    )
     rejects("dequantize: out dtype Double is not one of", op.dequantize, codes, scales, out.double(), 4, 32)
     rejects("dequantize: codes has 32 bytes; 65 elements", op.dequantize, codes, scales, torch.empty(65), 4, 32)
-    rejects("dequantize_add: ref must be contiguous", op.dequantize_add, torch.randn(64, 2)[:, 0], codes, scales, 4,
-            32)
-    rejects("dequantize_add: scales has 2 entries; 64 elements in groups of 64 need 1", op.dequantize_add, out, codes,
-            scales, 4, 64)
-    rejects("dequantize_reduce: out has 64 elements, a piece has 32", op.dequantize_reduce, codes, scales, 2, 4, 32,
-            out, False, 1.0, 32)
-    rejects("dequantize_reduce: 64 elements do not split into 0 pieces", op.dequantize_reduce, codes, scales, 0, 4, 32,
-            out, False, 1.0, 32)
-    rejects(r"dequantize_reduce: valid must be in \[0, 32\] \(the elements of a piece\), got -1",
-            op.dequantize_reduce, codes, scales, 2, 4, 32, out[:32], True, 1.0, -1)
+    rejects("dequantize_add: ref must be contiguous", op.dequantize_add, torch.randn(64, 2)[:, 0], codes, scales, 4, 32)
+    rejects(
+        "dequantize_add: scales has 2 entries; 64 elements in groups of 64 need 1",
+        op.dequantize_add,
+        out,
+        codes,
+        scales,
+        4,
+        64,
+    )
+    rejects(
+        "dequantize_reduce: out has 64 elements, a piece has 32",
+        op.dequantize_reduce,
+        codes,
+        scales,
+        2,
+        4,
+        32,
+        out,
+        False,
+        1.0,
+        32,
+    )
+    rejects(
+        "dequantize_reduce: 64 elements do not split into 0 pieces",
+        op.dequantize_reduce,
+        codes,
+        scales,
+        0,
+        4,
+        32,
+        out,
+        False,
+        1.0,
+        32,
+    )
+    rejects(
+        r"dequantize_reduce: valid must be in \[0, 32\] \(the elements of a piece\), got -1",
+        op.dequantize_reduce,
+        codes,
+        scales,
+        2,
+        4,
+        32,
+        out[:32],
+        True,
+        1.0,
+        -1,
+    )
     rejects("hadamard32: out must be float32, got BFloat16", op.hadamard32, x, out.bfloat16(), False)
-    rejects("hadamard32 needs a multiple of 32 elements, got 33", op.hadamard32, torch.randn(33), torch.empty(33),
-            False)
+    rejects(
+        "hadamard32 needs a multiple of 32 elements, got 33", op.hadamard32, torch.randn(33), torch.empty(33), False
+    )
     rejects("hadamard32: out has 32 elements, x has 64", op.hadamard32, x, out[:32], False)
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal bit for bit, except that a NaN only has to be a NaN (payloads differ between CPU and GPU)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)} vs " \
-                                                                f"{want.dtype}{tuple(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
     if not want.is_floating_point():
         mismatch = (got != want).nonzero()
         assert mismatch.numel() == 0, f"{what}: {mismatch.numel()} differ, first at {mismatch[0].item()}"
@@ -188,8 +455,15 @@ def test_quantize_matches_reference(emu: CompiledBackend, dtype: torch.dtype, bi
             for stochastic in (False, True):
                 for hadamard in (False, True) if n % 32 == 0 else (False,):
                     for valid in (None, n // 3):
-                        kw = dict(bits=bits, group_size=group, stochastic=stochastic, seed=n + group, offset=7 * n,
-                                  valid=valid, hadamard=hadamard)
+                        kw = dict(
+                            bits=bits,
+                            group_size=group,
+                            stochastic=stochastic,
+                            seed=n + group,
+                            offset=7 * n,
+                            valid=valid,
+                            hadamard=hadamard,
+                        )
                         assert_quantized_same(emu.quantize(x, **kw), ref.quantize(x, **kw), f"quantize n={n} {kw}")
 
 
@@ -227,8 +501,7 @@ def test_quantize_special_values(emu: CompiledBackend, dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("new_dtype", DTYPES)
 @pytest.mark.parametrize("ref_dtype", DTYPES)
-def test_diff_quantize_matches_reference(emu: CompiledBackend, new_dtype: torch.dtype,
-                                         ref_dtype: torch.dtype) -> None:
+def test_diff_quantize_matches_reference(emu: CompiledBackend, new_dtype: torch.dtype, ref_dtype: torch.dtype) -> None:
     for n in (33, 2049, 4096):
         new = data(n, new_dtype, n)
         old = (new.float() + 0.01 * data(n, torch.float32, n + 1).float()).to(ref_dtype)
@@ -236,29 +509,49 @@ def test_diff_quantize_matches_reference(emu: CompiledBackend, new_dtype: torch.
             for stochastic in (False, True):
                 for valid in (None, n - 9):
                     kw = dict(bits=4, group_size=group, stochastic=stochastic, seed=1, offset=n, valid=valid)
-                    assert_quantized_same(emu.diff_quantize(new, old, **kw), ref.diff_quantize(new, old, **kw),
-                                          f"diff_quantize n={n} {kw}")
+                    assert_quantized_same(
+                        emu.diff_quantize(new, old, **kw),
+                        ref.diff_quantize(new, old, **kw),
+                        f"diff_quantize n={n} {kw}",
+                    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ((1, 1, 1), (2, 2, 1), (2, 4, 2), (3, 2, 2), (1, 4, 3)))
-def test_swizzle_quantize_matches_reference(emu: CompiledBackend, dtype: torch.dtype,
-                                            layout: tuple[int, int, int]) -> None:
+def test_swizzle_quantize_matches_reference(
+    emu: CompiledBackend, dtype: torch.dtype, layout: tuple[int, int, int]
+) -> None:
     nodes, ranks_per_node, slices = layout
     for group, per_block in ((32, 3), (128, 2), (512, 1)):
         partition = slices * group * per_block
         x = data(nodes * ranks_per_node * partition, dtype, group)
         for bits in (4, 8):
-            for stochastic, hadamard, valid in ((False, False, None), (True, True, None),
-                                                (True, True, partition * 2 // 3 | 1)):
-                kw = dict(bits=bits, group_size=group, nodes=nodes, ranks_per_node=ranks_per_node, slices=slices,
-                          stochastic=stochastic, seed=4, offset=11, valid=valid, hadamard=hadamard)
-                assert_quantized_same(emu.swizzle_quantize(x, **kw), ref.swizzle_quantize(x, **kw),
-                                      f"swizzle_quantize {kw}")
+            for stochastic, hadamard, valid in (
+                (False, False, None),
+                (True, True, None),
+                (True, True, partition * 2 // 3 | 1),
+            ):
+                kw = dict(
+                    bits=bits,
+                    group_size=group,
+                    nodes=nodes,
+                    ranks_per_node=ranks_per_node,
+                    slices=slices,
+                    stochastic=stochastic,
+                    seed=4,
+                    offset=11,
+                    valid=valid,
+                    hadamard=hadamard,
+                )
+                assert_quantized_same(
+                    emu.swizzle_quantize(x, **kw), ref.swizzle_quantize(x, **kw), f"swizzle_quantize {kw}"
+                )
 
 
-@pytest.mark.parametrize("shape", ((8, 512, 4, 128), (8, 128, 4, 2048), (4, 128, 8, 32), (8, 32, 8, 8192),
-                                   (4, 2048, 4, 512), (8, 96, 4, 160)))
+@pytest.mark.parametrize(
+    "shape",
+    ((8, 512, 4, 128), (8, 128, 4, 2048), (4, 128, 8, 32), (8, 32, 8, 8192), (4, 2048, 4, 512), (8, 96, 4, 160)),
+)
 def test_dequantize_reduce_quantize_matches_reference(emu: CompiledBackend, shape: tuple[int, int, int, int]) -> None:
     in_bits, in_group, out_bits, out_group = shape
     piece = math.lcm(in_group, out_group) * 2
@@ -266,10 +559,21 @@ def test_dequantize_reduce_quantize_matches_reference(emu: CompiledBackend, shap
         codes, scales = ref.quantize(data(pieces * piece, torch.float32, pieces), bits=in_bits, group_size=in_group)
         scales[1] = float("nan")
         for stochastic in (False, True):
-            kw = dict(pieces=pieces, in_bits=in_bits, in_group=in_group, out_bits=out_bits, out_group=out_group,
-                      stochastic=stochastic, seed=2, offset=5)
-            assert_quantized_same(emu.dequantize_reduce_quantize(codes, scales, **kw),
-                                  ref.dequantize_reduce_quantize(codes, scales, **kw), f"drq {kw}")
+            kw = dict(
+                pieces=pieces,
+                in_bits=in_bits,
+                in_group=in_group,
+                out_bits=out_bits,
+                out_group=out_group,
+                stochastic=stochastic,
+                seed=2,
+                offset=5,
+            )
+            assert_quantized_same(
+                emu.dequantize_reduce_quantize(codes, scales, **kw),
+                ref.dequantize_reduce_quantize(codes, scales, **kw),
+                f"drq {kw}",
+            )
 
 
 def random_codes(n: int, bits: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,8 +581,9 @@ def random_codes(n: int, bits: int, group: int, seed: int) -> tuple[torch.Tensor
     gen = torch.Generator().manual_seed(seed)
     nbytes = n if bits == 8 else (n + 1) // 2
     codes = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(-(-n // group), generator=gen) * 10.0 ** torch.randint(-30, 30, (-(-n // group),),
-                                                                                generator=gen)
+    scales = torch.rand(-(-n // group), generator=gen) * 10.0 ** torch.randint(
+        -30, 30, (-(-n // group),), generator=gen
+    )
     scales[::7] = 0.0
     scales[3::11] = float("nan")
     return codes, scales
@@ -291,8 +596,11 @@ def test_dequantize_and_dequantize_add_match_reference(emu: CompiledBackend, dty
             for group in (32, 96, 2048):
                 codes, scales = random_codes(n, bits, group, n + bits)
                 kw = dict(bits=bits, group_size=group)
-                assert_same(emu.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
-                            ref.dequantize(codes, scales, numel=n, dtype=dtype, **kw), f"dequantize n={n} {kw}")
+                assert_same(
+                    emu.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
+                    ref.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
+                    f"dequantize n={n} {kw}",
+                )
                 base = data(n, dtype, n)
                 got, want = base.clone(), base.clone()
                 emu.dequantize_add_(got, codes, scales, **kw)
@@ -311,10 +619,14 @@ def test_dequantize_reduce_matches_reference(emu: CompiledBackend, dtype: torch.
             scales[1] = float("nan")
             for hadamard, valid in ((False, None), (True, None), (True, piece * 2 // 3 | 1)):
                 for mul in (1.0, 0.125, 1 / 3) if pieces <= 2 else (1 / 3,):
-                    kw = dict(pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul,
-                              valid=valid)
-                    assert_same(emu.dequantize_reduce(codes, scales, **kw), ref.dequantize_reduce(codes, scales, **kw),
-                                f"dequantize_reduce {kw}")
+                    kw = dict(
+                        pieces=pieces, bits=bits, group_size=group, dtype=dtype, hadamard=hadamard, mul=mul, valid=valid
+                    )
+                    assert_same(
+                        emu.dequantize_reduce(codes, scales, **kw),
+                        ref.dequantize_reduce(codes, scales, **kw),
+                        f"dequantize_reduce {kw}",
+                    )
 
 
 @pytest.mark.slow  # millions of emulated CUDA threads
@@ -327,19 +639,26 @@ def test_inputs_above_2_20_elements(emu: CompiledBackend) -> None:
     assert_quantized_same(emu.quantize(x, **kw), ref.quantize(x, **kw), "quantize")
     codes, scales = ref.quantize(x, bits=4, group_size=96, stochastic=True, seed=5)
     deq = dict(numel=ABOVE_2_20, bits=4, group_size=96)
-    assert_same(emu.dequantize(codes, scales, dtype=torch.bfloat16, **deq),
-                ref.dequantize(codes, scales, dtype=torch.bfloat16, **deq), "dequantize")
+    assert_same(
+        emu.dequantize(codes, scales, dtype=torch.bfloat16, **deq),
+        ref.dequantize(codes, scales, dtype=torch.bfloat16, **deq),
+        "dequantize",
+    )
     old = data(ABOVE_2_20, torch.float32, 21)
     got, expected = old.clone(), old.clone()
     emu.dequantize_add_(got, codes, scales, bits=4, group_size=96)
     ref.dequantize_add_(expected, codes, scales, bits=4, group_size=96)
     assert_same(got, expected, "dequantize_add_")
     red = dict(pieces=2, bits=4, group_size=96, dtype=torch.float32, mul=0.5)
-    assert_same(emu.dequantize_reduce(codes, scales, **red), ref.dequantize_reduce(codes, scales, **red),
-                "dequantize_reduce")
+    assert_same(
+        emu.dequantize_reduce(codes, scales, **red), ref.dequantize_reduce(codes, scales, **red), "dequantize_reduce"
+    )
     drq = dict(pieces=2, in_bits=4, in_group=96, out_bits=8, out_group=32, stochastic=True, seed=6, offset=1)
-    assert_quantized_same(emu.dequantize_reduce_quantize(codes, scales, **drq),
-                          ref.dequantize_reduce_quantize(codes, scales, **drq), "dequantize_reduce_quantize")
+    assert_quantized_same(
+        emu.dequantize_reduce_quantize(codes, scales, **drq),
+        ref.dequantize_reduce_quantize(codes, scales, **drq),
+        "dequantize_reduce_quantize",
+    )
 
 
 @pytest.mark.slow  # many emulated launches
@@ -353,8 +672,11 @@ def test_hadamard32_matches_reference(emu: CompiledBackend, dtype: torch.dtype) 
     for n in (32, 2048, 100000):
         x = data(n, dtype, n)
         for inverse in (False, True):
-            assert_same(emu.hadamard32(x, inverse=inverse), ref.hadamard32(x, inverse=inverse),
-                        f"hadamard32 n={n} inverse={inverse}")
+            assert_same(
+                emu.hadamard32(x, inverse=inverse),
+                ref.hadamard32(x, inverse=inverse),
+                f"hadamard32 n={n} inverse={inverse}",
+            )
 
 
 def test_unaligned_buffers_take_the_scalar_path_and_match(emu: CompiledBackend) -> None:
@@ -371,12 +693,16 @@ def test_unaligned_buffers_take_the_scalar_path_and_match(emu: CompiledBackend) 
     for dtype in DTYPES:
         out = data(n + 1, dtype, 7)[1:]
         kw = dict(bits=8, group_size=group)
-        assert_same(emu.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
-                    ref.dequantize(codes, scales, numel=n, dtype=dtype, **kw), "dequantize")
+        assert_same(
+            emu.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
+            ref.dequantize(codes, scales, numel=n, dtype=dtype, **kw),
+            "dequantize",
+        )
         got, want = out.clone(), out.clone()
         emu.dequantize_add_(got, codes, scales, **kw)
         ref.dequantize_add_(want, codes, scales, **kw)
         assert_same(got, want, "dequantize_add_")
         kw.update(pieces=2, dtype=dtype, hadamard=True)
-        assert_same(emu.dequantize_reduce(codes, scales, **kw), ref.dequantize_reduce(codes, scales, **kw),
-                    "dequantize_reduce")
+        assert_same(
+            emu.dequantize_reduce(codes, scales, **kw), ref.dequantize_reduce(codes, scales, **kw), "dequantize_reduce"
+        )

@@ -25,15 +25,31 @@ BINDINGS = [name for name in vars(CodecOp) if not name.startswith("_")]
 
 def parameters(function: object, drop_self: bool) -> list[tuple[str, object, object]]:
     """(name, kind, default) of each parameter, without `self` for methods looked up on a class."""
-    params = list(inspect.signature(function).parameters.values())[1 if drop_self else 0:]
+    params = list(inspect.signature(function).parameters.values())[1 if drop_self else 0 :]
     return [(p.name, p.kind, p.default) for p in params]
 
 
 def test_the_protocols_list_every_op():
-    assert sorted(OPS) == ["dequantize", "dequantize_add_", "dequantize_reduce", "dequantize_reduce_quantize",
-                           "diff_quantize", "hadamard32", "quantize", "swizzle_quantize"]
-    assert sorted(BINDINGS) == ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize",
-                                "diff_quantize", "hadamard32", "quantize", "swizzle_quantize"]
+    assert sorted(OPS) == [
+        "dequantize",
+        "dequantize_add_",
+        "dequantize_reduce",
+        "dequantize_reduce_quantize",
+        "diff_quantize",
+        "hadamard32",
+        "quantize",
+        "swizzle_quantize",
+    ]
+    assert sorted(BINDINGS) == [
+        "dequantize",
+        "dequantize_add",
+        "dequantize_reduce",
+        "dequantize_reduce_quantize",
+        "diff_quantize",
+        "hadamard32",
+        "quantize",
+        "swizzle_quantize",
+    ]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -71,7 +87,7 @@ def test_the_cuda_bindings_have_the_protocols_argument_names(name: str):
 def test_public_functions_dispatch_on_the_first_tensor():
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     kw = dict(bits=4, group_size=128, stochastic=True, seed=7, offset=3)
-    for got, want in zip(codec.quantize(x, **kw), reference.quantize(x, **kw)):
+    for got, want in zip(codec.quantize(x, **kw), reference.quantize(x, **kw), strict=True):
         assert torch.equal(got, want)
     codes, scales = reference.quantize(x, **kw)
     by_keyword = codec.dequantize(codes=codes, scales=scales, numel=x.numel(), bits=4, group_size=128)

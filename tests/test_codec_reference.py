@@ -58,8 +58,10 @@ def check_bound(x: np.ndarray, bits: int, group: int, stochastic: bool, **kw) ->
     bound = (s64 if stochastic else s64 / 2) + slack(s64, xhat64, bits)
     ok = tiny | (err < bound) if stochastic else tiny | (err <= bound)
     bad = (~ok).nonzero()
-    assert bad.numel() == 0, f"{bad.numel()} elements exceed the bound, e.g. x={x64[bad[0, 0]].item()!r} " \
-                             f"x^={xhat64[bad[0, 0]].item()!r} scale={s64[bad[0, 0]].item()!r}"
+    assert bad.numel() == 0, (
+        f"{bad.numel()} elements exceed the bound, e.g. x={x64[bad[0, 0]].item()!r} "
+        f"x^={xhat64[bad[0, 0]].item()!r} scale={s64[bad[0, 0]].item()!r}"
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -114,10 +116,10 @@ def test_nonfinite_poisons_only_its_group(x, bits, group, stochastic, data):
     clean_codes, clean_scales = R.quantize(xt, **kw)
     g = pos // group
     assert math.isnan(scales[g])
-    nibbles = codes[g * group * bits // 8:(g + 1) * group * bits // 8]
+    nibbles = codes[g * group * bits // 8 : (g + 1) * group * bits // 8]
     assert torch.all(nibbles == 0), "a NaN-scale group encodes zeros"
     decoded = R.dequantize(codes, scales, numel=xt.numel(), bits=bits, group_size=group)
-    assert torch.all(decoded[g * group:(g + 1) * group].isnan())
+    assert torch.all(decoded[g * group : (g + 1) * group].isnan())
     others = torch.ones_like(scales, dtype=torch.bool)
     others[g] = False
     assert torch.equal(scales[others], clean_scales[others])
@@ -137,7 +139,7 @@ def test_zero_group_decodes_to_zeros(bits, dtype):
     decoded = R.dequantize(codes, scales, numel=x.numel(), bits=bits, group_size=64, dtype=dtype)
     zero_bits = torch.zeros(128, dtype=dtype).view(torch.int16 if dtype != torch.float32 else torch.int32)
     for g in (1, 3):
-        assert torch.equal(decoded[g * 64:(g + 1) * 64].view(zero_bits.dtype), zero_bits[:64])
+        assert torch.equal(decoded[g * 64 : (g + 1) * 64].view(zero_bits.dtype), zero_bits[:64])
 
 
 @settings(max_examples=100, deadline=None)
@@ -148,7 +150,8 @@ def test_padding_is_never_read(x, bits, group, stochastic, hadamard, data):
     valid = data.draw(st.integers(0, xt.numel()), label="valid")
     garbage = xt.clone()
     garbage[valid:] = torch.tensor([float("nan"), float("inf"), 3e38, -float("inf")]).repeat(xt.numel())[
-        : xt.numel() - valid]
+        : xt.numel() - valid
+    ]
     zeros = xt.clone()
     zeros[valid:] = 0
     kw = dict(bits=bits, group_size=group, stochastic=stochastic, seed=5, valid=valid, hadamard=hadamard)
@@ -164,8 +167,11 @@ def sylvester(n: int) -> torch.Tensor:
     return h
 
 
-BLOCKS = arrays(np.float32, st.integers(1, 8).map(lambda k: 32 * k),
-                elements=st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, width=32))
+BLOCKS = arrays(
+    np.float32,
+    st.integers(1, 8).map(lambda k: 32 * k),
+    elements=st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, width=32),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -209,10 +215,14 @@ def test_swizzled_layout_is_what_the_all_to_all_sends(nodes, rpn, slices, hadama
             for node in range(nodes):
                 z = node * rpn + local
                 src = z * slices + y
-                assert torch.equal(peer_codes[node * code_block:(node + 1) * code_block],
-                                   plain_codes[src * code_block:(src + 1) * code_block])
-                assert torch.equal(peer_scales[node * groups_per_block:(node + 1) * groups_per_block],
-                                   plain_scales[src * groups_per_block:(src + 1) * groups_per_block])
+                assert torch.equal(
+                    peer_codes[node * code_block : (node + 1) * code_block],
+                    plain_codes[src * code_block : (src + 1) * code_block],
+                )
+                assert torch.equal(
+                    peer_scales[node * groups_per_block : (node + 1) * groups_per_block],
+                    plain_scales[src * groups_per_block : (src + 1) * groups_per_block],
+                )
 
 
 def fp32(a: np.ndarray) -> np.ndarray:
@@ -264,13 +274,24 @@ def test_dequantize_reduce_semantics(pieces):
         total = total + parts[k]
     total_t = torch.from_numpy(total)
     kw = dict(bits=4, group_size=256, stochastic=True, seed=3, offset=5)
-    drq = R.dequantize_reduce_quantize(codes, scales, pieces=pieces, in_bits=8, in_group=group, out_bits=4,
-                                       out_group=256, stochastic=True, seed=3, offset=5)
+    drq = R.dequantize_reduce_quantize(
+        codes,
+        scales,
+        pieces=pieces,
+        in_bits=8,
+        in_group=group,
+        out_bits=4,
+        out_group=256,
+        stochastic=True,
+        seed=3,
+        offset=5,
+    )
     want = R.quantize(total_t, **kw)
     assert torch.equal(drq[0], want[0]) and torch.equal(drq[1], want[1])
     mul = 1.0 / 3.0
-    dr = R.dequantize_reduce(codes, scales, pieces=pieces, bits=8, group_size=group, dtype=torch.bfloat16,
-                             hadamard=True, mul=mul)
+    dr = R.dequantize_reduce(
+        codes, scales, pieces=pieces, bits=8, group_size=group, dtype=torch.bfloat16, hadamard=True, mul=mul
+    )
     factor = np.float32(mul) * np.float32(1.0 / 32)
     want_dr = torch.from_numpy(R.hadamard32(total_t).numpy() * factor).to(torch.bfloat16)
     assert torch.equal(dr.view(torch.int16), want_dr.view(torch.int16))
@@ -349,15 +370,18 @@ def test_out_buffers_receive_every_output():
     swizzle = dict(nodes=2, ranks_per_node=2, slices=1, **kw)
     drq = dict(pieces=2, in_bits=4, in_group=128, out_bits=8, out_group=256, stochastic=True, seed=4)
     codes, scales = R.quantize(x, **kw)
-    cases = [(R.quantize, (x,), kw, garbage_codes(2048, 32)),
-             (R.swizzle_quantize, (x,), swizzle, garbage_codes(2048, 32)),
-             (R.diff_quantize, (x, x.flip(0)), kw, garbage_codes(2048, 32)),
-             (R.dequantize_reduce_quantize, (codes, scales), drq, garbage_codes(2048, 8))]
+    cases = [
+        (R.quantize, (x,), kw, garbage_codes(2048, 32)),
+        (R.swizzle_quantize, (x,), swizzle, garbage_codes(2048, 32)),
+        (R.diff_quantize, (x, x.flip(0)), kw, garbage_codes(2048, 32)),
+        (R.dequantize_reduce_quantize, (codes, scales), drq, garbage_codes(2048, 8)),
+    ]
     for op, args, options, buffers in cases:
         same(op(*args, **options, out=buffers), op(*args, **options), buffers)
-    values_cases = [(R.dequantize, dict(numel=4096, bits=4, group_size=128), 4096, torch.bfloat16),
-                    (R.dequantize_reduce, dict(pieces=2, bits=4, group_size=128, hadamard=True, mul=0.5), 2048,
-                     torch.float16)]
+    values_cases = [
+        (R.dequantize, dict(numel=4096, bits=4, group_size=128), 4096, torch.bfloat16),
+        (R.dequantize_reduce, dict(pieces=2, bits=4, group_size=128, hadamard=True, mul=0.5), 2048, torch.float16),
+    ]
     for op, options, numel, dtype in values_cases:
         out = torch.full((numel,), float("nan"), dtype=dtype)
         same([op(codes, scales, **options, out=out)], [op(codes, scales, **options, dtype=dtype)], [out])

@@ -12,8 +12,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def readme_key_table() -> str:
     """The markdown table under the README's '## The "sdp4bit" block' heading."""
     section = README.read_text().split('## The "sdp4bit" block', 1)[1]
-    lines = section[section.index("| key | default |"):].splitlines()
-    return "\n".join(lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))])
+    lines = section[section.index("| key | default |") :].splitlines()
+    return "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("|"))])
 
 
 def test_every_key_is_described():
@@ -23,7 +23,9 @@ def test_every_key_is_described():
 
 def test_readme_key_table_matches_the_field_descriptions():
     table = readme_key_table()
-    assert table == key_table(), ("README.md's key table differs from the config's field descriptions; paste the "
-                                  "output of `python -c 'from deepspeed_sdp4bit.config import key_table; "
-                                  "print(key_table())'` into README.md")
+    assert table == key_table(), (
+        "README.md's key table differs from the config's field descriptions; paste the "
+        "output of `python -c 'from deepspeed_sdp4bit.config import key_table; "
+        "print(key_table())'` into README.md"
+    )
     assert len(table.splitlines()) == 2 + len(SDP4BitConfig.model_fields)

@@ -44,8 +44,11 @@ def prepared(path: Path, world: int, *extra: str, model: str | None = None) -> d
 def test_the_expected_configs_exist():
     names = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS}
     expected = {f"{size}/{variant}.json" for size in ("125m", "350m", "1.3b", "6.7b") for variant in PAPER_VARIANTS}
-    expected |= {f"speed/{size}_{variant}.json" for size in ("1.3b", "2.7b", "6.7b", "13b", "18b")
-                 for variant in ("baseline", "sdp4bit")}
+    expected |= {
+        f"speed/{size}_{variant}.json"
+        for size in ("1.3b", "2.7b", "6.7b", "13b", "18b")
+        for variant in ("baseline", "sdp4bit")
+    }
     expected |= {"cpu/tiny_baseline.json", "cpu/tiny_sdp4bit.json"}
     expected |= {f"cpu/ablation_zero2_{variant}.json" for variant in ("baseline", "qwd", "tlq_hs", "sdp4bit")}
     assert expected <= names, sorted(expected - names)
@@ -59,8 +62,10 @@ def test_config_loads_through_trainer_package_and_deepspeed(path: Path):
     stage = raw["zero_optimization"]["stage"]
     assert config["zero_optimization"]["stage"] == stage == (2 if "zero2" in path.stem else 3)
     assert config["zero_optimization"]["reduce_scatter"] is True
-    assert config["train_batch_size"] == config["train_micro_batch_size_per_gpu"] * \
-        config["gradient_accumulation_steps"] * world
+    assert (
+        config["train_batch_size"]
+        == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * world
+    )
     block = config_from_ds_config(config)
     assert (block is not None) == ("sdp4bit" in raw)
     if block is not None:
@@ -74,8 +79,10 @@ def test_config_loads_through_trainer_package_and_deepspeed(path: Path):
 
 @pytest.mark.parametrize("size", ["125m", "350m", "1.3b", "6.7b"])
 def test_paper_variants_match_the_seed(size: str):
-    blocks = {v: config_from_ds_config(json.loads((ROOT / "configs" / size / f"{v}.json").read_text()))
-              for v in PAPER_VARIANTS}
+    blocks = {
+        v: config_from_ds_config(json.loads((ROOT / "configs" / size / f"{v}.json").read_text()))
+        for v in PAPER_VARIANTS
+    }
     assert blocks["baseline"] is None and blocks["zeropp"] is None
     assert blocks["qwd"].quantized_weights and not blocks["qwd"].quantized_gradients
     assert (blocks["qwd"].weight_quantization_bits, blocks["qwd"].wq_group_size) == (4, 2048)
@@ -132,8 +139,9 @@ def test_batch_that_does_not_divide_is_refused():
 
 
 def test_shape_flags_replace_the_card_and_reach_the_model():
-    args = train_gpt.build_parser().parse_args(["--model", "tiny", "--deepspeed_config", "x.json", "--n_layer", "3",
-                                                "--n_embd", "96", "--n_head", "6"])
+    args = train_gpt.build_parser().parse_args(
+        ["--model", "tiny", "--deepspeed_config", "x.json", "--n_layer", "3", "--n_embd", "96", "--n_head", "6"]
+    )
     config = train_gpt.model_config(args, train_gpt.resolve(args, 4), vocab=512, eod_id=0)
     assert (config.n_layer, config.n_embd, config.n_head) == (3, 96, 6)
     card = train_gpt.CARDS["tiny"]

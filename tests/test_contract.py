@@ -20,21 +20,29 @@ RUNTIME = Path(__file__).resolve().parents[1] / "deepspeed_sdp4bit" / "core" / "
 
 def _methods(protocol: type) -> list[str]:
     """The methods a protocol declares, its base protocols' included."""
-    return [name for klass in protocol.__mro__ if klass.__module__ == contract.__name__
-            for name, value in vars(klass).items() if inspect.isfunction(value) and not name.startswith("_")]
+    return [
+        name
+        for klass in protocol.__mro__
+        if klass.__module__ == contract.__name__
+        for name, value in vars(klass).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    ]
 
 
 def _parameters(func: object) -> list[str]:
     return list(inspect.signature(func).parameters)
 
 
-@pytest.mark.parametrize(("implementation", "protocol"), [
-    (WeightStore, contract.WeightCollective),
-    (DirectQuantGather, contract.WeightCollective),
-    (TLqReducer, contract.GradientCollective),
-    (OwnerReducer, contract.OwnerGradientCollective),
-    (GatherHandle, contract.InFlightGather),
-])
+@pytest.mark.parametrize(
+    ("implementation", "protocol"),
+    [
+        (WeightStore, contract.WeightCollective),
+        (DirectQuantGather, contract.WeightCollective),
+        (TLqReducer, contract.GradientCollective),
+        (OwnerReducer, contract.OwnerGradientCollective),
+        (GatherHandle, contract.InFlightGather),
+    ],
+)
 def test_each_collective_has_the_contracts_methods_and_parameters(implementation: type, protocol: type) -> None:
     """Same names in the same order: the runtime calls them positionally and by keyword."""
     for name in _methods(protocol):
@@ -47,9 +55,13 @@ def _calls_on(attribute: str) -> set[str]:
     """Names of the methods runtime.py calls on `self.<attribute>`."""
     found = set()
     for node in ast.walk(ast.parse(RUNTIME.read_text())):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
-                and node.value.attr == attribute):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+            and node.value.attr == attribute
+        ):
             found.add(node.attr)
     return found
 

@@ -16,16 +16,24 @@ from sdp4bit_cost.traffic import Layout, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 # two ranks per node, and one (where each rank accumulates two micro-batches per optimizer step); ZeRO-2 on two
-SWEEPS = [ROOT / "benchmarks/results/speed_sweep/runs.jsonl", ROOT / "benchmarks/results/speed_sweep_1rank/runs.jsonl",
-          ROOT / "benchmarks/results/speed_sweep_zero2/runs.jsonl"]
+SWEEPS = [
+    ROOT / "benchmarks/results/speed_sweep/runs.jsonl",
+    ROOT / "benchmarks/results/speed_sweep_1rank/runs.jsonl",
+    ROOT / "benchmarks/results/speed_sweep_zero2/runs.jsonl",
+]
 MICRO_BATCHES = 4  # the sweep's global batch of 32 sequences in micro-batches of 8, over the world
 # the sweep's tiny GPT (examples/gpt_models.py) on its 2048-token corpus
 TINY = shapes.gpt(2, 128, 4, vocab=2048, positions=128)
-SWEEP_VARIANTS = {"zero3": {}, "hpz": {}, "sdp4bit_node": {"quantized_weights": True, "quantized_gradients": True},
-                  "sdp4bit_rank": {"quantized_weights": True, "quantized_gradients": True, "replica": "rank"},
-                  "qwd": {"quantized_weights": True}, "tlq_hs": {"quantized_gradients": True},
-                  "zero2": {"stage": 2}, "zero2_sdp4bit": {"quantized_weights": True, "quantized_gradients": True,
-                                                           "stage": 2}}
+SWEEP_VARIANTS = {
+    "zero3": {},
+    "hpz": {},
+    "sdp4bit_node": {"quantized_weights": True, "quantized_gradients": True},
+    "sdp4bit_rank": {"quantized_weights": True, "quantized_gradients": True, "replica": "rank"},
+    "qwd": {"quantized_weights": True},
+    "tlq_hs": {"quantized_gradients": True},
+    "zero2": {"stage": 2},
+    "zero2_sdp4bit": {"quantized_weights": True, "quantized_gradients": True, "stage": 2},
+}
 
 
 def _sweep_runs() -> list[dict]:
@@ -38,8 +46,11 @@ def _variant(run: dict) -> dict:
     if run["variant"] not in ("auto", "zero2_auto"):
         return SWEEP_VARIANTS[run["variant"]]
     on = run["auto"]["on"]
-    return {"quantized_weights": "weights" in on, "quantized_gradients": "gradients" in on,
-            "stage": 2 if run["variant"] == "zero2_auto" else 3}
+    return {
+        "quantized_weights": "weights" in on,
+        "quantized_gradients": "gradients" in on,
+        "stage": 2 if run["variant"] == "zero2_auto" else 3,
+    }
 
 
 def _sweep_step(run: dict) -> traffic.StepBytes:
@@ -91,9 +102,18 @@ def test_gpt2_layout_is_the_transformers_gpt2() -> None:
 
 def test_hugging_face_config_of_a_llama() -> None:
     """Llama-2-7B's config.json (gated MLP, untied output, no biases) gives its 6,738,415,616 parameters."""
-    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-              "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "hidden_act": "silu",
-              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
     path = ROOT / "runs" / "test_llama_config.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(config))
@@ -103,8 +123,13 @@ def test_hugging_face_config_of_a_llama() -> None:
 def test_flops_are_megatrons_formula() -> None:
     """72 b s L h^2 (1 + s / 6h + V / 12 L h), the formula the paper's TFLOP/s are counted with."""
     shape, seq = shapes.CARDS["1.3b"], 2048
-    megatron = 72 * seq * shape.layers * shape.hidden ** 2 * (1 + seq / (6 * shape.hidden)
-                                                             + shape.vocab / (12 * shape.layers * shape.hidden))
+    megatron = (
+        72
+        * seq
+        * shape.layers
+        * shape.hidden**2
+        * (1 + seq / (6 * shape.hidden) + shape.vocab / (12 * shape.layers * shape.hidden))
+    )
     assert shape.flops_per_token(seq) * seq == pytest.approx(megatron, rel=1e-12)
 
 
@@ -222,8 +247,9 @@ def _synthetic_runs(efficiency: float, compute: dict[str, float]) -> list[dict]:
             cross = {"zero3": 8e6, "sdp4bit_node": 1e6}[variant]
             step = seconds + cost_model.link_seconds(cross, float(rate), efficiency)
             runs.append({"variant": variant, "dtype": "bf16", "rate": rate, "step_s": step, "accounted_cross": cross})
-        runs.append({"variant": variant, "dtype": "bf16", "rate": "unshaped", "step_s": 2 * seconds,
-                     "accounted_cross": 0.0})
+        runs.append(
+            {"variant": variant, "dtype": "bf16", "rate": "unshaped", "step_s": 2 * seconds, "accounted_cross": 0.0}
+        )
     return runs
 
 
@@ -296,8 +322,10 @@ def test_zero12_round_robin_halves_the_busiest_nodes_load_by_hand() -> None:
     node receives all of a bucket's 80 bytes of codes without round robin, 40 with it (the first bucket's padding
     also drops from 160 to 128 elements)."""
     scheme = replace(SMALL_TLQ, reduce_bucket=110)
-    rows = [[(t.wire, t.cross, t.peak_cross) for t in traffic.zero12_step(SIX, s, Layout(2, 1), 2).transfers[:2]]
-            for s in (scheme, replace(scheme, round_robin=True))]
+    rows = [
+        [(t.wire, t.cross, t.peak_cross) for t in traffic.zero12_step(SIX, s, Layout(2, 1), 2).transfers[:2]]
+        for s in (scheme, replace(scheme, round_robin=True))
+    ]
     assert rows == [[(100, 100, 80), (80, 80, 80)], [(80, 80, 40), (80, 80, 40)]]
 
 
@@ -327,8 +355,9 @@ def test_round_robin_spreads_a_13b_models_buckets_and_pays_on_16_nodes() -> None
             assert before[same].step.step_s == after[same].step.step_s
         assert before["SDP4Bit"].speedup < 1 < after["SDP4Bit"].speedup
         assert before["TLq-HS"].speedup < after["TLq-HS"].speedup
-        assert after["SDP4Bit"].step.cross_node_bytes == pytest.approx(before["SDP4Bit"].step.cross_node_bytes,
-                                                                       rel=1e-3)
+        assert after["SDP4Bit"].step.cross_node_bytes == pytest.approx(
+            before["SDP4Bit"].step.cross_node_bytes, rel=1e-3
+        )
 
 
 def test_zero12_tlq_two_level_bytes_by_hand() -> None:
@@ -336,10 +365,20 @@ def test_zero12_tlq_two_level_bytes_by_hand() -> None:
     and 2, or 1 and 3) at 4 bits; each rank receives its column's pieces from its one node peer; cross-node bytes
     are (N - 1) x all pieces; a bucket's busiest node sends or receives more than the mean."""
     layout = Layout(2, 2)
-    expected = {0: [("grad_intra", 72, 0, 36, None, 36), ("grad_inter", 20, 40, 0, 40, None),
-                    ("grad_intra", 180, 0, 108, None, 108), ("grad_inter", 60, 100, 0, 80, None)],
-                1: [("grad_intra", 72, 0, 36, None, 36), ("grad_inter", 20, 40, 0, 40, None),
-                    ("grad_intra", 180, 0, 72, None, 108), ("grad_inter", 40, 100, 0, 80, None)]}
+    expected = {
+        0: [
+            ("grad_intra", 72, 0, 36, None, 36),
+            ("grad_inter", 20, 40, 0, 40, None),
+            ("grad_intra", 180, 0, 108, None, 108),
+            ("grad_inter", 60, 100, 0, 80, None),
+        ],
+        1: [
+            ("grad_intra", 72, 0, 36, None, 36),
+            ("grad_inter", 20, 40, 0, 40, None),
+            ("grad_intra", 180, 0, 72, None, 108),
+            ("grad_inter", 40, 100, 0, 80, None),
+        ],
+    }
     for rank, rows in expected.items():
         assert _rows(traffic.zero12_step(SMALL, SMALL_TLQ, layout, 2, rank=rank))[:4] == rows
     mean = traffic.zero12_step(SMALL, SMALL_TLQ, layout, 2)
@@ -364,8 +403,10 @@ def test_zero12_plain_all_reduce_and_all_gather_by_hand() -> None:
     """Plain ZeRO-2 on 2 x 2 ranks: a ring all-reduce of the 138 gradients (twice a reduce-scatter's cross-node
     bytes), the 16-bit all-gather of the padded partitions of 36."""
     step = traffic.zero12_step(SMALL, Scheme(stage=2), Layout(2, 2), 2)
-    assert _rows(step) == [("grad_all_reduce", 276, 2 * 2 * 3 / 4 * 276, 2 * 3 * 276 / 4, None, None),
-                           ("param_gather", 72, 2 * 3 * 72, 3 * 72, None, None)]
+    assert _rows(step) == [
+        ("grad_all_reduce", 276, 2 * 2 * 3 / 4 * 276, 2 * 3 * 276 / 4, None, None),
+        ("param_gather", 72, 2 * 3 * 72, 3 * 72, None, None),
+    ]
     assert step.grad_cross == 828 and step.grad_cross_as_reduce_scatter == 414
     tlq = traffic.zero12_step(SMALL, SMALL_TLQ, Layout(2, 2), 2)
     assert tlq.grad_cross == tlq.grad_cross_as_reduce_scatter == 140
@@ -407,7 +448,9 @@ def test_zero12_refresh_units_each_carry_their_scales() -> None:
     assert traffic.refresh_codes(42, scheme, 4) == 4 * (5 + 8) + (1 + 4)
     step = traffic.zero12_step([161], scheme, Layout(2, 2), 2)
     assert [(t.kind, t.wire, t.cross, t.intra) for t in step.transfers][1:] == [
-        ("weight_refresh", 57, 2 * 2 * 1 * 57, 0), ("weight_refresh", 2 * 57, 0, 2 * 57)]
+        ("weight_refresh", 57, 2 * 2 * 1 * 57, 0),
+        ("weight_refresh", 2 * 57, 0, 2 * 57),
+    ]
 
 
 def test_scheme_stage_is_validated() -> None:
@@ -445,7 +488,8 @@ def test_an_uneven_exchange_takes_the_busiest_nodes_time() -> None:
     assert timing.phase_comm([even], layout, 1, rates) == pytest.approx(1e6 / rates.inter_bytes_s)
     assert timing.phase_comm([uneven], layout, 1, rates) == pytest.approx(3e6 / rates.inter_bytes_s)
     assert timing.phase_comm([replace(uneven, cross=0.0, peak_cross=None)], layout, 1, rates) == pytest.approx(
-        2e6 / rates.intra_bytes_s)
+        2e6 / rates.intra_bytes_s
+    )
 
 
 def test_the_paper_check_prints_the_zero1_reading(capsys: pytest.CaptureFixture) -> None:
@@ -453,12 +497,12 @@ def test_the_paper_check_prints_the_zero1_reading(capsys: pytest.CaptureFixture)
     reported one and the Megatron model's, as a reading with the fitted constants."""
     assert cost_model.main(["paper"]) == 0
     out = capsys.readouterr().out
-    reading = out[out.index("DeepSpeed ZeRO-1 reading of Table 2"):]
+    reading = out[out.index("DeepSpeed ZeRO-1 reading of Table 2") :]
     assert "A reading, not a new fit" in reading
     rows = [line for line in reading.splitlines() if line.startswith("| Table 2 ")]
     assert len(rows) == 10
     constants, checks = paper.check()
-    for (group, reported, megatron, zero1), line in zip(paper.zero1_reading(constants, checks), rows):
+    for (group, reported, megatron, zero1), line in zip(paper.zero1_reading(constants, checks), rows, strict=True):
         assert line == f"| {group} | {reported:.2f}x | {megatron:.2f}x | {zero1:.2f}x | {zero1 / reported - 1:+.1%} |"
         assert zero1 > 1 and zero1 != pytest.approx(megatron, rel=1e-3)
 

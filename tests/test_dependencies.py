@@ -15,8 +15,12 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = Path(__file__).resolve().parents[1]
-SCOPES = {"deepspeed_sdp4bit": ("core",), "examples": ("core", "examples"), "benchmarks": ("core", "examples"),
-          "tests": ("core", "examples", "test")}
+SCOPES = {
+    "deepspeed_sdp4bit": ("core",),
+    "examples": ("core", "examples"),
+    "benchmarks": ("core", "examples"),
+    "tests": ("core", "examples", "test"),
+}
 
 
 def _name(requirement: str) -> str:
@@ -36,9 +40,14 @@ def _optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     """Whether the import sits in a `try` that handles ImportError or under `if TYPE_CHECKING`."""
     while node in parents:
         node, child = parents[node], node
-        if isinstance(node, ast.Try) and child in node.body and any(
+        if (
+            isinstance(node, ast.Try)
+            and child in node.body
+            and any(
                 isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                for h in node.handlers):
+                for h in node.handlers
+            )
+        ):
             return True
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             return True
@@ -83,8 +92,10 @@ def test_every_import_is_declared() -> None:
             for module in sorted(required_imports(path) - local - set(sys.stdlib_module_names)):
                 names = {_name(d) for d in owners.get(module, [module])}
                 if not names & allowed:
-                    missing.append(f"{path.relative_to(ROOT)} imports {module} ({', '.join(sorted(names))}), "
-                                   f"declared in none of {', '.join(scopes)}")
+                    missing.append(
+                        f"{path.relative_to(ROOT)} imports {module} ({', '.join(sorted(names))}), "
+                        f"declared in none of {', '.join(scopes)}"
+                    )
     assert not missing, "\n".join(missing)
 
 

@@ -46,20 +46,67 @@ def test_prepare_then_train_two_cpu_ranks(tmp_path: Path):
     corpus = tmp_path / "corpus.jsonl"
     _write_jsonl(corpus)
     prefix = tmp_path / "data" / "tokens"
-    _run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--input", str(corpus), "--text_column", "body",
-          "--output_prefix", str(prefix), "--bpe_vocab_size", "512", "--num_proc", "2"], env, timeout=300)
+    _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "prepare_data.py"),
+            "--input",
+            str(corpus),
+            "--text_column",
+            "body",
+            "--output_prefix",
+            str(prefix),
+            "--bpe_vocab_size",
+            "512",
+            "--num_proc",
+            "2",
+        ],
+        env,
+        timeout=300,
+    )
     index = json.loads(prefix.with_name("tokens.json").read_text())
     assert index["num_documents"] == 40 and index["vocab_size"] == 512 and index["dtype"] == "uint16"
     tokens = prefix.with_name("tokens.bin").stat().st_size // 2
     assert tokens == index["num_tokens"] > 10_000
 
     out = tmp_path / "run"
-    stdout = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), str(EXAMPLES / "train_gpt.py"), "--model", "tiny",
-                   "--deepspeed_config", str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
-                   "--ds_set", "sdp4bit.ranks_per_node=1", "--data", str(prefix), "--out", str(out),
-                   "--train_iters", "6", "--eval_interval", "3", "--eval_samples", "16", "--seq_len", "64",
-                   "--micro_batch", "4", "--global_batch", "8", "--comms_logger"], env, timeout=600)
+    stdout = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(EXAMPLES / "train_gpt.py"),
+            "--model",
+            "tiny",
+            "--deepspeed_config",
+            str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
+            "--ds_set",
+            "sdp4bit.ranks_per_node=1",
+            "--data",
+            str(prefix),
+            "--out",
+            str(out),
+            "--train_iters",
+            "6",
+            "--eval_interval",
+            "3",
+            "--eval_samples",
+            "16",
+            "--seq_len",
+            "64",
+            "--micro_batch",
+            "4",
+            "--global_batch",
+            "8",
+            "--comms_logger",
+        ],
+        env,
+        timeout=600,
+    )
 
     summary = json.loads(next(line for line in stdout.splitlines() if line.startswith("SUMMARY "))[8:])
     assert summary == json.loads((out / "summary.json").read_text())
@@ -86,8 +133,11 @@ def _initial_loss_under_zero_init() -> dict[str, float]:
     card = CARDS["tiny"]
     vocab = 2048
     config = gpt2_config(card, vocab, card.seq_len, 0.0, eod_id=0)
-    ds_config = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
-                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     torch.manual_seed(0)
     model = build_model(config, ds_config)
     tokens = torch.randint(0, vocab, (4, card.seq_len), generator=torch.Generator().manual_seed(1))
@@ -97,8 +147,14 @@ def _initial_loss_under_zero_init() -> dict[str, float]:
         loss = model(input_ids=tokens, labels=tokens).loss.item()
         wte_std = model.transformer.wte.weight.float().std().item()
         proj_std = model.transformer.h[0].mlp.c_proj.weight.float().std().item()
-    return {"loss": loss, "ln_vocab": math.log(vocab), "wte_std": wte_std, "proj_std": proj_std,
-            "partitioned": partitioned, "n_layer": card.n_layer}
+    return {
+        "loss": loss,
+        "ln_vocab": math.log(vocab),
+        "wte_std": wte_std,
+        "proj_std": proj_std,
+        "partitioned": partitioned,
+        "n_layer": card.n_layer,
+    }
 
 
 @pytest.mark.slow
@@ -129,8 +185,9 @@ def test_prepare_data_tokenizer_sources_agree(tmp_path: Path, monkeypatch: pytes
     text.write_text("\n".join(" ".join(topics[name].split()) for name in sorted(topics)[:30]) + "\n")
 
     def prepare(name: str, *flags: str) -> tuple[np.ndarray, dict]:
-        index = prepare_data.main(["--input", str(text), "--output_prefix", str(tmp_path / name / "tokens"),
-                                   "--num_proc", "1", *flags])
+        index = prepare_data.main(
+            ["--input", str(text), "--output_prefix", str(tmp_path / name / "tokens"), "--num_proc", "1", *flags]
+        )
         return np.fromfile(paths(tmp_path / name / "tokens")[0], dtype=index["dtype"]), index
 
     trained, index = prepare("trained", "--bpe_vocab_size", "600")
@@ -143,8 +200,9 @@ def test_prepare_data_tokenizer_sources_agree(tmp_path: Path, monkeypatch: pytes
     model_dir = tmp_path / "gpt2_files"
     model_dir.mkdir()
     tokenizer.model.save(str(model_dir))
-    as_gpt2, _ = prepare("gpt2", "--vocab_file", str(model_dir / "vocab.json"),
-                         "--merge_file", str(model_dir / "merges.txt"))
+    as_gpt2, _ = prepare(
+        "gpt2", "--vocab_file", str(model_dir / "vocab.json"), "--merge_file", str(model_dir / "merges.txt")
+    )
     hf_dir = tmp_path / "hf_tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=prepare_data.EOD_TOKEN).save_pretrained(hf_dir)
     as_hf, _ = prepare("hf", "--tokenizer", str(hf_dir))

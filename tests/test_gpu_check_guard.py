@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _check(extensions: Path, out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OUT": str(out), "PYTHON": "false"}
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("how", ["writable by others", "another user's"])

@@ -43,19 +43,32 @@ class Case:
 def _cases(world: int) -> list[Case]:
     """The small cases every layout runs: fp32 with stochastic rounding, bf16 with HS and 3 slices, fp16 nearest."""
     return [
-        Case("fp32-sr", ((1,), (2,), (13,), (-37, 11), (1009,), (4099,), (3 * world + 1,)), torch.float32,
-             calls=3),
-        Case("bf16-hs-p3", ((7,), (31,), (5003,), (65537,)), torch.bfloat16,
-             dict(group_intra=64, group_inter=256, hadamard=True, pipeline=3)),
-        Case("fp16-nearest-hs-p2", ((1,), (997,), (2053,)), torch.float16,
-             dict(bits_intra=4, group_intra=32, bits_inter=8, group_inter=96, hadamard=True, pipeline=2,
-                  stochastic=False)),
+        Case("fp32-sr", ((1,), (2,), (13,), (-37, 11), (1009,), (4099,), (3 * world + 1,)), torch.float32, calls=3),
+        Case(
+            "bf16-hs-p3",
+            ((7,), (31,), (5003,), (65537,)),
+            torch.bfloat16,
+            dict(group_intra=64, group_inter=256, hadamard=True, pipeline=3),
+        ),
+        Case(
+            "fp16-nearest-hs-p2",
+            ((1,), (997,), (2053,)),
+            torch.float16,
+            dict(
+                bits_intra=4, group_intra=32, bits_inter=8, group_inter=96, hadamard=True, pipeline=2, stochastic=False
+            ),
+        ),
     ]
 
 
 BIG_CASE = Case("big-hs-p2", ((BIG,),), torch.float32, dict(hadamard=True, pipeline=2), calls=1)
-NAN_CASE = Case("nan", ((300,), (4001,), (777,)), torch.float32,
-                dict(group_intra=96, group_inter=64, hadamard=True, pipeline=2), calls=1)
+NAN_CASE = Case(
+    "nan",
+    ((300,), (4001,), (777,)),
+    torch.float32,
+    dict(group_intra=96, group_inter=64, hadamard=True, pipeline=2),
+    calls=1,
+)
 NAN_AT = (1, 2222)  # tensor index, element index
 NAN_RANK = 1
 
@@ -108,13 +121,21 @@ def _inject_nan(inputs: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
 
 def _reducer(topo, settings: Settings, stats: CommStats) -> TLqReducer:
     """A TLqReducer with the given settings."""
-    return TLqReducer(topo, bits_intra=settings.bits_intra, group_intra=settings.group_intra,
-                      bits_inter=settings.bits_inter, group_inter=settings.group_inter, hadamard=settings.hadamard,
-                      pipeline=settings.pipeline, stochastic=settings.stochastic, seed=settings.seed, stats=stats)
+    return TLqReducer(
+        topo,
+        bits_intra=settings.bits_intra,
+        group_intra=settings.group_intra,
+        bits_inter=settings.bits_inter,
+        group_inter=settings.group_inter,
+        hadamard=settings.hadamard,
+        pipeline=settings.pipeline,
+        stochastic=settings.stochastic,
+        seed=settings.seed,
+        stats=stats,
+    )
 
 
-def _run_case(topo, case: Case, world: int, backend: str, inputs: list[torch.Tensor],
-              world_groups: list) -> dict:
+def _run_case(topo, case: Case, world: int, backend: str, inputs: list[torch.Tensor], world_groups: list) -> dict:
     """Reduce `case.calls` times with one reducer, passing each accepted form of the world group in turn."""
     codec.set_backend(backend)
     stats = CommStats(topo.ranks_per_node)
@@ -177,8 +198,9 @@ def _world_worker(world: int) -> dict:
         for case in cases:
             inputs = make_inputs(case, world, rank)
             for backend in BACKENDS:
-                results["cases"][(rpn, case.name, backend)] = _run_case(topo, case, world, backend, inputs,
-                                                                        world_groups)
+                results["cases"][(rpn, case.name, backend)] = _run_case(
+                    topo, case, world, backend, inputs, world_groups
+                )
         results["resume"][rpn] = _resume_check(topo, world)
         if rpn in _nan_layouts(world):
             inputs = _inject_nan(make_inputs(NAN_CASE, world, rank), rank)
@@ -209,7 +231,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emulations(world: int, name: str, rpn: int) -> tuple[list[list[torch.Tensor]], list]:
     """Every rank's inputs and the emulation of each successive call (counters carried between calls)."""
     case = _case_by_name(world, name)
@@ -257,7 +279,7 @@ def test_error_within_quantizer_bound(world_run):
                 assert len(call) == len(case.shapes), (name, rpn, r)
                 for i, out in enumerate(call):
                     c = math.ceil(exact[i].numel() / world)
-                    want = exact[i][r * c:r * c + out.numel()]
+                    want = exact[i][r * c : r * c + out.numel()]
                     err = (out.to(torch.float64) - want).abs()
                     limit = em.bounds[r][i] * (1 + 1e-5) + rel * (want.abs() + em.bounds[r][i]) + slack
                     worst = float((err - limit).max()) if err.numel() else -1.0
@@ -270,14 +292,16 @@ def test_byte_accounting(world_run):
     """Logical bytes are the unquantized exchanges (real chunks), wire bytes are codes plus fp32 scales; of those,
     the inter-node all-to-all sends all but this node's split to other nodes, the intra-node one none."""
     world, ranks = world_run
-    for (rpn, name, backend), got in ranks[0]["cases"].items():
+    for (rpn, name, _backend), got in ranks[0]["cases"].items():
         case = _case_by_name(world, name)
         s = _settings(case, world, rpn)
         numels = [math.prod(abs(d) for d in shape) for shape in case.shapes]
         chunks, part, _ = part_length(numels, s)
         esize = torch.tensor([], dtype=case.dtype).element_size()
-        levels = {"grad_intra": (s.bits_intra, s.group_intra, world),
-                  "grad_inter": (s.bits_inter, s.group_inter, s.nodes)}
+        levels = {
+            "grad_intra": (s.bits_intra, s.group_intra, world),
+            "grad_inter": (s.bits_inter, s.group_inter, s.nodes),
+        }
         if s.nodes > 1 and rpn == 1:
             levels = {"grad_inter": (s.bits_inter, s.group_inter, world)}
         elif s.nodes == 1:
@@ -307,8 +331,10 @@ def test_resume_from_state_dict(world_run):
             if world > 1:
                 fresh = [torch.equal(a, b) for a, b in zip(check["continued"], check["fresh"], strict=True)]
                 assert not all(fresh), f"rank {r} rpn {rpn}: the counter made no difference ({fresh})"
-    seeds = {(res["resume"][1]["state"]["quantize"]["seed"], res["resume"][1]["state"]["requantize"]["seed"])
-             for res in ranks}
+    seeds = {
+        (res["resume"][1]["state"]["quantize"]["seed"], res["resume"][1]["state"]["requantize"]["seed"])
+        for res in ranks
+    }
     flat = [s for pair in seeds for s in pair]
     assert len(set(flat)) == 2 * world, "every rank and stage must draw from its own seed"
 
@@ -370,7 +396,6 @@ def test_bad_arguments_are_rejected(world_run):
         assert all("world group" in res["errors"][5] for res in ranks)
 
 
-
 TAIL_WORLD = 4
 # (ranks per node, pipeline) -> remainders: two-level at every remainder; sliced and single-level at a few.
 TAIL_LAYOUTS = {(2, 1): range(1, 32), (2, 2): (1, 18, 31), (1, 1): (1, 18, 31), (4, 1): (1, 18, 31)}
@@ -387,12 +412,15 @@ def _tail_worker() -> dict:
         for r in remainders:
             chunk = 96 + r
             gen = torch.Generator().manual_seed(1000 * rank + r)
-            grads = {"constant": torch.ones(TAIL_WORLD * chunk),
-                     "gaussian": torch.randn(TAIL_WORLD * chunk, generator=gen)}
+            grads = {
+                "constant": torch.ones(TAIL_WORLD * chunk),
+                "gaussian": torch.randn(TAIL_WORLD * chunk, generator=gen),
+            }
             for kind, hadamard in TAIL_RUNS:
-                settings = Settings(nodes=TAIL_WORLD // rpn, ranks_per_node=rpn, hadamard=hadamard, group_intra=512,
-                                    pipeline=pipeline)
-                reduced, = _reducer(topo, settings, CommStats()).reduce_scatter_coalesced([grads[kind]])
+                settings = Settings(
+                    nodes=TAIL_WORLD // rpn, ranks_per_node=rpn, hadamard=hadamard, group_intra=512, pipeline=pipeline
+                )
+                (reduced,) = _reducer(topo, settings, CommStats()).reduce_scatter_coalesced([grads[kind]])
                 out[(rpn, pipeline, r, kind, hadamard)] = reduced
     return out
 

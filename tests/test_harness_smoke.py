@@ -67,8 +67,10 @@ def test_workers_leave_no_semaphore_behind():
     """Workers end with os._exit; nothing they made is left for the resource tracker to report at the parent's exit.
     (The job builds no engine, so its fork server preloads nothing: the engine's modules would take 10 s here.)"""
     tests = Path(__file__).resolve().parent
-    code = ("import test_harness_smoke as t; from sdp4bit_testing import dist_harness; "
-            "dist_harness._PRELOAD.clear(); print(dist_harness.run_distributed(2, t._progress_bar, timeout=300))")
+    code = (
+        "import test_harness_smoke as t; from sdp4bit_testing import dist_harness; "
+        "dist_harness._PRELOAD.clear(); print(dist_harness.run_distributed(2, t._progress_bar, timeout=300))"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

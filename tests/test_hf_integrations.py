@@ -2,10 +2,10 @@
 ZeRO-3 config and with a ZeRO-2 one.
 
 Each integration trains 8 steps with a checkpoint at step 4 and saves the 16-bit weights, then a second launch
-resumes from that checkpoint (on ZeRO-2, Accelerate's run trains and saves only). Checked: SDP4Bit is attached to the engine the integration built (HF "auto" values
-filled in by the integration), its statistics show quantized bytes, the loss falls, the saved weights are bf16 and
-are the trained ones, and the resume restores SDP4Bit's state (its optimizer step) and reproduces the
-uninterrupted run's losses of steps 5-8.
+resumes from that checkpoint (on ZeRO-2, Accelerate's run trains and saves only). Checked: SDP4Bit is attached to the
+engine the integration built (HF "auto" values filled in by the integration), its statistics show quantized bytes, the
+loss falls, the saved weights are bf16 and are the trained ones, and the resume restores SDP4Bit's state (its optimizer
+step) and reproduces the uninterrupted run's losses of steps 5-8.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,9 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from sdp4bit_examples import prepare_data
 
     prefix = tmp_path_factory.mktemp("data") / "tokens"
-    prepare_data.main(["--output_prefix", str(prefix), "--bpe_vocab_size", "512", "--limit_documents", "120",
-                       "--num_proc", "1"])
+    prepare_data.main(
+        ["--output_prefix", str(prefix), "--bpe_vocab_size", "512", "--limit_documents", "120", "--num_proc", "1"]
+    )
     return prefix
 
 
@@ -47,7 +49,7 @@ def launch(launcher: list[str], script: str, *args: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", *launcher, str(EXAMPLES / script), *args, "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    port = next(value for flag, value in zip(launcher, launcher[1:]) if flag.endswith("_port"))
+    port = next(value for flag, value in pairwise(launcher) if flag.endswith("_port"))
     assert not shm_segments(port), "the job left its shm segments in /dev/shm"
     line = next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))
     summary = json.loads(line.removeprefix("SUMMARY "))
@@ -94,19 +96,37 @@ def saved_model_loss(model_dir: Path, tokens: Path, tmp_path: Path) -> float:
     assert weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
     model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32)
     data = TokenFile(tokens, 64, 0.05)
-    args = TrainingArguments(output_dir=str(tmp_path / "eval"), use_cpu=True, report_to="none",
-                             per_device_eval_batch_size=8)
-    trainer = Trainer(model=model, args=args, eval_dataset=TokenWindows(data, data.valid, None),
-                      data_collator=default_data_collator)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "eval"), use_cpu=True, report_to="none", per_device_eval_batch_size=8
+    )
+    trainer = Trainer(
+        model=model, args=args, eval_dataset=TokenWindows(data, data.valid, None), data_collator=default_data_collator
+    )
     return trainer.evaluate()["eval_loss"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [CPU_CONFIG, CPU_CONFIG_ZERO2], ids=["zero3", "zero2"])
 def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path, config: Path):
-    flags = [*COMMON, "--deepspeed", str(config), "--use_cpu", "--bf16", "--data", str(tokens),
-             "--per_device_train_batch_size", "4", "--learning_rate", "2e-3", "--logging_steps", "1",
-             "--save_steps", "4", "--report_to", "none"]
+    flags = [
+        *COMMON,
+        "--deepspeed",
+        str(config),
+        "--use_cpu",
+        "--bf16",
+        "--data",
+        str(tokens),
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "2e-3",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "4",
+        "--report_to",
+        "none",
+    ]
     first = launch(deepspeed_launcher(), "hf_trainer.py", *flags, out=tmp_path / "first")
     check_trained(first)
     state = json.loads((tmp_path / "first" / "trainer_state.json").read_text())
@@ -115,8 +135,14 @@ def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
     loss = saved_model_loss(tmp_path / "first", tokens, tmp_path)
     assert loss < math.log(512) - 0.3 and loss == pytest.approx(first["eval_loss"], abs=1e-3)
 
-    resumed = launch(deepspeed_launcher(), "hf_trainer.py", *flags, "--resume_from_checkpoint",
-                     str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
+    resumed = launch(
+        deepspeed_launcher(),
+        "hf_trainer.py",
+        *flags,
+        "--resume_from_checkpoint",
+        str(tmp_path / "first" / "checkpoint-4"),
+        out=tmp_path / "resumed",
+    )
     check_resumed(resumed, first)
     assert resumed["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-6)
 
@@ -124,14 +150,27 @@ def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
 @pytest.mark.slow
 def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path: Path):
     flags = [*COMMON, "--data", str(tokens)]
-    accelerate = ["accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_deepspeed_cpu.yaml"),
-                  "--main_process_port", str(free_port())]
+    accelerate = [
+        "accelerate.commands.launch",
+        "--config_file",
+        str(EXAMPLES / "accelerate_deepspeed_cpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+    ]
     first = launch(accelerate, "hf_accelerate.py", *flags, "--save_steps", "4", out=tmp_path / "first")
     check_trained(first)
     assert saved_model_loss(tmp_path / "first" / "model", tokens, tmp_path) < math.log(512) - 0.3
 
-    resumed = launch(deepspeed_launcher(), "hf_accelerate.py", *flags, "--deepspeed_config", str(CPU_CONFIG),
-                     "--resume_from", str(tmp_path / "first" / "checkpoint-4"), out=tmp_path / "resumed")
+    resumed = launch(
+        deepspeed_launcher(),
+        "hf_accelerate.py",
+        *flags,
+        "--deepspeed_config",
+        str(CPU_CONFIG),
+        "--resume_from",
+        str(tmp_path / "first" / "checkpoint-4"),
+        out=tmp_path / "resumed",
+    )
     check_resumed(resumed, first)
 
 
@@ -139,8 +178,16 @@ def test_accelerate_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
 def test_accelerate_trains_and_saves_with_sdp4bit_on_zero2(tokens: Path, tmp_path: Path):
     """Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)) with a ZeRO-2 config: the engine Accelerate
     builds trains with SDP4Bit, and the saved weights are the trained ones."""
-    first = launch(deepspeed_launcher(), "hf_accelerate.py", *COMMON, "--data", str(tokens), "--deepspeed_config",
-                   str(CPU_CONFIG_ZERO2), out=tmp_path / "first")
+    first = launch(
+        deepspeed_launcher(),
+        "hf_accelerate.py",
+        *COMMON,
+        "--data",
+        str(tokens),
+        "--deepspeed_config",
+        str(CPU_CONFIG_ZERO2),
+        out=tmp_path / "first",
+    )
     check_trained(first)
     assert saved_model_loss(tmp_path / "first" / "model", tokens, tmp_path) < math.log(512) - 0.3
 
@@ -162,12 +209,18 @@ def test_dataset_option_cuts_a_tokenized_local_file_into_blocks(tmp_path: Path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
     tokenizer.save_pretrained(tmp_path / "tokenizer")
 
-    args = hf_trainer.ScriptArguments(model="tiny", dataset=str(data), text_column="body",
-                                      tokenizer=str(tmp_path / "tokenizer"), seq_len=16, valid_fraction=0.25)
+    args = hf_trainer.ScriptArguments(
+        model="tiny",
+        dataset=str(data),
+        text_column="body",
+        tokenizer=str(tmp_path / "tokenizer"),
+        seq_len=16,
+        valid_fraction=0.25,
+    )
     train, valid, vocab_size = hf_trainer.hub_datasets(args)
     stream = [t for text in texts for t in tokenizer(text)["input_ids"] + [0]]
     assert vocab_size == len(vocab)
     assert len(train) + len(valid) == len(stream) // 16 and len(valid) == math.ceil(0.25 * (len(stream) // 16))
-    blocks = {tuple(stream[i:i + 16]) for i in range(0, len(stream) // 16 * 16, 16)}
+    blocks = {tuple(stream[i : i + 16]) for i in range(0, len(stream) // 16 * 16, 16)}
     for row in (*train, *valid):
         assert torch.equal(row["input_ids"], row["labels"]) and tuple(row["input_ids"].tolist()) in blocks

@@ -29,7 +29,7 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
@@ -40,8 +40,12 @@ def _files(folder: str) -> list[Path]:
 
 
 def _violations(folder: str, forbidden: tuple[str, ...], top_level_only: bool = False) -> list[str]:
-    return [f"{path.relative_to(ROOT)} imports {name}" for path in _files(folder)
-            for name in sorted(imports(path, top_level_only)) if name.startswith(forbidden)]
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _files(folder)
+        for name in sorted(imports(path, top_level_only))
+        if name.startswith(forbidden)
+    ]
 
 
 def test_no_codec_backend_imports_another() -> None:
@@ -54,16 +58,32 @@ def test_no_codec_backend_imports_another() -> None:
 INTEGRATIONS = ("deepspeed_sdp4bit.zero3", "deepspeed_sdp4bit.zero12")
 
 
-@pytest.mark.parametrize(("folder", "forbidden"), [
-    ("deepspeed_sdp4bit/codec", ("deepspeed_sdp4bit.collectives", "deepspeed_sdp4bit.core", *INTEGRATIONS,
-                                 "deepspeed_sdp4bit.topology", "torch.distributed", "deepspeed.comm")),
-    ("deepspeed_sdp4bit/collectives", ("deepspeed_sdp4bit.core", *INTEGRATIONS, "deepspeed.runtime")),
-    ("deepspeed_sdp4bit/core", (*INTEGRATIONS, "deepspeed.runtime.zero", "deepspeed_sdp4bit.activate")),
-    ("deepspeed_sdp4bit/zero3", ("deepspeed_sdp4bit.zero12", "deepspeed.runtime.zero.stage_1_and_2",
-                                 "deepspeed_sdp4bit.activate")),
-    ("deepspeed_sdp4bit/zero12", ("deepspeed_sdp4bit.zero3", "deepspeed.runtime.zero.stage3",
-                                  "deepspeed_sdp4bit.activate")),
-])
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        (
+            "deepspeed_sdp4bit/codec",
+            (
+                "deepspeed_sdp4bit.collectives",
+                "deepspeed_sdp4bit.core",
+                *INTEGRATIONS,
+                "deepspeed_sdp4bit.topology",
+                "torch.distributed",
+                "deepspeed.comm",
+            ),
+        ),
+        ("deepspeed_sdp4bit/collectives", ("deepspeed_sdp4bit.core", *INTEGRATIONS, "deepspeed.runtime")),
+        ("deepspeed_sdp4bit/core", (*INTEGRATIONS, "deepspeed.runtime.zero", "deepspeed_sdp4bit.activate")),
+        (
+            "deepspeed_sdp4bit/zero3",
+            ("deepspeed_sdp4bit.zero12", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed_sdp4bit.activate"),
+        ),
+        (
+            "deepspeed_sdp4bit/zero12",
+            ("deepspeed_sdp4bit.zero3", "deepspeed.runtime.zero.stage3", "deepspeed_sdp4bit.activate"),
+        ),
+    ],
+)
 def test_no_layer_imports_one_below_it(folder: str, forbidden: tuple[str, ...]) -> None:
     """codec is tensor math (no processes); collectives know torch.distributed, not DeepSpeed's engine; the core
     every stage shares knows no ZeRO internals and neither integration; each integration knows its own stage's
@@ -88,7 +108,8 @@ def test_the_cost_model_imports_neither_torch_nor_deepspeed() -> None:
 
 @pytest.mark.parametrize("folder", ["deepspeed_sdp4bit", "sdp4bit_cost"])
 def test_the_library_imports_none_of_the_support_packages(folder: str) -> None:
-    """The installed library stands alone: the tests', benchmarks' and examples' packages build on it, not it on them."""
+    """The installed library stands alone: the tests', benchmarks' and examples' packages build on it, not the
+    reverse."""
     support = ("sdp4bit_testing", "sdp4bit_benchmarks", "sdp4bit_examples")
     assert _violations(folder, support) == []
 
@@ -97,7 +118,11 @@ def test_nothing_edits_the_import_path() -> None:
     """Tests, benchmarks and examples import each other through installed package names, never by pushing folders
     onto the interpreter's module search path (which makes what a module means depend on who imported it first)."""
     attribute = ".".join(("sys", "path"))  # spelled apart, so that this file holds no mention of it either
-    sources = [p for pattern in ("*.py", "*.sh", "*.md") for p in ROOT.rglob(pattern)
-               if not p.relative_to(ROOT).parts[0].startswith(".") and "runs" not in p.relative_to(ROOT).parts]
+    sources = [
+        p
+        for pattern in ("*.py", "*.sh", "*.md")
+        for p in ROOT.rglob(pattern)
+        if not p.relative_to(ROOT).parts[0].startswith(".") and "runs" not in p.relative_to(ROOT).parts
+    ]
     assert len(sources) > 50, "the repository's sources were not found"
     assert [str(p.relative_to(ROOT)) for p in sources if attribute in p.read_text(errors="replace")] == []

@@ -14,8 +14,9 @@ from deepspeed_sdp4bit import log
 pytestmark = pytest.mark.compat  # depends on the DeepSpeed release: run on every tested pair
 
 
-@pytest.mark.parametrize("value, level", [("debug", logging.DEBUG), ("WARNING", logging.WARNING),
-                                          ("error", logging.ERROR)])
+@pytest.mark.parametrize(
+    "value, level", [("debug", logging.DEBUG), ("WARNING", logging.WARNING), ("error", logging.ERROR)]
+)
 def test_level_from_the_variable(monkeypatch: pytest.MonkeyPatch, value: str, level: int) -> None:
     monkeypatch.setenv("SDP4BIT_LOG_LEVEL", value)
     assert log._level() == level
@@ -27,7 +28,12 @@ def test_unset_is_info(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_unknown_level_stops_the_import_naming_the_variable() -> None:
-    proc = subprocess.run([sys.executable, "-c", "import deepspeed_sdp4bit"], capture_output=True, text=True,
-                          env={**os.environ, "SDP4BIT_LOG_LEVEL": "verbose"}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import deepspeed_sdp4bit"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SDP4BIT_LOG_LEVEL": "verbose"},
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "SDP4BIT_LOG_LEVEL = 'verbose': must be one of debug, info, warning, error, critical" in proc.stderr

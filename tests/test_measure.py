@@ -24,8 +24,22 @@ def _measure(out: str, config: str) -> str:
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        measure.main(["--ranks-per-node", "2", "--target-s", "0.02", "--model", config, "--seq", "32",
-                      "--micro-batch", "2", "--out", out])
+        measure.main(
+            [
+                "--ranks-per-node",
+                "2",
+                "--target-s",
+                "0.02",
+                "--model",
+                config,
+                "--seq",
+                "32",
+                "--micro-batch",
+                "2",
+                "--out",
+                out,
+            ]
+        )
     return printed.getvalue() if dist.get_rank() == 0 else ""
 
 
@@ -70,34 +84,69 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
     assert built.rates.intra_bytes_s == pytest.approx(found["intra_node_gbs"] * 1e9)
     assert built.rates.codec_bytes_s == pytest.approx(found["codec_gbs"] * 1e9)
     assert built.rates.flops_s == pytest.approx(found["tflops"] * 1e12)
-    nominal = plan.build(plan.parser().parse_args(["--measured", str(out), "--model", str(config),
-                                                   "--inter-node-gbps", "10", "--nodes", "16"]))
+    nominal = plan.build(
+        plan.parser().parse_args(
+            ["--measured", str(out), "--model", str(config), "--inter-node-gbps", "10", "--nodes", "16"]
+        )
+    )
     assert nominal.cluster.link_efficiency == pytest.approx(found["inter_node_gbps"] / 10)
     assert nominal.cluster.nodes == 16 and nominal.cluster.gpus_per_node == 2
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--seq", "0"], "--seq 0: must be an integer >= 1"),
-    (["--layers", "-1"], "--layers -1: must be an integer >= 1"),
-    (["--target-s", "0"], "--target-s 0.0: must be > 0"),
-    (["--ranks-per-node", "two"], "--ranks-per-node 'two': allowed: auto or an integer"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq", "0"], "--seq 0: must be an integer >= 1"),
+        (["--layers", "-1"], "--layers -1: must be an integer >= 1"),
+        (["--target-s", "0"], "--target-s 0.0: must be > 0"),
+        (["--ranks-per-node", "two"], "--ranks-per-node 'two': allowed: auto or an integer"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         measure.main(argv)
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("not json", "not a readable sdp4bit-measure file"),
-    (json.dumps({"format": 1}), "nodes = None: allowed: a positive integer"),
-    (json.dumps({"format": 2, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "inter_node_gbps": 1.0,
-                 "intra_node_gbs": 1.0, "codec_gbs": 1.0, "tflops": None}), "format = 2: allowed: 1"),
-    (json.dumps({"format": 1, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "inter_node_gbps": -1.0,
-                 "intra_node_gbs": 1.0, "codec_gbs": 1.0, "tflops": None}),
-     "inter_node_gbps = -1.0: allowed: a positive number or null"),
-])
-def test_a_bad_measurement_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture, content: str,
-                                              message: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not a readable sdp4bit-measure file"),
+        (json.dumps({"format": 1}), "nodes = None: allowed: a positive integer"),
+        (
+            json.dumps(
+                {
+                    "format": 2,
+                    "nodes": 2,
+                    "ranks_per_node": 2,
+                    "device": "cpu",
+                    "inter_node_gbps": 1.0,
+                    "intra_node_gbs": 1.0,
+                    "codec_gbs": 1.0,
+                    "tflops": None,
+                }
+            ),
+            "format = 2: allowed: 1",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": 1,
+                    "nodes": 2,
+                    "ranks_per_node": 2,
+                    "device": "cpu",
+                    "inter_node_gbps": -1.0,
+                    "intra_node_gbs": 1.0,
+                    "codec_gbs": 1.0,
+                    "tflops": None,
+                }
+            ),
+            "inter_node_gbps = -1.0: allowed: a positive number or null",
+        ),
+    ],
+)
+def test_a_bad_measurement_file_names_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture, content: str, message: str
+) -> None:
     path = tmp_path / "measured.json"
     path.write_text(content)
     assert plan.main(["--measured", str(path), "--model", "125m"]) == 2
@@ -111,15 +160,29 @@ def test_the_two_node_check_projects_from_the_file_and_judges_both_bounds(tmp_pa
 
     config = measured_plan.write_model_config(tmp_path, 2048)
     assert json.loads(config.read_text())["n_layer"] == 2
-    found = {"format": 1, "nodes": 2, "ranks_per_node": 2, "device": "cpu", "device_name": "cpu",
-             "inter_node_gbps": 0.048, "intra_node_gbs": 0.15, "codec_gbs": 1.0, "timed_model": None, "tflops": 0.01}
+    found = {
+        "format": 1,
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "device": "cpu",
+        "device_name": "cpu",
+        "inter_node_gbps": 0.048,
+        "intra_node_gbs": 0.15,
+        "codec_gbs": 1.0,
+        "timed_model": None,
+        "tflops": 0.01,
+    }
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(found))
     steps = measured_plan.projected(path, config, "fp32")
     assert 0 < steps["SDP4Bit"] < steps["ZeRO-3"]
-    row = {"rate_mbit": 50.0, "measured_inter_gbps": 0.048, "rate_error": -0.04,
-           "ZeRO-3": {"measured_step_s": 1.0, "projected_step_s": 1.1, "error": 0.1},
-           "SDP4Bit": {"measured_step_s": 0.5, "projected_step_s": 0.45, "error": -0.1}}
+    row = {
+        "rate_mbit": 50.0,
+        "measured_inter_gbps": 0.048,
+        "rate_error": -0.04,
+        "ZeRO-3": {"measured_step_s": 1.0, "projected_step_s": 1.1, "error": 0.1},
+        "SDP4Bit": {"measured_step_s": 0.5, "projected_step_s": 0.45, "error": -0.1},
+    }
     assert measured_plan.table([row])[1]
     assert not measured_plan.table([{**row, "rate_error": -0.15}])[1]
     assert not measured_plan.table([{**row, "SDP4Bit": {**row["SDP4Bit"], "error": 0.25}}])[1]

@@ -19,15 +19,24 @@ from deepspeed_sdp4bit import codec
 from deepspeed_sdp4bit.ops import load_codec_op
 
 ROOT = Path(__file__).resolve().parents[1]
-FUNCTIONS = ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize", "diff_quantize",
-             "hadamard32", "quantize", "swizzle_quantize"]
+FUNCTIONS = [
+    "dequantize",
+    "dequantize_add",
+    "dequantize_reduce",
+    "dequantize_reduce_quantize",
+    "diff_quantize",
+    "hadamard32",
+    "quantize",
+    "swizzle_quantize",
+]
 
 
 def _run(code: str, env: dict[str, str]) -> dict:
     """Run `code` in a fresh interpreter from the checkout; it prints one JSON object as its last line."""
     env = {k: v for k, v in env.items() if k != "SDP4BIT_CODEC_BACKEND"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -73,12 +82,15 @@ print(json.dumps({"file": module.__file__, "prebuilt": prebuilt, "seconds": roun
     built = (library.stat().st_mtime_ns, (library.parent / ".ninja_log").read_text())
     venv_bin = str(Path(sys.executable).parent)
     system_first = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin", venv_bin])
-    for name, path in (("activated venv", os.pathsep.join([venv_bin, env["PATH"]])), ("system tools first",
-                                                                                       system_first)):
+    for name, path in (
+        ("activated venv", os.pathsep.join([venv_bin, env["PATH"]])),
+        ("system tools first", system_first),
+    ):
         again = _run(code, {**env, "PATH": path})
         assert again["file"] == result["file"] and again["equal"], name
-        assert (library.stat().st_mtime_ns, (library.parent / ".ninja_log").read_text()) == built, \
+        assert (library.stat().st_mtime_ns, (library.parent / ".ninja_log").read_text()) == built, (
             f"loading from an {name} rebuilt the op"
+        )
         print(f"loaded again ({name}) in {again['seconds']} s without a rebuild")
 
 
@@ -181,8 +193,10 @@ def test_cpu_op_checks_its_inputs() -> None:
         (dict(a4=48), "group_size must be a multiple of 32 in \\[32, 8192\\], got 48"),
         (dict(a6=2**32), "key must be in \\[0, 2\\^32\\)"),
         (dict(a8=257), "valid must be in \\[0, 256\\], got 257"),
-        (dict(a0=torch.randn(250), a1=torch.empty(125, dtype=torch.uint8), a8=250, a9=True),
-         "hadamard needs a multiple of 32 elements, got 250"),
+        (
+            dict(a0=torch.randn(250), a1=torch.empty(125, dtype=torch.uint8), a8=250, a9=True),
+            "hadamard needs a multiple of 32 elements, got 250",
+        ),
     ]
     for change, message in cases:
         with pytest.raises(RuntimeError, match=message):

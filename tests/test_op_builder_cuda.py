@@ -21,8 +21,16 @@ from deepspeed_sdp4bit.ops.builder import CodecCUDABuilder, cuda_toolkit_root
 from sdp4bit_testing import toolkit
 
 ROOT = Path(__file__).resolve().parents[1]
-FUNCTIONS = ["dequantize", "dequantize_add", "dequantize_reduce", "dequantize_reduce_quantize", "diff_quantize",
-             "hadamard32", "quantize", "swizzle_quantize"]
+FUNCTIONS = [
+    "dequantize",
+    "dequantize_add",
+    "dequantize_reduce",
+    "dequantize_reduce_quantize",
+    "diff_quantize",
+    "hadamard32",
+    "quantize",
+    "swizzle_quantize",
+]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -45,20 +53,27 @@ def toolkit_root() -> Path:
 
 def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter from the checkout with `env` (nothing loaded or cached in this process)."""
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False
+    )
 
 
 @pytest.mark.slow  # compiles the op from scratch
 def test_cuda_op_compiles_into_a_fresh_cache(tmp_path: Path, toolkit_root: Path) -> None:
     """JIT build through .load() with nvcc, TORCH_CUDA_ARCH_LIST=9.0, no GPU needed; the module has all functions."""
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), TORCH_CUDA_ARCH_LIST="9.0",
-               MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
-    code = ("import json, time; t = time.time()\n"
-            "from deepspeed_sdp4bit.ops import CodecCUDABuilder\n"
-            "m = CodecCUDABuilder().load()\n"
-            "print(json.dumps({'names': sorted(n for n in dir(m) if not n.startswith('_')), "
-            "'seconds': round(time.time() - t, 1)}))")
+    env = dict(
+        os.environ,
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+        TORCH_CUDA_ARCH_LIST="9.0",
+        MAX_JOBS=os.environ.get("MAX_JOBS", "2"),
+    )
+    code = (
+        "import json, time; t = time.time()\n"
+        "from deepspeed_sdp4bit.ops import CodecCUDABuilder\n"
+        "m = CodecCUDABuilder().load()\n"
+        "print(json.dumps({'names': sorted(n for n in dir(m) if not n.startswith('_')), "
+        "'seconds': round(time.time() - t, 1)}))"
+    )
     done = _run(code, env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -70,13 +85,15 @@ def test_cuda_op_compiles_into_a_fresh_cache(tmp_path: Path, toolkit_root: Path)
 def test_load_without_nvcc_raises_a_clear_error(tmp_path: Path) -> None:
     """CUDA_HOME without bin/nvcc and no nvcc on PATH: RuntimeError naming the cause, not a compiler crash."""
     env = dict(os.environ, CUDA_HOME=str(tmp_path), PATH="/usr/bin:/bin", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    code = ("from deepspeed_sdp4bit.ops import CodecCUDABuilder\n"
-            "try:\n"
-            "    CodecCUDABuilder().load()\n"
-            "except RuntimeError as err:\n"
-            "    print('ERROR:', err)\n"
-            "else:\n"
-            "    print('LOADED')\n")
+    code = (
+        "from deepspeed_sdp4bit.ops import CodecCUDABuilder\n"
+        "try:\n"
+        "    CodecCUDABuilder().load()\n"
+        "except RuntimeError as err:\n"
+        "    print('ERROR:', err)\n"
+        "else:\n"
+        "    print('LOADED')\n"
+    )
     done = _run(code, env)
     assert done.returncode == 0, done.stderr[-4000:]
     message = done.stdout.strip().splitlines()[-1]
@@ -92,8 +109,9 @@ def test_is_compatible_reports_a_missing_toolkit(tmp_path: Path, monkeypatch: py
     assert "nvcc" in builder.error_log or "CUDA support" in builder.error_log
 
 
-def test_toolkit_root_is_found_behind_a_wrapper_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       toolkit_root: Path) -> None:
+def test_toolkit_root_is_found_behind_a_wrapper_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toolkit_root: Path
+) -> None:
     """An nvcc on PATH that is a script exec'ing the real one (as /usr/local/bin/nvcc here) resolves to the toolkit."""
     real = toolkit_root
     assert (real / "bin" / "nvcc").is_file()

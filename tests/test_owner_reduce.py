@@ -11,6 +11,7 @@ import functools
 import random
 import zlib
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 import deepspeed.comm as ds_comm
 import pytest
@@ -54,23 +55,43 @@ def _cases(world: int) -> list[Case]:
     """The cases every layout runs (world sizes 1..8)."""
     last = world - 1
     tail = list(range(max(0, world - 3), world))  # a bucket covering the last few ranks, as ZeRO-2's often do
-    typical = _consecutive([700, 517, 300][:len(tail)], tail)
+    typical = _consecutive([700, 517, 300][: len(tail)], tail)
     everyone = _consecutive([400 + 263 * r for r in range(world)], list(range(world)))
     interleaved = _consecutive([100, 250, 33, 500, 200, 64], [last, 0, last, 0, last, 0])
     short = _consecutive([5, 37, 1, 300], [0, last, 1 % world, last])
     return [
         Case("fp32-sr", sum(s for _, _, s in typical), torch.float32, typical, calls=3),
-        Case("bf16-hs-p3", sum(s for _, _, s in everyone), torch.bfloat16, everyone,
-             dict(group_intra=64, group_inter=256, hadamard=True, pipeline=3), calls=2),
-        Case("fp16-nearest", 1233, torch.float16, _consecutive([333, 900], [0, last]),
-             dict(bits_intra=4, group_intra=32, bits_inter=8, group_inter=96, hadamard=True, pipeline=2,
-                  stochastic=False)),
+        Case(
+            "bf16-hs-p3",
+            sum(s for _, _, s in everyone),
+            torch.bfloat16,
+            everyone,
+            dict(group_intra=64, group_inter=256, hadamard=True, pipeline=3),
+            calls=2,
+        ),
+        Case(
+            "fp16-nearest",
+            1233,
+            torch.float16,
+            _consecutive([333, 900], [0, last]),
+            dict(
+                bits_intra=4, group_intra=32, bits_inter=8, group_inter=96, hadamard=True, pipeline=2, stochastic=False
+            ),
+        ),
         Case("one-owner", 1500, torch.float32, ((world // 2, 0, 1500),), dict(hadamard=True, pipeline=2), calls=2),
         Case("interleaved", 1147, torch.float32, interleaved, dict(pipeline=2)),
-        Case("split-per-rank", sum(s for _, _, s in everyone), torch.float32, everyone, dict(group_inter=64),
-             calls=2, split_per_rank=True),
-        Case("short-runs", 343, torch.bfloat16, short,
-             dict(bits_intra=4, group_intra=32, group_inter=64, hadamard=True)),
+        Case(
+            "split-per-rank",
+            sum(s for _, _, s in everyone),
+            torch.float32,
+            everyone,
+            dict(group_inter=64),
+            calls=2,
+            split_per_rank=True,
+        ),
+        Case(
+            "short-runs", 343, torch.bfloat16, short, dict(bits_intra=4, group_intra=32, group_inter=64, hadamard=True)
+        ),
     ]
 
 
@@ -102,9 +123,18 @@ def _settings(case: Case, world: int, rpn: int) -> Settings:
 
 def _reducer(topo, s: Settings, stats: CommStats) -> OwnerReducer:
     """An OwnerReducer with the given settings."""
-    return OwnerReducer(topo, bits_intra=s.bits_intra, group_intra=s.group_intra, bits_inter=s.bits_inter,
-                        group_inter=s.group_inter, hadamard=s.hadamard, pipeline=s.pipeline,
-                        stochastic=s.stochastic, seed=s.seed, stats=stats)
+    return OwnerReducer(
+        topo,
+        bits_intra=s.bits_intra,
+        group_intra=s.group_intra,
+        bits_inter=s.bits_inter,
+        group_inter=s.group_inter,
+        hadamard=s.hadamard,
+        pipeline=s.pipeline,
+        stochastic=s.stochastic,
+        seed=s.seed,
+        stats=stats,
+    )
 
 
 def make_bucket(case: Case, world: int, rank: int) -> torch.Tensor:
@@ -134,7 +164,7 @@ def runs_as_given(case: Case, rank: int) -> list[Run]:
     for owner, start, numel in case.runs:
         cuts = sorted(rng.sample(range(1, numel), min(rank + 1, numel - 1)))
         bounds = [0, *cuts, numel]
-        out += [Run(owner, start + a, b - a) for a, b in zip(bounds, bounds[1:])]
+        out += [Run(owner, start + a, b - a) for a, b in pairwise(bounds)]
     rng.shuffle(out)
     return out
 
@@ -160,10 +190,16 @@ def _run_case(topo, case: Case, world: int, bucket: torch.Tensor) -> dict:
         outputs.append(reducer.reduce(bucket, runs_as_given(case, topo.rank)).clone())
         state = reducer.state_dict()
         counters.append((state["quantize"]["counter"], state["requantize"]["counter"]))
-    logged_ops = {name: sum(entry[0] for entry in sizes.values())
-                  for name, sizes in ds_comm.comms_logger.comms_dict.items()}
-    return {"outputs": outputs, "counters": counters, "stats": stats.snapshot(), "logged": _logged_bytes(),
-            "logged_ops": logged_ops}
+    logged_ops = {
+        name: sum(entry[0] for entry in sizes.values()) for name, sizes in ds_comm.comms_logger.comms_dict.items()
+    }
+    return {
+        "outputs": outputs,
+        "counters": counters,
+        "stats": stats.snapshot(),
+        "logged": _logged_bytes(),
+        "logged_ops": logged_ops,
+    }
 
 
 def _resume_check(topo, world: int) -> dict:
@@ -191,9 +227,10 @@ def _mismatch_check(world: int) -> dict:
     reducer = _reducer(topo, Settings(nodes=world, ranks_per_node=1, stochastic=False), CommStats())
     runs = [Run(r, 100 * r, 100) for r in range(world)]
     other_owner = [Run((1 if rank == 0 else 0), 0, 100)] + runs[1:]
-    attempts = {"runs": (torch.ones(100 * world), other_owner),
-                "dtype": (torch.ones(100 * world, dtype=torch.bfloat16 if rank == world - 1 else torch.float32),
-                          runs)}
+    attempts = {
+        "runs": (torch.ones(100 * world), other_owner),
+        "dtype": (torch.ones(100 * world, dtype=torch.bfloat16 if rank == world - 1 else torch.float32), runs),
+    }
     messages = {}
     for name, (bucket, given) in attempts.items():
         try:
@@ -268,7 +305,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emulations(world: int, name: str, rpn: int) -> list:
     """The emulation of each successive call of a case (counters carried between calls)."""
     case = _case_by_name(world, name)
@@ -307,7 +344,7 @@ def test_outputs_are_sums_of_the_owned_runs(world_run):
         case = _case_by_name(world, name)
         total = sum(make_bucket(case, world, r).to(torch.float64) for r in range(world))
         for r in range(world):
-            want = [total[start:start + numel] for owner, start, numel in merged(list(case.runs)) if owner == r]
+            want = [total[start : start + numel] for owner, start, numel in merged(list(case.runs)) if owner == r]
             out = ranks[r]["cases"][(rpn, name)]["outputs"][0].to(torch.float64)
             assert out.numel() == sum(w.numel() for w in want), (name, rpn, r)
             if want:
@@ -337,8 +374,10 @@ def _expected_bytes(case: Case, world: int, rpn: int, rank: int) -> dict[str, tu
         return {}
     if s.two_level:
         column = [n * rpn + local for n in range(s.nodes)]
-        return {"grad_intra": level(s.bits_intra, s.group_intra, everyone, False),
-                "grad_inter": level(s.bits_inter, s.group_inter, column, True)}
+        return {
+            "grad_intra": level(s.bits_intra, s.group_intra, everyone, False),
+            "grad_inter": level(s.bits_inter, s.group_inter, column, True),
+        }
     if s.nodes == 1:
         return {"grad_intra": level(s.bits_intra, s.group_intra, everyone, False)}
     return {"grad_inter": level(s.bits_inter, s.group_inter, everyone, True)}
@@ -390,8 +429,11 @@ def test_resume_from_state_dict(world_run):
             assert torch.equal(_bits(check["continued"]), _bits(check["resumed"])), f"rank {r} rpn {rpn}"
             if world > 1 and check["continued"].numel():
                 assert not torch.equal(check["continued"], check["fresh"]), f"rank {r} rpn {rpn}: counter unused"
-    seeds = [s for res in ranks for s in (res["resume"][1]["state"]["quantize"]["seed"],
-                                          res["resume"][1]["state"]["requantize"]["seed"])]
+    seeds = [
+        s
+        for res in ranks
+        for s in (res["resume"][1]["state"]["quantize"]["seed"], res["resume"][1]["state"]["requantize"]["seed"])
+    ]
     assert len(set(seeds)) == 2 * world, "every rank and stage must draw from its own seed"
 
 

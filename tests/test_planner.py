@@ -34,12 +34,32 @@ def test_the_installed_console_script_documents_every_flag() -> None:
     for action in plan.parser()._actions:
         for flag in action.option_strings:
             assert flag in helped
-    for flag in ("--model", "--params", "--layers", "--hidden", "--nodes", "--gpus-per-node", "--inter-node-gbps",
-                 "--gpu", "--tflops", "--tp", "--seq", "--micro-batch", "--grad-accum", "--system", "--config",
-                 "--json", "--plot"):
+    for flag in (
+        "--model",
+        "--params",
+        "--layers",
+        "--hidden",
+        "--nodes",
+        "--gpus-per-node",
+        "--inter-node-gbps",
+        "--gpu",
+        "--tflops",
+        "--tp",
+        "--seq",
+        "--micro-batch",
+        "--grad-accum",
+        "--system",
+        "--config",
+        "--json",
+        "--plot",
+    ):
         assert flag in helped
-    printed = subprocess.run([str(script), "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json"],
-                             capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(
+        [str(script), "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = json.loads(printed)
     assert [r["variant"] for r in rows] == list(plan.DEEPSPEED_VARIANTS)
 
@@ -48,29 +68,45 @@ def test_a_reader_that_stops_early_is_not_an_error() -> None:
     """`sdp4bit-plan --json | head -c 10` ends quietly with status 0 (no BrokenPipeError traceback): here the reader
     closes the pipe before the script, still starting, has written anything."""
     script = Path(sys.executable).with_name("sdp4bit-plan")
-    proc = subprocess.Popen([str(script), "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(script), "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     assert proc.wait(timeout=60) == 0
     assert b"Traceback" not in proc.stderr.read()
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "-5"], "--inter-node-gbps -5.0: must be > 0"),
-    (["--model", "1.3b", "--nodes", "2", "--gpu", "tpu", "--inter-node-gbps", "100"],
-     "--gpu 'tpu': unknown GPU; allowed: a100, h100, h800, h200, b200"),
-    (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--tp", "3"],
-     "--tp 3 does not divide --gpus-per-node 8; allowed: 1, 2, 4, 8"),
-    (["--model", "7b", *CLUSTER, "--inter-node-gbps", "100"], "--model '7b': unknown card; allowed: 125m, 350m, 1.3b"),
-    ([*CLUSTER, "--inter-node-gbps", "100"], "--model (one of 125m"),
-    (["--model", "1.3b", "--params", "7e9", *CLUSTER, "--inter-node-gbps", "100"], "either --model or --params"),
-    (["--model", "1.3b", "--nodes", "0", "--inter-node-gbps", "100"], "--nodes 0: must be an integer >= 1"),
-    (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--tflops", "0"], "--tflops 0.0: must be > 0"),
-    (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--micro-batch", "0"],
-     "--micro-batch 0: must be an integer >= 1"),
-])
-def test_bad_input_names_the_flag_and_the_allowed_values(capsys: pytest.CaptureFixture, argv: list[str],
-                                                         message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "-5"], "--inter-node-gbps -5.0: must be > 0"),
+        (
+            ["--model", "1.3b", "--nodes", "2", "--gpu", "tpu", "--inter-node-gbps", "100"],
+            "--gpu 'tpu': unknown GPU; allowed: a100, h100, h800, h200, b200",
+        ),
+        (
+            ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--tp", "3"],
+            "--tp 3 does not divide --gpus-per-node 8; allowed: 1, 2, 4, 8",
+        ),
+        (
+            ["--model", "7b", *CLUSTER, "--inter-node-gbps", "100"],
+            "--model '7b': unknown card; allowed: 125m, 350m, 1.3b",
+        ),
+        ([*CLUSTER, "--inter-node-gbps", "100"], "--model (one of 125m"),
+        (["--model", "1.3b", "--params", "7e9", *CLUSTER, "--inter-node-gbps", "100"], "either --model or --params"),
+        (["--model", "1.3b", "--nodes", "0", "--inter-node-gbps", "100"], "--nodes 0: must be an integer >= 1"),
+        (["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--tflops", "0"], "--tflops 0.0: must be > 0"),
+        (
+            ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--micro-batch", "0"],
+            "--micro-batch 0: must be an integer >= 1",
+        ),
+    ],
+)
+def test_bad_input_names_the_flag_and_the_allowed_values(
+    capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err
@@ -84,8 +120,9 @@ def test_a_slow_link_recommends_sdp4bit_and_a_fast_one_leaves_it_off(capsys: pyt
 
 
 def test_json_rows_carry_the_required_fields(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = _run(capsys, "--params", "7e9", "--layers", "32", "--hidden", "4096", *CLUSTER,
-                        "--inter-node-gbps", "400", "--json")
+    code, out, _ = _run(
+        capsys, "--params", "7e9", "--layers", "32", "--hidden", "4096", *CLUSTER, "--inter-node-gbps", "400", "--json"
+    )
     rows = json.loads(out)
     assert code == 0
     for row in rows:
@@ -97,17 +134,34 @@ def test_json_rows_carry_the_required_fields(capsys: pytest.CaptureFixture) -> N
 
 
 def test_megatron_system_compares_the_papers_baseline(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = _run(capsys, "--model", "1.3b", "--nodes", "16", "--gpus-per-node", "4", "--gpu", "a100",
-                        "--inter-node-gbps", "100", "--system", "megatron", "--json")
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        "1.3b",
+        "--nodes",
+        "16",
+        "--gpus-per-node",
+        "4",
+        "--gpu",
+        "a100",
+        "--inter-node-gbps",
+        "100",
+        "--system",
+        "megatron",
+        "--json",
+    )
     assert code == 0
     assert [r["variant"] for r in json.loads(out)] == list(plan.MEGATRON_VARIANTS)
 
 
 def test_the_config_gives_the_block_settings_and_the_batch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--config: the ZeRO settings, batch sizes and the sdp4bit block (validated by the package's own parser)."""
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 50_000_000},
-              "sdp4bit": {"quantized_gradients": True, "gq_group_size_intra": 256}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 50_000_000},
+        "sdp4bit": {"quantized_gradients": True, "gq_group_size_intra": 256},
+    }
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     args = plan.parser().parse_args(["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--config", str(path)])
@@ -122,8 +176,21 @@ def test_the_config_gives_the_block_settings_and_the_batch(tmp_path: Path, capsy
 
 def test_plot_draws_one_line_per_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     target = tmp_path / "speedup.png"
-    code, out, _ = _run(capsys, "--model", "6.7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100",
-                        "--inter-node-gbps", "200", "--plot", str(target))
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        "6.7b",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100",
+        "--inter-node-gbps",
+        "200",
+        "--plot",
+        str(target),
+    )
     assert code == 0 and target.stat().st_size > 10_000 and f"plot: {target}" in out
 
 
@@ -165,13 +232,17 @@ def test_stage_comes_from_the_config_unless_the_flag_says(tmp_path: Path, capsys
     assert code == 2 and "--config: zero_optimization.stage = 0: allowed: 1, 2, 3" in err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--stage", "4"], "--stage 4: allowed: 1, 2, 3"),
-    (["--stage", "0"], "--stage 0: allowed: 1, 2, 3"),
-    (["--stage", "2", "--system", "megatron"], "--stage 2: applies to --system deepspeed only"),
-])
-def test_a_bad_stage_names_the_flag_and_the_allowed_values(capsys: pytest.CaptureFixture, argv: list[str],
-                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stage", "4"], "--stage 4: allowed: 1, 2, 3"),
+        (["--stage", "0"], "--stage 0: allowed: 1, 2, 3"),
+        (["--stage", "2", "--system", "megatron"], "--stage 2: applies to --system deepspeed only"),
+    ],
+)
+def test_a_bad_stage_names_the_flag_and_the_allowed_values(
+    capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
     code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
     assert code == 2 and out == ""
     assert message in err
@@ -191,16 +262,26 @@ def test_round_robin_gradients_comes_from_the_flag_or_the_config(tmp_path: Path)
     assert not plan.build(plan.parser().parse_args([*flags, "--config", str(path)])).block.round_robin
 
 
-@pytest.mark.parametrize(("argv", "config", "message"), [
-    (["--round-robin-gradients"], None, "--round-robin-gradients with ZeRO stage 3: allowed with --system deepspeed "
-                                        "on --stage 1 or 2 only"),
-    (["--round-robin-gradients", "--stage", "3"], None, "--round-robin-gradients with ZeRO stage 3"),
-    (["--round-robin-gradients", "--system", "megatron"], None, "--round-robin-gradients with --system megatron"),
-    ([], {"stage": 2, "round_robin_gradients": "yes"},
-     "--config: zero_optimization.round_robin_gradients = 'yes': allowed: true, false"),
-])
-def test_a_misplaced_round_robin_names_the_flag_or_key(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                       argv: list[str], config: dict | None, message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "config", "message"),
+    [
+        (
+            ["--round-robin-gradients"],
+            None,
+            "--round-robin-gradients with ZeRO stage 3: allowed with --system deepspeed on --stage 1 or 2 only",
+        ),
+        (["--round-robin-gradients", "--stage", "3"], None, "--round-robin-gradients with ZeRO stage 3"),
+        (["--round-robin-gradients", "--system", "megatron"], None, "--round-robin-gradients with --system megatron"),
+        (
+            [],
+            {"stage": 2, "round_robin_gradients": "yes"},
+            "--config: zero_optimization.round_robin_gradients = 'yes': allowed: true, false",
+        ),
+    ],
+)
+def test_a_misplaced_round_robin_names_the_flag_or_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str], config: dict | None, message: str
+) -> None:
     if config is not None:
         path = tmp_path / "ds_config.json"
         path.write_text(json.dumps({"zero_optimization": config}))
@@ -234,8 +315,11 @@ def test_the_recommendation_names_round_robin_where_it_beats_every_row(capsys: p
     code, out, _ = _run(capsys, *flags, "--gpus-per-node", "4")
     advice = _advice(out)
     assert code == 0 and advice.startswith("use qWD")
-    speedup = re.search(r"better: zero_optimization\.round_robin_gradients: true, which spreads each bucket's owners "
-                        r"over more nodes, with SDP4Bit: (\d\.\d\d)x over ZeRO-2$", advice).group(1)
+    speedup = re.search(
+        r"better: zero_optimization\.round_robin_gradients: true, which spreads each bucket's owners "
+        r"over more nodes, with SDP4Bit: (\d\.\d\d)x over ZeRO-2$",
+        advice,
+    ).group(1)
     assert float(speedup) > float(re.search(r"use qWD: (\d\.\d\d)x", advice).group(1))
     code, out, _ = _run(capsys, *flags, "--gpus-per-node", "8")
     assert code == 0 and "better:" not in _advice(out)
@@ -248,10 +332,28 @@ def test_the_papers_fitted_constants_as_flags_reproduce_its_table_2(cluster: pap
     efficiency, fraction = sensitivity.PAPER_FITS[cluster.name]
     for model, (baseline, sdp4bit) in paper.TABLE2[cluster.name].items():
         tp, pp = paper.PARALLEL[cluster.name][model]
-        argv = ["--system", "megatron", "--model", model, "--nodes", "16", "--gpus-per-node",
-                str(cluster.gpus_per_node), "--gpu", cluster.name.lower(), "--inter-node-gbps",
-                str(cluster.inter_node_gbps), "--tflops", str(fraction * cluster.peak_tflops), "--link-efficiency",
-                str(efficiency), "--tp", str(tp), "--pp", str(pp)]
+        argv = [
+            "--system",
+            "megatron",
+            "--model",
+            model,
+            "--nodes",
+            "16",
+            "--gpus-per-node",
+            str(cluster.gpus_per_node),
+            "--gpu",
+            cluster.name.lower(),
+            "--inter-node-gbps",
+            str(cluster.inter_node_gbps),
+            "--tflops",
+            str(fraction * cluster.peak_tflops),
+            "--link-efficiency",
+            str(efficiency),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+        ]
         rows = plan.project(plan.build(plan.parser().parse_args(argv)))
         projected = next(r.speedup for r in rows if r.variant == "SDP4Bit")
         assert abs(projected / (sdp4bit / baseline) - 1) <= paper.SPEEDUP_BOUND, (model, projected)
@@ -267,14 +369,18 @@ def test_the_table_shows_the_range_of_the_uncertain_inputs_and_the_flip(capsys: 
     for source in ("the paper's H800 cluster", "the paper's A100 cluster", "this plan: the planner's defaults"):
         assert source in grid
     assert len([line for line in grid.splitlines() if line.startswith("| ") and "of peak" in line]) == 3
-    flip = re.search(r"turns from leave it off to use it if the links fall to (\d+)% of line rate \(([\d,]+) "
-                     r"Gbit/s per node\)", out)
+    flip = re.search(
+        r"turns from leave it off to use it if the links fall to (\d+)% of line rate \(([\d,]+) "
+        r"Gbit/s per node\)",
+        out,
+    )
     assert flip, out
     share = int(flip[2].replace(",", "")) / 3200  # the rate to the Gbit/s, the share to the percent
     assert abs(share - int(flip[1]) / 100) <= 0.005
     for nearby, wanted in ((share * 0.9, "\nuse "), (share * 1.1, "leave it off")):
-        code, out, _ = _run(capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "3200", "--link-efficiency",
-                            str(nearby))
+        code, out, _ = _run(
+            capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "3200", "--link-efficiency", str(nearby)
+        )
         assert wanted in out.split("How sure:")[0], nearby
 
 
@@ -290,33 +396,47 @@ def test_the_flip_search_finds_a_crossing_or_says_none() -> None:
 def test_a_measured_rate_sets_the_link_efficiency(capsys: pytest.CaptureFixture) -> None:
     """--measured-inter-node-gbps 40 on a 100 Gbit/s line is --link-efficiency 0.4, and the two together are
     refused."""
-    code, measured, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100",
-                             "--measured-inter-node-gbps", "40")
+    code, measured, _ = _run(
+        capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--measured-inter-node-gbps", "40"
+    )
     code2, given, _ = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", "--link-efficiency", "0.4")
     assert code == code2 == 0 and measured == given and "links at 40% of line rate" in measured
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--link-efficiency", "0.5", "--measured-inter-node-gbps", "40"],
-     "--link-efficiency and --measured-inter-node-gbps: give one"),
-    (["--measured-inter-node-gbps", "0"], "--measured-inter-node-gbps 0.0: must be > 0"),
-    (["--pp", "2"], "--pp 2 with ZeRO stage 3: allowed with --system megatron or --stage 1 only"),
-    (["--pp", "3", "--stage", "1"], "--pp 3: 128 GPUs / (--tp 1 x --pp 3) must be a whole number of nodes' 8"),
-    (["--pp", "0"], "--pp 0: must be an integer >= 1"),
-])
-def test_bad_measured_rate_or_pipeline_names_the_flag(capsys: pytest.CaptureFixture, argv: list[str],
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--link-efficiency", "0.5", "--measured-inter-node-gbps", "40"],
+            "--link-efficiency and --measured-inter-node-gbps: give one",
+        ),
+        (["--measured-inter-node-gbps", "0"], "--measured-inter-node-gbps 0.0: must be > 0"),
+        (["--pp", "2"], "--pp 2 with ZeRO stage 3: allowed with --system megatron or --stage 1 only"),
+        (["--pp", "3", "--stage", "1"], "--pp 3: 128 GPUs / (--tp 1 x --pp 3) must be a whole number of nodes' 8"),
+        (["--pp", "0"], "--pp 0: must be an integer >= 1"),
+    ],
+)
+def test_bad_measured_rate_or_pipeline_names_the_flag(
+    capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
     code, out, err = _run(capsys, "--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *argv)
     assert code == 2 and out == "" and message in err
 
 
-@pytest.mark.parametrize(("config", "flags", "expected"), [
-    (None, [], 2), ({"bf16": {"enabled": True}}, [], 2), ({"fp16": {"enabled": "auto"}}, [], 2),
-    ({"zero_optimization": {"stage": 3}}, [], 4), ({"bf16": {"enabled": False}}, [], 4),
-    ({"bf16": {"enabled": True}}, ["--dtype", "fp32"], 4),
-])
-def test_the_weights_dtype_comes_from_the_flag_or_the_config(tmp_path: Path, config: dict | None, flags: list[str],
-                                                             expected: int) -> None:
+@pytest.mark.parametrize(
+    ("config", "flags", "expected"),
+    [
+        (None, [], 2),
+        ({"bf16": {"enabled": True}}, [], 2),
+        ({"fp16": {"enabled": "auto"}}, [], 2),
+        ({"zero_optimization": {"stage": 3}}, [], 4),
+        ({"bf16": {"enabled": False}}, [], 4),
+        ({"bf16": {"enabled": True}}, ["--dtype", "fp32"], 4),
+    ],
+)
+def test_the_weights_dtype_comes_from_the_flag_or_the_config(
+    tmp_path: Path, config: dict | None, flags: list[str], expected: int
+) -> None:
     """--dtype, else the config's bf16 or fp16 block where enabled, else fp32 as DeepSpeed trains without them; bf16
     without a config."""
     argv = ["--model", "1.3b", *CLUSTER, "--inter-node-gbps", "100", *flags]

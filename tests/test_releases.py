@@ -29,8 +29,9 @@ def test_the_ci_legs_and_the_default_install_are_the_declared_pairs() -> None:
     assert sorted(tuple(pair.split()) for pair in re.findall(r'"([^"]+)"', legs[1])) == sorted(releases.LEGS)
     install = (ROOT / "scripts/install.sh").read_text()
     assert set(re.findall(r"torch==([\d.]+)", install)) == {releases.DEFAULT[1]}
-    assert all(releases.DEEPSPEED.contains(d) and releases.TORCH.contains(t) for d, t in (releases.DEFAULT,
-                                                                                          *releases.LEGS))
+    assert all(
+        releases.DEEPSPEED.contains(d) and releases.TORCH.contains(t) for d, t in (releases.DEFAULT, *releases.LEGS)
+    )
 
 
 def test_the_readme_states_the_declared_releases_everywhere() -> None:
@@ -46,7 +47,8 @@ def test_the_readme_states_the_declared_releases_everywhere() -> None:
 
 def test_the_adapter_and_the_report_use_the_declaration() -> None:
     assert adapter.SUPPORTED is releases.DEEPSPEED and adapter.TESTED == releases.TESTED
-    printed = subprocess.run([sys.executable, "-m", "deepspeed_sdp4bit.report"], capture_output=True, text=True,
-                             check=False).stdout
+    printed = subprocess.run(
+        [sys.executable, "-m", "deepspeed_sdp4bit.report"], capture_output=True, text=True, check=False
+    ).stdout
     assert f"{releases.DEEPSPEED}; tested {', '.join(releases.TESTED)}" in printed
     assert releases.describe_torch() in printed

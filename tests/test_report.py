@@ -47,8 +47,15 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def test_the_command_reports_this_machine(clean_env: Path):
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0"}
-    done = subprocess.run([sys.executable, "-m", "deepspeed_sdp4bit.report"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed_sdp4bit.report"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     print(done.stdout)
     found = lines_of(done.stdout)
@@ -56,10 +63,13 @@ def test_the_command_reports_this_machine(clean_env: Path):
     assert found["torch"].startswith(f"{torch.__version__} (")
     cuda = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     assert cuda in found["torch"]
-    assert found["deepspeed"] == (f"{deepspeed.__version__}: supported (<0.20,>=0.17.6; tested 0.17.6, 0.18.9, "
-                                  "0.19.5, 0.19.8)")
-    assert found["sdp4bit_codec_cpu"] == ("compatible; not prebuilt; not in the JIT cache: JIT-builds on first use "
-                                          f"into {clean_env / 'sdp4bit_codec_cpu'}")
+    assert found["deepspeed"] == (
+        f"{deepspeed.__version__}: supported (<0.20,>=0.17.6; tested 0.17.6, 0.18.9, 0.19.5, 0.19.8)"
+    )
+    assert found["sdp4bit_codec_cpu"] == (
+        "compatible; not prebuilt; not in the JIT cache: JIT-builds on first use "
+        f"into {clean_env / 'sdp4bit_codec_cpu'}"
+    )
     assert found["cpu tensors"] == "compiled cpu op"
     assert found["TORCH_CUDA_ARCH_LIST"] == "9.0"
     nvcc = shutil.which("nvcc")
@@ -68,8 +78,9 @@ def test_the_command_reports_this_machine(clean_env: Path):
         release = next(line for line in version if "release" in line).strip()
         assert found["nvcc"].endswith(f"/bin/nvcc: {release}"), (found["nvcc"], release)
         assert found["sdp4bit_codec_cuda"].startswith("compatible; not prebuilt; not in the JIT cache: JIT-builds")
-    assert found["layout"] == ("not inside a launcher (WORLD_SIZE unset); ranks per node would come from the "
-                               "ranks' hostnames at initialize")
+    assert found["layout"] == (
+        "not inside a launcher (WORLD_SIZE unset); ranks per node would come from the ranks' hostnames at initialize"
+    )
     assert not list(clean_env.glob("**/*.so")), "the report must not build anything"
 
 
@@ -80,24 +91,28 @@ def test_jit_cache_current_or_stale(clean_env: Path):
     library.parent.mkdir(parents=True)
     library.write_bytes(b"")
     assert lines_of(report.report())["sdp4bit_codec_cpu"] == (
-        f"compatible; not prebuilt; JIT-cached at {library} (up to date)")
+        f"compatible; not prebuilt; JIT-cached at {library} (up to date)"
+    )
     old = time.time() - 10 * 365 * 86400
     os.utime(library, (old, old))
     stale = lines_of(report.report())["sdp4bit_codec_cpu"]
     assert stale.startswith(f"compatible; not prebuilt; JIT-cached at {library} (sources changed since (")
-    assert "codec_cpu.cpp" in stale and "sdp4bit_codec_math.h" in stale and stale.endswith(
-        "): the first use rebuilds it)")
+    assert (
+        "codec_cpu.cpp" in stale and "sdp4bit_codec_math.h" in stale and stale.endswith("): the first use rebuilds it)")
+    )
 
 
-def test_missing_toolkit_makes_the_cuda_op_unavailable(clean_env: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       tmp_path: Path):
+def test_missing_toolkit_makes_the_cuda_op_unavailable(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no_toolkit"))
     found = lines_of(report.report())
     reason = f"CUDA_HOME={str(tmp_path / 'no_toolkit')!r} has no bin/nvcc; point it at a CUDA toolkit root"
     assert found["nvcc"] == f"not found: {reason}"
     if torch.version.cuda:
-        assert found["sdp4bit_codec_cuda"].startswith("NOT compatible (cannot build the sdp4bit_codec_cuda op: "
-                                                      f"{reason}); not prebuilt; not in the JIT cache")
+        assert found["sdp4bit_codec_cuda"].startswith(
+            f"NOT compatible (cannot build the sdp4bit_codec_cuda op: {reason}); not prebuilt; not in the JIT cache"
+        )
         assert found["sdp4bit_codec_cuda"].endswith("cannot be built here")
     assert found["cuda tensors"].startswith("reference (plain torch; the cuda op cannot be had")
 
@@ -109,11 +124,11 @@ def test_forced_backends(clean_env: Path, monkeypatch: pytest.MonkeyPatch):
     assert found["cpu tensors"] == "reference (plain torch)"
     monkeypatch.setenv("SDP4BIT_CODEC_BACKEND", "cuda")
     assert lines_of(report.report())["cpu tensors"] == (
-        "error: codec backend 'cuda' is forced but the tensor is on cpu")
+        "error: codec backend 'cuda' is forced but the tensor is on cpu"
+    )
 
 
-def test_topology_from_launcher_variables_and_config(clean_env: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     tmp_path: Path):
+def test_topology_from_launcher_variables_and_config(clean_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_SIZE", "4")
@@ -123,13 +138,15 @@ def test_topology_from_launcher_variables_and_config(clean_env: Path, monkeypatc
 
     config = ROOT / "configs" / "cpu" / "tiny_sdp4bit.json"
     text = report.report(str(config))
-    assert lines_of(text)["layout"] == ("4 node(s) x 2 ranks (from ranks_per_node setting); this rank 5 = node 2, "
-                                        "local 1")
+    assert lines_of(text)["layout"] == (
+        "4 node(s) x 2 ranks (from ranks_per_node setting); this rank 5 = node 2, local 1"
+    )
     assert lines_of(text)[str(config)].startswith('valid "sdp4bit" block, active: {')
 
     monkeypatch.setenv("WORLD_SIZE", "6")
-    assert lines_of(report.report())["layout"] == ("ERROR: 4 ranks per node (from LOCAL_SIZE) do not divide the "
-                                                   "world of 6")
+    assert lines_of(report.report())["layout"] == (
+        "ERROR: 4 ranks per node (from LOCAL_SIZE) do not divide the world of 6"
+    )
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"sdp4bit": {"quantized_weights": true, "wq_group_size": 100}}')
@@ -137,15 +154,24 @@ def test_topology_from_launcher_variables_and_config(clean_env: Path, monkeypatc
     assert line.startswith("ERROR: invalid ds_config:") and "sdp4bit.wq_group_size = 100" in line
 
     commented = tmp_path / "commented.hjson"  # deepspeed.initialize reads config files as HJSON
-    commented.write_text('{\n  # CPU ranks as 2 nodes\n  "sdp4bit": {"quantized_gradients": true, "ranks_per_node": 2}\n}')
+    commented.write_text(
+        '{\n  # CPU ranks as 2 nodes\n  "sdp4bit": {"quantized_gradients": true, "ranks_per_node": 2}\n}'
+    )
     assert lines_of(report.report(str(commented)))[str(commented)].startswith('valid "sdp4bit" block, active: {')
 
 
-@pytest.mark.parametrize("name, value, error", [
-    ("LOCAL_SIZE", "0", "LOCAL_SIZE = 0 must be >= 1"), ("LOCAL_SIZE", "two", "LOCAL_SIZE = 'two' is not an integer"),
-    ("WORLD_SIZE", "8x", "WORLD_SIZE = '8x' is not an integer"), ("RANK", "-1", "RANK = -1 must be >= 0")])
-def test_an_invalid_launcher_variable_is_named(clean_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str,
-                                               error: str):
+@pytest.mark.parametrize(
+    "name, value, error",
+    [
+        ("LOCAL_SIZE", "0", "LOCAL_SIZE = 0 must be >= 1"),
+        ("LOCAL_SIZE", "two", "LOCAL_SIZE = 'two' is not an integer"),
+        ("WORLD_SIZE", "8x", "WORLD_SIZE = '8x' is not an integer"),
+        ("RANK", "-1", "RANK = -1 must be >= 0"),
+    ],
+)
+def test_an_invalid_launcher_variable_is_named(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, error: str
+):
     for variable, default in (("WORLD_SIZE", "8"), ("RANK", "5"), ("LOCAL_SIZE", "4")):
         monkeypatch.setenv(variable, value if variable == name else default)
     assert lines_of(report.report())["layout"] == f"ERROR: {error}"

@@ -23,11 +23,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _job(out: Path, *flags: str, timeout: float = 600) -> tuple[list[dict], str]:
     """tests/shm_job.py on 2 ranks under the real launcher: what each rank saw, and the job's port."""
     port = str(free_port())
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port", port,
-               str(ROOT / "tests" / "shm_job.py"), "--out", str(out), *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_accelerators",
+        "2",
+        "--master_port",
+        port,
+        str(ROOT / "tests" / "shm_job.py"),
+        "--out",
+        str(out),
+        *flags,
+    ]
     try:
-        proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         for path in shm_segments(port):
             path.unlink(missing_ok=True)
@@ -51,8 +68,10 @@ def test_ranks_building_engines_at_different_times_never_wait(tmp_path: Path) ->
     release that waited for rank 1 inside rank 0's engine would hang the job. Once both have built one, the last
     to do so has released both segments."""
     seen, port = _job(tmp_path, "--asymmetric", timeout=300)
-    assert seen == [{"events": ["built", "sent"], "left": [False, False]},
-                    {"events": ["received", "built"], "left": [False, False]}]
+    assert seen == [
+        {"events": ["built", "sent"], "left": [False, False]},
+        {"events": ["received", "built"], "left": [False, False]},
+    ]
     assert not shm_segments(port)
 
 

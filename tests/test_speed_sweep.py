@@ -13,8 +13,16 @@ from sdp4bit_benchmarks import speed_sweep
 
 
 def _args(out: Path, per_node: int) -> argparse.Namespace:
-    return argparse.Namespace(out=out, steps=16, ranks_per_node=per_node, rates=["25"], dtypes=["fp32"],
-                              variants=["zero3"], repeats=1, slow_repeats=1)
+    return argparse.Namespace(
+        out=out,
+        steps=16,
+        ranks_per_node=per_node,
+        rates=["25"],
+        dtypes=["fp32"],
+        variants=["zero3"],
+        repeats=1,
+        slow_repeats=1,
+    )
 
 
 def _record(per_node: int | None) -> dict:
@@ -31,8 +39,9 @@ def test_hpz_with_one_rank_per_node_is_refused_naming_both_flags(capsys: pytest.
 
 
 @pytest.mark.parametrize("recorded, pending_for_1, pending_for_2", [(None, 1, 0), (1, 0, 1), (2, 1, 0)])
-def test_a_run_counts_as_done_only_for_its_ranks_per_node(tmp_path: Path, recorded: int | None, pending_for_1: int,
-                                                          pending_for_2: int) -> None:
+def test_a_run_counts_as_done_only_for_its_ranks_per_node(
+    tmp_path: Path, recorded: int | None, pending_for_1: int, pending_for_2: int
+) -> None:
     """Runs recorded before the setting existed had 2 ranks per node."""
     (tmp_path / "runs.jsonl").write_text(json.dumps(_record(recorded)) + "\n")
     for per_node, expected in ((1, pending_for_1), (2, pending_for_2)):

@@ -44,9 +44,16 @@ def _attempt(ranks_per_node: int | str = "auto") -> dict:
         topo = build_topology(ranks_per_node)
     except TopologyError as exc:
         return {"error": str(exc)}
-    return {"rpn": topo.ranks_per_node, "source": topo.source, "nodes": topo.nodes, "node": topo.node,
-            "local": topo.local, "intra": dist.get_process_group_ranks(topo.intra),
-            "inter": dist.get_process_group_ranks(topo.inter), "describe": topo.describe()}
+    return {
+        "rpn": topo.ranks_per_node,
+        "source": topo.source,
+        "nodes": topo.nodes,
+        "node": topo.node,
+        "local": topo.local,
+        "intra": dist.get_process_group_ranks(topo.intra),
+        "inter": dist.get_process_group_ranks(topo.inter),
+        "describe": topo.describe(),
+    }
 
 
 def _scenarios() -> dict[str, dict]:
@@ -56,8 +63,11 @@ def _scenarios() -> dict[str, dict]:
     out = {}
     same = ["box"] * WORLD
     plans = [
-        ("explicit2", {}, same, 2), ("explicit1", {}, same, 1), ("explicit3", {}, same, 3),
-        ("explicit0", {}, same, 0), ("explicit_str", {}, same, "2"),
+        ("explicit2", {}, same, 2),
+        ("explicit1", {}, same, 1),
+        ("explicit3", {}, same, 3),
+        ("explicit0", {}, same, 0),
+        ("explicit_str", {}, same, "2"),
         ("lws", {"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, same, "auto"),
         ("local_size", {"LOCAL_SIZE": "4"}, same, "auto"),
         ("local_size_wider", {"LOCAL_SIZE": "8"}, same, "auto"),
@@ -88,16 +98,26 @@ def test_topology_detection_and_errors():
     """Each source gives the right layout and groups; every bad layout names its cause."""
     ranks = run_distributed(WORLD, _scenarios)
     for rank, res in enumerate(ranks):
-        two = {"rpn": 2, "nodes": 2, "node": rank // 2, "local": rank % 2,
-               "intra": [2 * (rank // 2), 2 * (rank // 2) + 1], "inter": [rank % 2, rank % 2 + 2]}
-        assert res["explicit2"].pop("describe") == ("2 nodes x 2 ranks (from ranks_per_node setting): node 0 = box "
-                                                    "(ranks 0-1), node 1 = box (ranks 2-3) (several nodes share a "
-                                                    "host: simulated nodes)")
+        two = {
+            "rpn": 2,
+            "nodes": 2,
+            "node": rank // 2,
+            "local": rank % 2,
+            "intra": [2 * (rank // 2), 2 * (rank // 2) + 1],
+            "inter": [rank % 2, rank % 2 + 2],
+        }
+        assert res["explicit2"].pop("describe") == (
+            "2 nodes x 2 ranks (from ranks_per_node setting): node 0 = box "
+            "(ranks 0-1), node 1 = box (ranks 2-3) (several nodes share a "
+            "host: simulated nodes)"
+        )
         assert res["explicit2"] == {**two, "source": "ranks_per_node setting"}
         assert res["explicit1"]["nodes"] == 4 and res["explicit1"]["intra"] == [rank]
         assert res["explicit1"]["inter"] == [0, 1, 2, 3]
-        assert "ranks per node = 3 (from ranks_per_node setting) must be >= 1 and divide the world size 4" in \
-            res["explicit3"]["error"]
+        assert (
+            "ranks per node = 3 (from ranks_per_node setting) must be >= 1 and divide the world size 4"
+            in res["explicit3"]["error"]
+        )
         assert "ranks per node = 0" in res["explicit0"]["error"]
         assert "ranks_per_node = '2' must be 'auto' or an integer >= 1" in res["explicit_str"]["error"]
         res["lws"].pop("describe")
@@ -107,13 +127,19 @@ def test_topology_detection_and_errors():
         wider = res["local_size_wider"]
         assert (wider["rpn"], wider["source"], wider["intra"]) == (4, "LOCAL_SIZE", [0, 1, 2, 3]), wider
         assert res["local_size_wider warnings"] == (
-            ["sdp4bit: LOCAL_SIZE = 8 is larger than the world size 4; the job's ranks (4) are taken as one node, "
-             "as DeepSpeed does"] if rank == 0 else []), res["local_size_wider warnings"]
+            [
+                "sdp4bit: LOCAL_SIZE = 8 is larger than the world size 4; the job's ranks (4) are taken as one node, "
+                "as DeepSpeed does"
+            ]
+            if rank == 0
+            else []
+        ), res["local_size_wider warnings"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_differs"]["error"]
         assert "LOCAL_WORLD_SIZE differs between ranks" in res["lws_unset_on_rank0"]["error"]
         assert "LOCAL_WORLD_SIZE = 'two' is not an integer" in res["lws_not_int"]["error"]
-        assert res["hosts_pairs"].pop("describe") == ("2 nodes x 2 ranks (from hostnames): node 0 = a (ranks 0-1), "
-                                                      "node 1 = b (ranks 2-3)")
+        assert res["hosts_pairs"].pop("describe") == (
+            "2 nodes x 2 ranks (from hostnames): node 0 = a (ranks 0-1), node 1 = b (ranks 2-3)"
+        )
         assert res["hosts_pairs"] == {**two, "source": "hostnames"}
         assert res["hosts_one"]["rpn"] == 4 and res["hosts_one"]["inter"] == [rank]
         assert "not numbered node by node" in res["hosts_interleaved"]["error"]
@@ -138,6 +164,7 @@ def test_sdp4bit_groups_wait_as_long_as_the_jobs_default_group() -> None:
     """A job whose default group was made with a 77 s timeout gets SDP4Bit's node, cross-node and flag groups with
     77 s, not torch's 30-minute default for new groups (so a collective stuck on a lost node ends with the job's
     timeout)."""
-    done = subprocess.run([sys.executable, "-c", TIMEOUT_PROBE, str(free_port())], capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", TIMEOUT_PROBE, str(free_port())], capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.strip().splitlines()[-1] == "[77.0, 77.0, 77.0]"

@@ -38,17 +38,51 @@ def _ours(pid: int) -> list[str]:
 @pytest.mark.slow
 def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
     data = tmp_path / "data" / "tokens"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "prepare_data.py"), "--output_prefix", str(data),
-                    "--bpe_vocab_size", "512", "--num_proc", "1"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "prepare_data.py"),
+            "--output_prefix",
+            str(data),
+            "--bpe_vocab_size",
+            "512",
+            "--num_proc",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     out = tmp_path / "run"
-    args = ["--model", "tiny", "--deepspeed_config", str(ROOT / "configs/cpu/tiny_sdp4bit.json"), "--ds_set",
-            "sdp4bit.ranks_per_node=auto", "--precision", "fp32", "--data", str(data), "--train_iters", "6",
-            "--steady_from", "2", "--eval_interval", "100", "--eval_samples", "16", "--seq_len", "64",
-            "--link_counters", two_nodes.LINK, "--out", str(out)]
+    args = [
+        "--model",
+        "tiny",
+        "--deepspeed_config",
+        str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
+        "--ds_set",
+        "sdp4bit.ranks_per_node=auto",
+        "--precision",
+        "fp32",
+        "--data",
+        str(data),
+        "--train_iters",
+        "6",
+        "--steady_from",
+        "2",
+        "--eval_interval",
+        "100",
+        "--eval_samples",
+        "16",
+        "--seq_len",
+        "64",
+        "--link_counters",
+        two_nodes.LINK,
+        "--out",
+        str(out),
+    ]
     with two_nodes.TwoNodes(ranks_per_node=2) as nodes:
         nodes.shape(two_nodes.Link(rate_mbit=200))
-        job = two_nodes.run_job(nodes, str(ROOT / "examples" / "train_gpt.py"), args, tmp_path / "logs",
-                                timeout=900)
+        job = two_nodes.run_job(nodes, str(ROOT / "examples" / "train_gpt.py"), args, tmp_path / "logs", timeout=900)
         names = list(nodes.names)
     logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(2))
     assert job["exit_codes"] == [0, 0], logs
@@ -76,9 +110,23 @@ def _start_runner(tmp_path: Path) -> subprocess.Popen:
     ignored, so Python installs no Ctrl-C handler of its own); returns once both nodes run its ranks."""
     script = tmp_path / "wait.py"
     script.write_text("import time\ntime.sleep(600)\n")
-    runner = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--rate_mbit", "100",
-                               "--log_dir", str(tmp_path / "logs"), "--", str(script)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigint)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "two_nodes.py"),
+            "--rate_mbit",
+            "100",
+            "--log_dir",
+            str(tmp_path / "logs"),
+            "--",
+            str(script),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not _ranks_running(runner.pid):
         time.sleep(0.2)
@@ -113,8 +161,10 @@ def _communicate(runner: subprocess.Popen, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         runner.kill()
         output = runner.communicate(timeout=30)[0]
-        pytest.fail(f"the runner did not exit within {timeout:.0f} s; namespaces {two_nodes._namespaces()}; "
-                    f"it printed:\n{output}")
+        pytest.fail(
+            f"the runner did not exit within {timeout:.0f} s; namespaces {two_nodes._namespaces()}; "
+            f"it printed:\n{output}"
+        )
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -138,25 +188,34 @@ def test_ctrl_c_stops_the_job_and_removes_both_nodes(tmp_path: Path) -> None:
 def test_killed_runner_leaves_nothing(tmp_path: Path) -> None:
     """SIGKILL gives the runner no chance to clean up: its guard process removes the nodes and their processes."""
     runner = _start_runner(tmp_path)
-    victims = [int(p) for n in _ours(runner.pid) for p in
-               subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+    victims = [
+        int(p)
+        for n in _ours(runner.pid)
+        for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+    ]
     assert victims
     os.kill(runner.pid, signal.SIGKILL)
     runner.wait(timeout=30)
     assert _gone_within(runner.pid, 30), two_nodes._namespaces()
     time.sleep(0.5)
-    assert not [v for v in victims if Path(f"/proc/{v}").exists() and
-                "wait.py" in Path(f"/proc/{v}/cmdline").read_text()], "processes of the nodes survived"
+    assert not [
+        v for v in victims if Path(f"/proc/{v}").exists() and "wait.py" in Path(f"/proc/{v}/cmdline").read_text()
+    ], "processes of the nodes survived"
 
 
 def _qdiscs(node: str) -> str:
-    return subprocess.run(["tc", "-n", node, "qdisc", "show", "dev", two_nodes.LINK], capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["tc", "-n", node, "qdisc", "show", "dev", two_nodes.LINK], capture_output=True, text=True
+    ).stdout
 
 
 def test_check_and_rate_shaping() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "two_nodes.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "can run two namespaced nodes" in done.stdout
     with two_nodes.TwoNodes() as nodes:
         names = list(nodes.names)
@@ -203,9 +262,13 @@ def _python_for(user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     path = os.pathsep.join([sysconfig.get_paths()["purelib"], str(ROOT)])
     for python, env in ((sys.executable, {}), (f"/usr/bin/python{version}", {"PYTHONPATH": path})):
-        probe = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
-                                python, "-c", PROBE], capture_output=True,
-                               env={**os.environ, **env, "HOME": user.pw_dir}, cwd="/", timeout=300)
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", python, "-c", PROBE],
+            capture_output=True,
+            env={**os.environ, **env, "HOME": user.pw_dir},
+            cwd="/",
+            timeout=300,
+        )
         if probe.returncode == 0:
             return python, env
     pytest.skip(f"no Python {version} with deepspeed that user {user.pw_name} may run")
@@ -227,9 +290,22 @@ def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) ->
         script.write_text(WHOAMI)
         runs = checkout / "runs"
         env = {**os.environ, **python_env, "SUDO_UID": str(user.pw_uid), "SUDO_GID": str(user.pw_gid)}
-        done = subprocess.run([python, str(ROOT / "benchmarks" / "two_nodes.py"), "--log_dir", str(runs / "two_nodes"),
-                               "--", str(script), str(runs / "job")], cwd=checkout, env=env, capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            [
+                python,
+                str(ROOT / "benchmarks" / "two_nodes.py"),
+                "--log_dir",
+                str(runs / "two_nodes"),
+                "--",
+                str(script),
+                str(runs / "job"),
+            ],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(runs.glob("two_nodes/node*.log")))
         assert done.returncode == 0, done.stdout + done.stderr + logs
         seen = [json.loads((runs / "job" / f"rank{rank}.json").read_text()) for rank in range(4)]

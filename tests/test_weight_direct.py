@@ -30,8 +30,7 @@ BITS, GROUP, SEED = 4, 128, 77
 def _gatherer(stochastic: bool = True) -> DirectQuantGather:
     """A world-1 gatherer with the SIZES parameters registered."""
     topo = Topology(world=1, rank=0, ranks_per_node=1, source="test", intra=None, inter=None)
-    gatherer = DirectQuantGather(topo, bits=BITS, group_size=GROUP, stochastic=stochastic, seed=SEED,
-                                 stats=CommStats())
+    gatherer = DirectQuantGather(topo, bits=BITS, group_size=GROUP, stochastic=stochastic, seed=SEED, stats=CommStats())
     for key, numel in SIZES.items():
         gatherer.add(key, numel)
     return gatherer
@@ -45,7 +44,7 @@ def _shards(salt: int = 0) -> dict[int, torch.Tensor]:
 
 def _gather(gatherer: DirectQuantGather, shards: dict[int, torch.Tensor], keys: list[int]) -> dict[int, torch.Tensor]:
     """Gather these keys (in this order) and return the full tensors by key."""
-    return dict(zip(sorted(keys), gatherer.gather({k: shards[k] for k in keys}).wait()))
+    return dict(zip(sorted(keys), gatherer.gather({k: shards[k] for k in keys}).wait(), strict=True))
 
 
 def _expected(shards: dict[int, torch.Tensor], step: int, stochastic: bool = True) -> dict[int, torch.Tensor]:
@@ -54,10 +53,17 @@ def _expected(shards: dict[int, torch.Tensor], step: int, stochastic: bool = Tru
     total = sum(SIZES.values())
     out, offset = {}, 0
     for key in sorted(SIZES):
-        codes, scales = reference.quantize(shards[key], bits=BITS, group_size=GROUP, stochastic=stochastic,
-                                           seed=stream.seed, offset=step * total + offset)
-        out[key] = reference.dequantize(codes, scales, numel=SIZES[key], bits=BITS, group_size=GROUP,
-                                        dtype=torch.bfloat16)
+        codes, scales = reference.quantize(
+            shards[key],
+            bits=BITS,
+            group_size=GROUP,
+            stochastic=stochastic,
+            seed=stream.seed,
+            offset=step * total + offset,
+        )
+        out[key] = reference.dequantize(
+            codes, scales, numel=SIZES[key], bits=BITS, group_size=GROUP, dtype=torch.bfloat16
+        )
         offset += SIZES[key]
     return out
 
@@ -173,7 +179,7 @@ def _weights_seen() -> dict[str, Any]:
         param = engine.sdp4bit.units.params[key]
         ps = param.ds_tensor.numel()
         valid = max(0, min(ps, param.ds_numel - rank * ps))
-        used = seen[0]["forward"][key][0].view(-1)[rank * ps:rank * ps + valid]
+        used = seen[0]["forward"][key][0].view(-1)[rank * ps : rank * ps + valid]
         own_exact[key] = torch.equal(used, _bits(param.ds_tensor).view(-1)[:valid])
     unchanged = all(torch.equal(shards_before[k], _bits(p.ds_tensor)) for k, p in engine.sdp4bit.units.params.items())
     try:
@@ -181,9 +187,16 @@ def _weights_seen() -> dict[str, Any]:
         verify_error = ""
     except RuntimeError as error:
         verify_error = str(error)
-    return {"verify_error": verify_error, "seen": seen, "matrices": matrices, "all_matrices": all_matrices, "world": world,
-            "weights_unchanged": unchanged, "forward_used_exact_weights": own_exact,
-            "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.units.params[matrices[-1]])}
+    return {
+        "verify_error": verify_error,
+        "seen": seen,
+        "matrices": matrices,
+        "all_matrices": all_matrices,
+        "world": world,
+        "weights_unchanged": unchanged,
+        "forward_used_exact_weights": own_exact,
+        "nonzero_before_and_after_edit": _zeroed_within_a_step(engine.sdp4bit.units.params[matrices[-1]]),
+    }
 
 
 def _zeroed_within_a_step(param: torch.nn.Parameter) -> tuple[int, int]:

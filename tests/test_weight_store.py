@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -19,8 +20,14 @@ import torch.distributed as dist
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.accounting import CommStats
-from deepspeed_sdp4bit.collectives.rounding import (STAGE_QUANTIZE, STAGE_REQUANTIZE, STAGE_WEIGHT_DIRECT,
-                                                    STAGE_WEIGHT_REFRESH, RoundingStream, derive_seed)
+from deepspeed_sdp4bit.collectives.rounding import (
+    STAGE_QUANTIZE,
+    STAGE_REQUANTIZE,
+    STAGE_WEIGHT_DIRECT,
+    STAGE_WEIGHT_REFRESH,
+    RoundingStream,
+    derive_seed,
+)
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import WeightStore, column_hashes, shard_numel, valid_numel
 from deepspeed_sdp4bit.topology import Topology, build_topology
@@ -77,8 +84,13 @@ def _valid_mask(sizes: list[int], world: int, rank: int) -> torch.Tensor:
 def _assemble(runs: list[torch.Tensor], sizes: list[int], world: int) -> torch.Tensor:
     """The full parameters, concatenated, from every rank's run: rank r's valid prefix of each parameter in turn."""
     offsets = _offsets(sizes, world)
-    return torch.cat([runs[r][off:off + valid_numel(n, world, r)]
-                      for n, off in zip(sizes, offsets) for r in range(world)])
+    return torch.cat(
+        [
+            runs[r][off : off + valid_numel(n, world, r)]
+            for n, off in zip(sizes, offsets, strict=True)
+            for r in range(world)
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,11 +128,12 @@ def _advance(master: torch.Tensor, key: int, rank: int, valid: int, step: int) -
     master[:valid] += LR * torch.randn(valid, generator=_gen(key, rank, step))
 
 
-def _advance_masters(masters: dict[int, torch.Tensor], keys: list[int], sizes: list[int], step: int,
-                     only: list[int] | None = None) -> None:
+def _advance_masters(
+    masters: dict[int, torch.Tensor], keys: list[int], sizes: list[int], step: int, only: list[int] | None = None
+) -> None:
     """`_advance` this rank's masters of the keys in `only` (default: every key) from `step` to `step + 1`."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    for k, n in zip(keys, sizes):
+    for k, n in zip(keys, sizes, strict=True):
         if only is None or k in only:
             _advance(masters[k], k, rank, valid_numel(n, world, rank), step)
 
@@ -162,10 +175,12 @@ def _consistent(store: WeightStore, keys: list[int], sizes: list[int]) -> dict[s
     world, rank = dist.get_world_size(), dist.get_rank()
     own = _own_run(store, keys)
     copies = _all_gather(full)
-    return {"checksum_mismatches": report.mismatches,
-            "ranks_with_other_copies": [r for r, p in enumerate(copies) if not torch.equal(p, _wide_bits(full))],
-            "gathered_unlike_owner_shards": int((_assemble(_all_gather(own), sizes, world) != _wide_bits(full)).sum()),
-            "own_padding_nonzero": int((own[~_valid_mask(sizes, world, rank)] != 0).sum())}
+    return {
+        "checksum_mismatches": report.mismatches,
+        "ranks_with_other_copies": [r for r, p in enumerate(copies) if not torch.equal(p, _wide_bits(full))],
+        "gathered_unlike_owner_shards": int((_assemble(_all_gather(own), sizes, world) != _wide_bits(full)).sum()),
+        "own_padding_nonzero": int((own[~_valid_mask(sizes, world, rank)] != 0).sum()),
+    }
 
 
 def _inexact(store: WeightStore, keys: list[int], sizes: list[int], run: torch.Tensor, dtype: torch.dtype) -> int:
@@ -173,12 +188,19 @@ def _inexact(store: WeightStore, keys: list[int], sizes: list[int], run: torch.T
     its own slot differs from its run (0 when exact)."""
     world = dist.get_world_size()
     full = torch.cat(store.gather(_own_shards(store, keys)).wait())
-    return (int((_assemble(_all_gather(run.to(dtype)), sizes, world) != _wide_bits(full)).sum())
-            + _differing(_own_run(store, keys), run.to(dtype)))
+    return int((_assemble(_all_gather(run.to(dtype)), sizes, world) != _wide_bits(full)).sum()) + _differing(
+        _own_run(store, keys), run.to(dtype)
+    )
 
 
-def _step_bound(master: torch.Tensor, before: torch.Tensor, after: torch.Tensor, buckets: list[tuple[int, int]],
-                group: int, dtype: torch.dtype) -> float:
+def _step_bound(
+    master: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    buckets: list[tuple[int, int]],
+    group: int,
+    dtype: torch.dtype,
+) -> float:
     """max |master - w~| / (last delta's quantization step + two ulps) over the run: <= 1 when error feedback works.
 
     The step is the abs-max over the delta's group / 7, where groups tile each bucket across parameter boundaries.
@@ -188,13 +210,14 @@ def _step_bound(master: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
     for start, stop in buckets:
         piece = d[start:stop].abs()
         absmax = torch.nn.functional.pad(piece, (0, (-piece.numel()) % group)).view(-1, group).amax(dim=1)
-        step[start:stop] = (absmax / 7).repeat_interleave(group)[:piece.numel()]
+        step[start:stop] = (absmax / 7).repeat_interleave(group)[: piece.numel()]
     ulp = torch.finfo(dtype).eps * torch.maximum(master.abs(), after.abs()) + torch.finfo(torch.float32).tiny
     return float(((master - after).abs() / (step * (1 + 1e-5) + 2 * ulp)).max())
 
 
-def _expected_refresh_bytes(topo: Topology, replica: str, sizes: list[int], group: int, bucket: int,
-                            esize: int) -> tuple[int, int]:
+def _expected_refresh_bytes(
+    topo: Topology, replica: str, sizes: list[int], group: int, bucket: int, esize: int
+) -> tuple[int, int]:
     """(wire, logical) bytes of one quantized refresh of all params on this rank: codes and scales per bucket."""
     buckets = _buckets(sizes, topo.world, _slots(topo, replica), bucket)
     wire_one = sum(codes_nbytes(stop - start, 4) + 4 * num_groups(stop - start, group) for start, stop in buckets)
@@ -207,19 +230,48 @@ def _expected_refresh_bytes(topo: Topology, replica: str, sizes: list[int], grou
     return wire, logical
 
 
-def _make_store(topo: Topology, replica: str, dtype: torch.dtype, sizes: list[int], group: int, bucket: int,
-                stochastic: bool, seed: int, stats: CommStats, keys: list[int]) -> WeightStore:
+def _make_store(
+    topo: Topology,
+    replica: str,
+    dtype: torch.dtype,
+    sizes: list[int],
+    group: int,
+    bucket: int,
+    stochastic: bool,
+    seed: int,
+    stats: CommStats,
+    keys: list[int],
+) -> WeightStore:
     """A finalized 4-bit store on CPU with `keys` registered in order."""
-    store = WeightStore(topo, replica=replica, bits=4, group_size=group, stochastic=stochastic, seed=seed,
-                        stats=stats, bucket_numel=bucket, dtype=dtype, device=torch.device("cpu"))
-    for key, n in zip(keys, sizes):
+    store = WeightStore(
+        topo,
+        replica=replica,
+        bits=4,
+        group_size=group,
+        stochastic=stochastic,
+        seed=seed,
+        stats=stats,
+        bucket_numel=bucket,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    for key, n in zip(keys, sizes, strict=True):
         store.add(key, n)
     store.finalize()
     return store
 
 
-def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, bucket: int,
-                stochastic: bool, steps: int, seed: int) -> dict:
+def _store_case(
+    rpn: int,
+    replica: str,
+    dtype_name: str,
+    sizes: list[int],
+    group: int,
+    bucket: int,
+    stochastic: bool,
+    steps: int,
+    seed: int,
+) -> dict:
     """Resync, `steps` quantized refreshes with checks, then resync and a deliberate corruption."""
     dtype = DTYPES[dtype_name]
     esize = torch.finfo(dtype).bits // 8
@@ -230,41 +282,54 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     store = _make_store(topo, replica, dtype, sizes, group, bucket, stochastic, seed, stats, keys)
     buckets = _buckets(sizes, world, _slots(topo, replica), bucket)
     out: dict = {}
-    masters = {k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes)}
+    masters = {k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes, strict=True)}
     store.resync(masters)
-    out["resync_initial_inexact"] = _inexact(store, keys, sizes,
-                                             _clean_run(list(masters.values()), sizes, world, rank), dtype)
+    out["resync_initial_inexact"] = _inexact(
+        store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank), dtype
+    )
     snap = stats.snapshot()
-    out["resync_counts"] = {"refresh_calls": snap["weight_refresh"]["calls"],
-                            "resync_calls": snap["weight_resync"]["calls"],
-                            "resync_wire": snap["weight_resync"]["wire_bytes"],
-                            "resync_logical": snap["weight_resync"]["logical_bytes"],
-                            "sends": topo.nodes > 1 or (replica == "rank" and topo.world > 1)}
+    out["resync_counts"] = {
+        "refresh_calls": snap["weight_refresh"]["calls"],
+        "resync_calls": snap["weight_resync"]["calls"],
+        "resync_wire": snap["weight_resync"]["wire_bytes"],
+        "resync_logical": snap["weight_resync"]["logical_bytes"],
+        "sends": topo.nodes > 1 or (replica == "rank" and topo.world > 1),
+    }
     stats.reset()
     worst = [0.0] * steps
     for step in range(steps):
         before = _own_run(store, keys).float()
         _advance_masters(masters, keys, sizes, step)
         store.refresh(masters)
-        worst[step] = _step_bound(_clean_run(list(masters.values()), sizes, world, rank), before,
-                                  _own_run(store, keys).float(), buckets, group, dtype)
+        worst[step] = _step_bound(
+            _clean_run(list(masters.values()), sizes, world, rank),
+            before,
+            _own_run(store, keys).float(),
+            buckets,
+            group,
+            dtype,
+        )
     out["error_over_step_bound"] = worst
     snap = stats.snapshot()
     wire, logical = _expected_refresh_bytes(topo, replica, sizes, group, bucket, esize)
-    out["refresh_bytes"] = (snap["weight_refresh"]["wire_bytes"], snap["weight_refresh"]["logical_bytes"],
-                            steps * wire, steps * logical)
+    out["refresh_bytes"] = (
+        snap["weight_refresh"]["wire_bytes"],
+        snap["weight_refresh"]["logical_bytes"],
+        steps * wire,
+        steps * logical,
+    )
     # the inter-node all-gather's share of the wire bytes: all of them, except in rank mode with several ranks per
     # node, where the node then gathers what arrived (nodes times the inter-node bytes)
     inter_wire = wire if replica == "node" or topo.ranks_per_node == 1 else wire // (topo.nodes + 1)
-    out["refresh_cross_node"] = (snap["weight_refresh"]["cross_node_bytes"],
-                                 steps * inter_wire * (topo.nodes - 1))
+    out["refresh_cross_node"] = (snap["weight_refresh"]["cross_node_bytes"], steps * inter_wire * (topo.nodes - 1))
     out.update(_consistent(store, keys, sizes))
     snap = stats.snapshot()["weight_gather"]
     out["gather_bytes"] = (snap["wire_bytes"], snap["logical_bytes"])
     out["gather_cross_node"] = snap["cross_node_bytes"]
     gathers_inside_node = replica == "node" and topo.ranks_per_node > 1
-    out["expected_gather_bytes"] = (topo.nodes * sum(shard_numel(n, world) for n in sizes) * esize
-                                    if gathers_inside_node else 0)
+    out["expected_gather_bytes"] = (
+        topo.nodes * sum(shard_numel(n, world) for n in sizes) * esize if gathers_inside_node else 0
+    )
     run = _clean_run(list(masters.values()), sizes, world, rank)
     store.resync(masters)
     out["resync_inexact"] = _inexact(store, keys, sizes, run, dtype)
@@ -275,18 +340,23 @@ def _store_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group
     out["after_corruption_resync"] = (store.checksum().mismatches, _inexact(store, keys, sizes, run, dtype))
     _advance_masters(masters, keys, sizes, steps)
     store.refresh(masters, quantize=False)  # before the quantization start step: the new values, exactly
-    out["exact_refresh_inexact"] = _inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
-                                            dtype)
+    out["exact_refresh_inexact"] = _inexact(
+        store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank), dtype
+    )
     every_other = keys[::2]  # no two of them adjacent: each must travel in its own run of columns
     _advance_masters(masters, keys, sizes, steps + 1, only=every_other)
     store.resync({k: masters[k] for k in every_other})
-    out["every_other_resync_inexact"] = _inexact(store, keys, sizes,
-                                                 _clean_run(list(masters.values()), sizes, world, rank), dtype)
-    twin = _make_store(topo, replica, dtype, sizes, group, bucket, stochastic, seed, CommStats(topo.ranks_per_node),
-                       keys)
+    out["every_other_resync_inexact"] = _inexact(
+        store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank), dtype
+    )
+    twin = _make_store(
+        topo, replica, dtype, sizes, group, bucket, stochastic, seed, CommStats(topo.ranks_per_node), keys
+    )
     out["resumed_refresh_differs"] = _resumed_refresh_differs(store, twin, masters, keys, sizes, steps + 2)
-    out["memory_bytes"] = (store.memory_bytes(), sum(store.shard_numel(k) for k in keys)
-                           * _slots(topo, replica) * esize)
+    out["memory_bytes"] = (
+        store.memory_bytes(),
+        sum(store.shard_numel(k) for k in keys) * _slots(topo, replica) * esize,
+    )
     return out
 
 
@@ -305,12 +375,25 @@ def _corrupt(store: WeightStore, topo: Topology, replica: str, keys: list[int], 
         own[:1].view(torch.int16 if own.element_size() == 2 else torch.int32).bitwise_xor_(1)
     report = store.checksum()
     expected = [] if holders == 1 else sorted({(key, 0), (key, victim)})
-    return {"holders": holders, "ok": report.ok, "mismatches": sorted(report.mismatches), "expected": expected,
-            "swapped_differ": swapped_differ, "regions": report.regions, "expected_regions": len(keys) * topo.world}
+    return {
+        "holders": holders,
+        "ok": report.ok,
+        "mismatches": sorted(report.mismatches),
+        "expected": expected,
+        "swapped_differ": swapped_differ,
+        "regions": report.regions,
+        "expected_regions": len(keys) * topo.world,
+    }
 
 
-def _resumed_refresh_differs(store: WeightStore, twin: WeightStore, masters: dict[int, torch.Tensor],
-                             keys: list[int], sizes: list[int], step: int) -> int:
+def _resumed_refresh_differs(
+    store: WeightStore,
+    twin: WeightStore,
+    masters: dict[int, torch.Tensor],
+    keys: list[int],
+    sizes: list[int],
+    step: int,
+) -> int:
     """`twin` takes `store`'s replicas and its state_dict (a resume), then both refresh to the same new masters:
     the own-slot elements whose bits differ (0: the rounding counter was restored)."""
     twin.resync({k: store.own_shard(k).float() for k in keys})
@@ -321,8 +404,9 @@ def _resumed_refresh_differs(store: WeightStore, twin: WeightStore, masters: dic
     return int((_bits(_own_run(store, keys)) != _bits(_own_run(twin, keys))).sum())
 
 
-def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, columns: int,
-                    steps: int, seed: int) -> dict[str, object]:
+def _emulation_case(
+    rpn: int, replica: str, dtype_name: str, sizes: list[int], group: int, columns: int, steps: int, seed: int
+) -> dict[str, object]:
     """Replicas after every refresh against a single-process run of the reference codec for every rank, bit for bit:
     per step, the gathered and the own-slot elements that differ; and the bucket layout the case covers.
 
@@ -339,27 +423,34 @@ def _emulation_case(rpn: int, replica: str, dtype_name: str, sizes: list[int], g
     buckets = _buckets(sizes, world, _slots(topo, replica), bucket)
 
     def run_of(r: int, step: int) -> torch.Tensor:
-        return _clean_run([_master(k, r, n, world, step) for k, n in zip(keys, sizes)], sizes, world, r)
+        return _clean_run([_master(k, r, n, world, step) for k, n in zip(keys, sizes, strict=True)], sizes, world, r)
 
-    store.resync({k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes)})
+    store.resync({k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes, strict=True)})
     ref = torch.stack([run_of(r, 0) for r in range(world)]).to(dtype)
     streams = [RoundingStream(seed, r, STAGE_WEIGHT_REFRESH) for r in range(world)]
     gathered, own = [], []
     for step in range(1, steps + 1):
-        store.refresh({k: _master(k, rank, n, world, step) for k, n in zip(keys, sizes)})
+        store.refresh({k: _master(k, rank, n, world, step) for k, n in zip(keys, sizes, strict=True)})
         for r in range(world):
             new = run_of(r, step)
             for start, stop in buckets:
                 s, off = streams[r].take(stop - start)
-                codes, scales = reference.diff_quantize(new[start:stop], ref[r, start:stop], bits=4,
-                                                        group_size=group, stochastic=True, seed=s, offset=off)
+                codes, scales = reference.diff_quantize(
+                    new[start:stop], ref[r, start:stop], bits=4, group_size=group, stochastic=True, seed=s, offset=off
+                )
                 reference.dequantize_add_(ref[r, start:stop], codes, scales, bits=4, group_size=group)
-        gathered.append(_differing(torch.cat(store.gather(_own_shards(store, keys)).wait()), _assemble(list(ref), sizes, world)))
+        gathered.append(
+            _differing(torch.cat(store.gather(_own_shards(store, keys)).wait()), _assemble(list(ref), sizes, world))
+        )
         own.append(_differing(_own_run(store, keys), ref[rank]))
     offsets = _offsets(sizes, world)
     shared = [(a, b) for a, b in buckets if b - a > group and sum(a <= off < b for off in offsets) > 1]
-    return {"gathered_differing": gathered, "own_differing": own, "buckets": len(buckets),
-            "multi_param_multi_group_buckets": len(shared)}
+    return {
+        "gathered_differing": gathered,
+        "own_differing": own,
+        "buckets": len(buckets),
+        "multi_param_multi_group_buckets": len(shared),
+    }
 
 
 def _nan_case(rpn: int, replica: str, group: int) -> dict:
@@ -372,7 +463,7 @@ def _nan_case(rpn: int, replica: str, group: int) -> dict:
     offsets = _offsets(sizes, world)
     bucket = _slots(topo, replica) * 120  # at most 120 columns: several buckets; param 3 shares one with neighbours
     store = _make_store(topo, replica, torch.bfloat16, sizes, group, bucket, True, 3, CommStats(), keys)
-    masters = {k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes)}
+    masters = {k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes, strict=True)}
     store.resync(masters)
     source, poisoned = world - 1, 3
     new = {k: m.clone() for k, m in masters.items()}
@@ -383,20 +474,26 @@ def _nan_case(rpn: int, replica: str, group: int) -> dict:
     start, stop = next((a, b) for a, b in buckets if a <= offsets[poisoned] < b)
     lo = start + (offsets[poisoned] - start) // group * group
     expected = torch.zeros(offsets[-1] + shard_numel(sizes[-1], world), dtype=torch.bool)
-    expected[lo:min(lo + group, stop)] = True
+    expected[lo : min(lo + group, stop)] = True
     empty = torch.zeros_like(expected)
     padding = ~_valid_mask(sizes, world, source)
-    spanned = [k for k, off in enumerate(offsets) if expected[off:off + shard_numel(sizes[k], world)].any()]
+    spanned = [k for k, off in enumerate(offsets) if expected[off : off + shard_numel(sizes[k], world)].any()]
     full = torch.cat(store.gather(_own_shards(store, keys)).wait())
     nan_expected = _assemble([expected if r == source else empty for r in range(world)], sizes, world)
-    out = {"params_in_group": spanned, "padding_in_group": int((expected & padding).sum()),
-           "gathered_nan_misplaced": int((torch.isnan(full.float()) != nan_expected).sum()),
-           "own_nan_misplaced": int((torch.isnan(_own_run(store, keys).float())
-                                     != (expected if rank == source else empty)).sum()),
-           "holder_mismatches": store.checksum().mismatches}
+    out = {
+        "params_in_group": spanned,
+        "padding_in_group": int((expected & padding).sum()),
+        "gathered_nan_misplaced": int((torch.isnan(full.float()) != nan_expected).sum()),
+        "own_nan_misplaced": int(
+            (torch.isnan(_own_run(store, keys).float()) != (expected if rank == source else empty)).sum()
+        ),
+        "holder_mismatches": store.checksum().mismatches,
+    }
     store.resync(masters)
-    out["after_resync"] = (_inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank),
-                                    torch.bfloat16), store.checksum().mismatches)
+    out["after_resync"] = (
+        _inexact(store, keys, sizes, _clean_run(list(masters.values()), sizes, world, rank), torch.bfloat16),
+        store.checksum().mismatches,
+    )
     return out
 
 
@@ -426,14 +523,20 @@ def _direct_case(dtype_name: str, sizes: list[int], group: int, seed: int) -> di
             s, off = streams[r].take(shard_numel(n, world))
             valid = valid_numel(n, world, r)
             shard = _master(k, r, n, world, 3).to(dtype)
-            codes, scales = reference.quantize(shard, bits=4, group_size=group, stochastic=True, seed=s, offset=off,
-                                               valid=valid)
-            pieces.append(reference.dequantize(codes, scales, numel=shard.numel(), bits=4, group_size=group,
-                                               dtype=dtype)[:valid])
+            codes, scales = reference.quantize(
+                shard, bits=4, group_size=group, stochastic=True, seed=s, offset=off, valid=valid
+            )
+            pieces.append(
+                reference.dequantize(codes, scales, numel=shard.numel(), bits=4, group_size=group, dtype=dtype)[:valid]
+            )
         unlike_reference.append(_differing(t, torch.cat(pieces)))
     snap = stats.snapshot()["weight_gather"]
-    return {"other_copies": other_copies, "unlike_reference": unlike_reference, "second_wait": second_wait,
-            "bytes": (snap["wire_bytes"], snap["logical_bytes"])}
+    return {
+        "other_copies": other_copies,
+        "unlike_reference": unlike_reference,
+        "second_wait": second_wait,
+        "bytes": (snap["wire_bytes"], snap["logical_bytes"]),
+    }
 
 
 def _values_of_every_rank(t: torch.Tensor) -> list[torch.Tensor]:
@@ -453,8 +556,18 @@ def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
     sizes, run, group = [40, 24], 16, 32
     gen = torch.Generator().manual_seed(seed)
     flats = [torch.randn(world * size, generator=gen).to(dtype) for size in sizes]  # the same on every rank
-    store = WeightStore(topo, replica="rank", bits=4, group_size=group, stochastic=True, seed=seed,
-                        stats=CommStats(rpn), bucket_numel=world * run, dtype=dtype, device=torch.device("cpu"))
+    store = WeightStore(
+        topo,
+        replica="rank",
+        bits=4,
+        group_size=group,
+        stochastic=True,
+        seed=seed,
+        stats=CommStats(rpn),
+        bucket_numel=world * run,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
     keys = []
     for segment, size in enumerate(sizes):
         if segment:
@@ -462,34 +575,54 @@ def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
         for start in range(0, size, run):
             keys.append((len(keys), segment, start, min(run, size - start)))
             store.add(keys[-1][0], world * keys[-1][3])
-    store.attach([flat.view(world, size) for flat, size in zip(flats, sizes)])
-    views = {key: flats[segment].view(world, sizes[segment])[rank, start:start + n] for key, segment, start, n in keys}
+    store.attach([flat.view(world, size) for flat, size in zip(flats, sizes, strict=True)])
+    views = {
+        key: flats[segment].view(world, sizes[segment])[rank, start : start + n] for key, segment, start, n in keys
+    }
     problems, counter = [], 0
     for step in range(3):
         before = [flat.clone() for flat in flats]
-        for flat, size in zip(flats, sizes):  # this rank's new weights over its own slot
+        for flat, size in zip(flats, sizes, strict=True):  # this rank's new weights over its own slot
             own = flat.view(world, size)[rank]
-            own.copy_((own.float() + 0.01 * torch.randn(size, generator=torch.Generator().manual_seed(
-                seed * 97 + step * 13 + rank))).to(dtype))
-        news = [_values_of_every_rank(flat.view(world, size)[rank].contiguous()) for flat, size in zip(flats, sizes)]
+            own.copy_(
+                (
+                    own.float()
+                    + 0.01 * torch.randn(size, generator=torch.Generator().manual_seed(seed * 97 + step * 13 + rank))
+                ).to(dtype)
+            )
+        news = [
+            _values_of_every_rank(flat.view(world, size)[rank].contiguous())
+            for flat, size in zip(flats, sizes, strict=True)
+        ]
         written = store.refresh(views, quantize=True)
-        for key, segment, start, n in keys:
+        for _key, segment, start, n in keys:
             for owner in range(world):
-                old = before[segment].view(world, sizes[segment])[owner, start:start + n].clone()
-                codes, scales = reference.diff_quantize(news[segment][owner][start:start + n], old, bits=4,
-                                                        group_size=group, stochastic=True,
-                                                        seed=derive_seed(seed, owner, STAGE_WEIGHT_REFRESH),
-                                                        offset=counter)
+                old = before[segment].view(world, sizes[segment])[owner, start : start + n].clone()
+                codes, scales = reference.diff_quantize(
+                    news[segment][owner][start : start + n],
+                    old,
+                    bits=4,
+                    group_size=group,
+                    stochastic=True,
+                    seed=derive_seed(seed, owner, STAGE_WEIGHT_REFRESH),
+                    offset=counter,
+                )
                 reference.dequantize_add_(old, codes, scales, bits=4, group_size=group)
-                got = flats[segment].view(world, sizes[segment])[owner, start:start + n]
+                got = flats[segment].view(world, sizes[segment])[owner, start : start + n]
                 if _differing(got, old):
                     problems.append(f"step {step} segment {segment} run {start} owner {owner}")
             counter += n
-        problems += [f"step {step} key {key}: own slot is not w~" for key, *_ in keys
-                     if not torch.equal(views[key], store.own_shard(key)) or written[key].data_ptr() !=
-                     views[key].data_ptr()]
-    return {"problems": problems, "memory": store.memory_bytes(), "checksum": store.checksum().ok,
-            "expected_memory": sum(sizes) * flats[0].element_size()}
+        problems += [
+            f"step {step} key {key}: own slot is not w~"
+            for key, *_ in keys
+            if not torch.equal(views[key], store.own_shard(key)) or written[key].data_ptr() != views[key].data_ptr()
+        ]
+    return {
+        "problems": problems,
+        "memory": store.memory_bytes(),
+        "checksum": store.checksum().ok,
+        "expected_memory": sum(sizes) * flats[0].element_size(),
+    }
 
 
 def _divisors(world: int) -> list[int]:
@@ -504,20 +637,24 @@ def _world_cases(world: int) -> dict:
             dtype = ("bf16", "fp32")[(i + j) % 2]
             bucket = 3000 if (i + j) % 2 else 1 << 30
             name = f"small/rpn{rpn}/{replica}/{dtype}/bucket{bucket}"
-            results[name] = _store_case(rpn, replica, dtype, list(SMALL), 64, bucket, (i + j) % 3 != 2, STEPS,
-                                        seed=world * 100 + i * 10 + j)
+            results[name] = _store_case(
+                rpn, replica, dtype, list(SMALL), 64, bucket, (i + j) % 3 != 2, STEPS, seed=world * 100 + i * 10 + j
+            )
     rpn = max(d for d in _divisors(world) if d < world) if world > 1 else 1
     for replica in ("rank", "node"):
-        results[f"big/rpn{rpn}/{replica}/bf16"] = _store_case(rpn, replica, "bf16", [BIG, 1, 3], 2048, 1 << 22,
-                                                              True, 2, seed=7)
+        results[f"big/rpn{rpn}/{replica}/bf16"] = _store_case(
+            rpn, replica, "bf16", [BIG, 1, 3], 2048, 1 << 22, True, 2, seed=7
+        )
     for replica, dtype in (("rank", "fp32"), ("node", "bf16")):
-        results[f"many/rpn{rpn}/{replica}/{dtype}"] = _store_case(rpn, replica, dtype, list(MANY), 2048, 1 << 14,
-                                                                  True, 3, seed=9)
+        results[f"many/rpn{rpn}/{replica}/{dtype}"] = _store_case(
+            rpn, replica, dtype, list(MANY), 2048, 1 << 14, True, 3, seed=9
+        )
     if world in (3, 4):
         for rpn in _divisors(world):
             for replica in ("rank", "node"):
                 results[f"emulation/rpn{rpn}/{replica}"] = _emulation_case(
-                    rpn, replica, "bf16", [1, 2, 37, 301, 150, 5, 77], 32, 100, 4, seed=11)
+                    rpn, replica, "bf16", [1, 2, 37, 301, 150, 5, 77], 32, 100, 4, seed=11
+                )
     if world in (2, 4):
         for replica in ("rank", "node"):
             results[f"nan/rpn{world // 2}/{replica}"] = _nan_case(world // 2, replica, 64)
@@ -537,8 +674,12 @@ def _results(world: int) -> list[dict]:
 
 
 def _cases(world: int, *prefixes: str) -> list[tuple[int, str, dict]]:
-    return [(rank, name, res) for rank, per_rank in enumerate(_results(world))
-            for name, res in per_rank.items() if name.startswith(prefixes)]
+    return [
+        (rank, name, res)
+        for rank, per_rank in enumerate(_results(world))
+        for name, res in per_rank.items()
+        if name.startswith(prefixes)
+    ]
 
 
 STORE_CASES = ("small", "big", "many")
@@ -575,12 +716,27 @@ def test_resync_restores_exact_shards(world: int) -> None:
     step), leave every copy exactly the owners' values; a store resumed from another's replicas and state_dict
     refreshes to the same bits."""
     for rank, name, res in _cases(world, *STORE_CASES):
-        measured = {key: res[key] for key in ("resync_initial_inexact", "resync_inexact", "resync_checksum_mismatches",
-                                              "after_corruption_resync", "exact_refresh_inexact",
-                                              "every_other_resync_inexact", "resumed_refresh_differs")}
-        assert measured == {"resync_initial_inexact": 0, "resync_inexact": 0, "resync_checksum_mismatches": [],
-                            "after_corruption_resync": ([], 0), "exact_refresh_inexact": 0,
-                            "every_other_resync_inexact": 0, "resumed_refresh_differs": 0}, (rank, name, measured)
+        measured = {
+            key: res[key]
+            for key in (
+                "resync_initial_inexact",
+                "resync_inexact",
+                "resync_checksum_mismatches",
+                "after_corruption_resync",
+                "exact_refresh_inexact",
+                "every_other_resync_inexact",
+                "resumed_refresh_differs",
+            )
+        }
+        assert measured == {
+            "resync_initial_inexact": 0,
+            "resync_inexact": 0,
+            "resync_checksum_mismatches": [],
+            "after_corruption_resync": ([], 0),
+            "exact_refresh_inexact": 0,
+            "every_other_resync_inexact": 0,
+            "resumed_refresh_differs": 0,
+        }, (rank, name, measured)
         counts = res["resync_counts"]
         assert counts["refresh_calls"] == 0 and counts["resync_wire"] == counts["resync_logical"], (rank, name, counts)
         assert (counts["resync_calls"] > 0) == counts["sends"], (rank, name, counts)
@@ -639,10 +795,16 @@ def test_nan_in_a_new_shard_reaches_its_bucket_group_on_every_holder(world: int)
     assert len(cases) == world * 2, [name for _, name, _ in cases]
     for rank, name, res in cases:
         assert len(res["params_in_group"]) > 1 and res["padding_in_group"] > 0, (rank, name, res)
-        measured = {key: res[key] for key in ("gathered_nan_misplaced", "own_nan_misplaced", "holder_mismatches",
-                                              "after_resync")}
-        assert measured == {"gathered_nan_misplaced": 0, "own_nan_misplaced": 0, "holder_mismatches": [],
-                            "after_resync": (0, [])}, (rank, name, measured)
+        measured = {
+            key: res[key]
+            for key in ("gathered_nan_misplaced", "own_nan_misplaced", "holder_mismatches", "after_resync")
+        }
+        assert measured == {
+            "gathered_nan_misplaced": 0,
+            "own_nan_misplaced": 0,
+            "holder_mismatches": [],
+            "after_resync": (0, []),
+        }, (rank, name, measured)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -667,18 +829,30 @@ def _single_topology() -> Topology:
 
 
 def _store(**overrides) -> WeightStore:
-    args = dict(replica="node", bits=4, group_size=2048, stochastic=True, seed=0, stats=CommStats(),
-                bucket_numel=1000, dtype=torch.bfloat16, device=torch.device("cpu"))
+    args = dict(
+        replica="node",
+        bits=4,
+        group_size=2048,
+        stochastic=True,
+        seed=0,
+        stats=CommStats(),
+        bucket_numel=1000,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
     args.update(overrides)
     return WeightStore(_single_topology(), **args)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"replica": "off"}, "replica must be 'rank' or 'node', got 'off'"),
-    ({"bits": 3}, "bits must be one of"),
-    ({"group_size": 100}, "group_size must be a multiple of 32"),
-    ({"bucket_numel": 0}, "bucket_numel must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"replica": "off"}, "replica must be 'rank' or 'node', got 'off'"),
+        ({"bits": 3}, "bits must be one of"),
+        ({"group_size": 100}, "group_size must be a multiple of 32"),
+        ({"bucket_numel": 0}, "bucket_numel must be an integer >= 1, got 0"),
+    ],
+)
 def test_bad_arguments_are_named(overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _store(**overrides)
@@ -703,7 +877,9 @@ def test_bad_dtype_and_lifecycle_errors() -> None:
         store.add(4, 5)
     with pytest.raises(KeyError, match="key 9 is not registered"):
         store.own_shard(9)
-    with pytest.raises(ValueError, match="key 3 must be a contiguous float tensor of shard_numel = 10 elements, got 11"):
+    with pytest.raises(
+        ValueError, match="key 3 must be a contiguous float tensor of shard_numel = 10 elements, got 11"
+    ):
         store.refresh({3: torch.zeros(11)})
     with pytest.raises(ValueError, match="rank must be in"):
         store.valid_numel(3, 1)
@@ -719,7 +895,7 @@ def test_column_hashes_detect_flips_and_swaps_in_any_chunking() -> None:
         assert torch.equal(column_hashes(storage, starts, chunk=chunk), base), chunk
     bits = storage.view(torch.int16).to(torch.int64) & 0xFFFF
     bounds = starts + [storage.shape[1]]
-    assert torch.equal(base[:, :, 0], torch.stack([bits[:, a:b].sum(dim=1) for a, b in zip(bounds, bounds[1:])]))
+    assert torch.equal(base[:, :, 0], torch.stack([bits[:, a:b].sum(dim=1) for a, b in pairwise(bounds)]))
     flipped = storage.clone()
     flipped.view(torch.int16)[1, -1] ^= 1
     swapped = storage.clone()

@@ -20,23 +20,47 @@ QW = {"quantized_weights": True}
 
 REFUSALS = [
     ("reduce_scatter off", 2, {"reduce_scatter": False}, QG, {}, "zero_optimization.reduce_scatter = false"),
-    ("contiguous_gradients off", 1, {"contiguous_gradients": False}, QG, {},
-     "zero_optimization.contiguous_gradients = false"),
-    ("one reduce per owner", 2, {"use_multi_rank_bucket_allreduce": False}, QG, {},
-     "zero_optimization.use_multi_rank_bucket_allreduce = false"),
-    ("qW", 2, {}, {**QW, "weight_quantization": "direct", "weight_replica": "off"}, {},
-     "sdp4bit.weight_quantization = 'direct'"),
-    ("BF16_Optimizer", 1, {}, QG, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
-     "data_types.grad_accum_dtype = fp32 with bf16 on ZeRO stage 1"),
-    ("ZeRO++ on stage 2", 2, {"zero_quantized_gradients": True}, QG, {},
-     "zero_optimization.zero_quantized_gradients"),
+    (
+        "contiguous_gradients off",
+        1,
+        {"contiguous_gradients": False},
+        QG,
+        {},
+        "zero_optimization.contiguous_gradients = false",
+    ),
+    (
+        "one reduce per owner",
+        2,
+        {"use_multi_rank_bucket_allreduce": False},
+        QG,
+        {},
+        "zero_optimization.use_multi_rank_bucket_allreduce = false",
+    ),
+    (
+        "qW",
+        2,
+        {},
+        {**QW, "weight_quantization": "direct", "weight_replica": "off"},
+        {},
+        "sdp4bit.weight_quantization = 'direct'",
+    ),
+    (
+        "BF16_Optimizer",
+        1,
+        {},
+        QG,
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "data_types.grad_accum_dtype = fp32 with bf16 on ZeRO stage 1",
+    ),
+    ("ZeRO++ on stage 2", 2, {"zero_quantized_gradients": True}, QG, {}, "zero_optimization.zero_quantized_gradients"),
 ]
 
 
 def _refusals() -> tuple[list[str], list[str]]:
     """Each refusal's message, and the DeepSpeedEngine classes whose __init__ was entered meanwhile."""
-    return refusals([{**H12.ds_config(stage, sdp4bit=block, **zero), **extra}
-                     for _, stage, zero, block, extra, _ in REFUSALS])
+    return refusals(
+        [{**H12.ds_config(stage, sdp4bit=block, **zero), **extra} for _, stage, zero, block, extra, _ in REFUSALS]
+    )
 
 
 @pytest.mark.slow
@@ -75,8 +99,10 @@ def test_every_element_is_served_and_frozen_ones_are_counted_apart() -> None:
 def test_weight_replica_is_named_as_having_no_effect_and_one_rank_sends_no_weights() -> None:
     block = SDP4BitConfig(**QW, weight_replica="rank")
     plan = make_plan(block, _topology(4, 2), [GroupFacts(0, 100, 26)], frozen=0)
-    assert len(plan.notes) == 1 and "weight_replica = \"rank\" (on ZeRO-1/2 every rank holds the whole model" in \
-        plan.notes[0], plan.notes
+    assert (
+        len(plan.notes) == 1
+        and 'weight_replica = "rank" (on ZeRO-1/2 every rank holds the whole model' in plan.notes[0]
+    ), plan.notes
     alone = make_plan(SDP4BitConfig(**QW, **QG), _topology(1, 1), [GroupFacts(0, 100, 100)], frozen=0)
     assert not alone.effective.quantized_weights and alone.effective.quantized_gradients
     assert [c.key for c in alone.changes] == ["quantized_weights"] and "a single rank" in alone.notes[0]

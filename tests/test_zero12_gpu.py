@@ -38,8 +38,13 @@ def _fp16_overflow_run() -> dict[str, Any]:
     after = H12.flats(engine)
     losses = H.train_steps(engine, 6, 12)
     changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if not torch.equal(a, b)]
-    return {"skipped": engine.skipped_steps - skipped, "changed_groups": changed, "losses": losses,
-            "device": str(engine.optimizer.bit16_groups_flat[0].device), "stats": engine.sdp4bit.stats()}
+    return {
+        "skipped": engine.skipped_steps - skipped,
+        "changed_groups": changed,
+        "losses": losses,
+        "device": str(engine.optimizer.bit16_groups_flat[0].device),
+        "stats": engine.sdp4bit.stats(),
+    }
 
 
 def test_fp16_overflow_on_zero2_is_skipped_and_the_weights_stay_intact() -> None:

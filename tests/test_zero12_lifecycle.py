@@ -58,8 +58,11 @@ def _weights_only(folder: str) -> dict[str, Any]:
     replicas verify clean."""
     engine = H.make_engine(_config(2))
     engine.load_checkpoint(folder, tag="s4", load_module_only=True)
-    result = {"verified": engine.sdp4bit.verify(), "agree": _copies_agree(engine),
-              "loss": H.train_steps(engine, 4, 5)[0]}
+    result = {
+        "verified": engine.sdp4bit.verify(),
+        "agree": _copies_agree(engine),
+        "loss": H.train_steps(engine, 4, 5)[0],
+    }
     engine.destroy()
     return result
 
@@ -67,14 +70,32 @@ def _weights_only(folder: str) -> dict[str, Any]:
 def _universal(folder: str, universal: str) -> dict[str, Any]:
     """DeepSpeed's universal checkpoint of the step-4 checkpoint, loaded through update_lp_params."""
     if torch.distributed.get_rank() == 0:
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        f"{folder}/s4", "--output_folder", f"{universal}/s4", "--num_extract_workers", "1",
-                        "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                f"{folder}/s4",
+                "--output_folder",
+                f"{universal}/s4",
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+                "--inject_missing_state",
+            ],
+            check=True,
+            capture_output=True,
+        )
     torch.distributed.barrier()
     engine = H.make_engine(_config(2, checkpoint={"load_universal": True}))
     engine.load_checkpoint(universal, tag="s4")
-    result = {"verified": engine.sdp4bit.verify(), "agree": _copies_agree(engine),
-              "losses": H.train_steps(engine, 4, 8)}
+    result = {
+        "verified": engine.sdp4bit.verify(),
+        "agree": _copies_agree(engine),
+        "losses": H.train_steps(engine, 4, 8),
+    }
     engine.destroy()
     return result
 
@@ -96,10 +117,16 @@ def _written_weights() -> dict[str, Any]:
         if rank == 1:
             proj.weight.data.fill_(-3.0)
         verified = engine.sdp4bit.verify()
-    result = {"seen": seen, "forward_warnings": forward_warnings, "verified": verified,
-              "verify_warnings": warnings[len(forward_warnings):], "agree": _copies_agree(engine),
-              "edited_everywhere": bool((proj.weight == -3.0).all()),
-              "losses": H.train_steps(engine, 1, 3), "verified_after": engine.sdp4bit.verify()}
+    result = {
+        "seen": seen,
+        "forward_warnings": forward_warnings,
+        "verified": verified,
+        "verify_warnings": warnings[len(forward_warnings) :],
+        "agree": _copies_agree(engine),
+        "edited_everywhere": bool((proj.weight == -3.0).all()),
+        "losses": H.train_steps(engine, 1, 3),
+        "verified_after": engine.sdp4bit.verify(),
+    }
     engine.destroy()
     return result
 
@@ -114,9 +141,14 @@ def _destroyed() -> dict[str, Any]:
     H.train_steps(engine, 0, 1)
     optimizer = engine.optimizer
     engine.destroy()
-    result = {"owned": sum(owner(p) is not None for p in model.parameters()),
-              "patched": [name for name in ("allreduce_and_scatter", "step", "update_lp_params")
-                          if is_patched(getattr(optimizer, name))]}
+    result = {
+        "owned": sum(owner(p) is not None for p in model.parameters()),
+        "patched": [
+            name
+            for name in ("allreduce_and_scatter", "step", "update_lp_params")
+            if is_patched(getattr(optimizer, name))
+        ],
+    }
     again = H.make_engine(_config(2), model=model)
     result["losses"] = H.train_steps(again, 1, 3)
     again.destroy()
@@ -139,20 +171,30 @@ def _burst(stage: int, dtype: torch.dtype, value: float) -> dict[str, Any]:
             before = H12.flats(engine) if step == 2 else None
             engine.step()
             if before is not None:
-                changed = sum(int((H.bits(a) != H.bits(b)).sum()) for a, b in zip(before, H12.flats(engine)))
-        result[name] = {"losses": losses, "skipped": engine.skipped_steps, "changed_at_burst": changed,
-                        "agree": _copies_agree(engine)}
+                changed = sum(
+                    int((H.bits(a) != H.bits(b)).sum()) for a, b in zip(before, H12.flats(engine), strict=True)
+                )
+        result[name] = {
+            "losses": losses,
+            "skipped": engine.skipped_steps,
+            "changed_at_burst": changed,
+            "agree": _copies_agree(engine),
+        }
         engine.destroy()
     return result
 
 
 def _lifecycle(folder: str, universal: str) -> dict[str, Any]:
-    return {"nan s2 fp32": _burst(2, torch.float32, float("nan")), "inf s1 bf16": _burst(1, torch.bfloat16,
-                                                                                           float("inf")),
-            "resume s2 bf16": _resume(f"{folder}/s2", 2, torch.bfloat16),
-            "resume s1 fp32": _resume(f"{folder}/s1", 1, torch.float32),
-            "weights only": _weights_only(f"{folder}/s2"), "universal": _universal(f"{folder}/s2", universal),
-            "written": _written_weights(), "destroyed": _destroyed()}
+    return {
+        "nan s2 fp32": _burst(2, torch.float32, float("nan")),
+        "inf s1 bf16": _burst(1, torch.bfloat16, float("inf")),
+        "resume s2 bf16": _resume(f"{folder}/s2", 2, torch.bfloat16),
+        "resume s1 fp32": _resume(f"{folder}/s1", 1, torch.float32),
+        "weights only": _weights_only(f"{folder}/s2"),
+        "universal": _universal(f"{folder}/s2", universal),
+        "written": _written_weights(),
+        "destroyed": _destroyed(),
+    }
 
 
 @run_once
@@ -201,8 +243,9 @@ def test_writes_to_the_weights_are_resynced_and_named(results: list[dict[str, An
         assert len(result["forward_warnings"]) == 1, (rank, result["forward_warnings"])
         assert "transformer.h.0.mlp.c_fc.weight" in result["forward_warnings"][0], result["forward_warnings"]
         assert not result["verified"] and result["agree"] and not result["edited_everywhere"], (rank, result)
-        assert any("differs from the weight replica" in w or "checksum mismatch" in w
-                   for w in result["verify_warnings"]), result["verify_warnings"]
+        assert any(
+            "differs from the weight replica" in w or "checksum mismatch" in w for w in result["verify_warnings"]
+        ), result["verify_warnings"]
         assert result["verified_after"] and all(map(torch.isfinite, torch.tensor(result["losses"]))), result
 
 

@@ -24,8 +24,15 @@ pytestmark = pytest.mark.slow
 STEPS, RECORDED = 4, 2
 TIMEOUT = 900.0
 COMMS_LOGGER = {"enabled": True, "prof_all": True, "verbose": False}
-OPTIONS = {"gradient_alltoall_pipeline": 2, "gq_group_size_intra": 256, "gq_group_size_inter": 512,
-           "weight_quantization_bits": 8, "wq_group_size": 512, "refresh_bucket_size": 40_000, "seed": 11}
+OPTIONS = {
+    "gradient_alltoall_pipeline": 2,
+    "gq_group_size_intra": 256,
+    "gq_group_size_inter": 512,
+    "weight_quantization_bits": 8,
+    "wq_group_size": 512,
+    "refresh_bucket_size": 40_000,
+    "seed": 11,
+}
 
 
 def _block(rpn: int, **changes: Any) -> dict[str, Any]:
@@ -50,28 +57,36 @@ class Case:
 # accumulation, offload with each dtype); every case's 64k-element matrices are larger than a bucket. fp32
 # accumulation of bf16 gradients makes DeepSpeed 0.19.8 hand each owned run's fp32 partition slice beside it.
 CASES: dict[int, dict[str, Case]] = {
-    2: {"s2 fp32": Case(2, "float32", zero={"overlap_comm": False}),
+    2: {
+        "s2 fp32": Case(2, "float32", zero={"overlap_comm": False}),
         "s2 bf16 overlap accum3": Case(2, "bfloat16", 3, zero={"overlap_comm": True}),
         "s1 fp32 overlap accum3": Case(1, "float32", 3, zero={"overlap_comm": True}),
         "s1 bf16 offload": Case(1, "bfloat16", offload=True),
         "s2 fp32 offload": Case(2, "float32", 2, offload=True),
         "s2 round robin, other options": Case(2, "float32", zero={"round_robin_gradients": True}, block=OPTIONS),
-        "s2 bf16, fp32 accumulation": Case(2, "bfloat16", 2, extra={"data_types": {"grad_accum_dtype": "fp32"}})},
-    4: {"s2 fp32": Case(2, "float32"),
-        "s1 bf16 overlap accum2": Case(1, "bfloat16", 2, zero={"overlap_comm": True})},
-    1: {"s2 bf16": Case(2, "bfloat16"),
-        "s1 fp32 accum2": Case(1, "float32", 2)},
+        "s2 bf16, fp32 accumulation": Case(2, "bfloat16", 2, extra={"data_types": {"grad_accum_dtype": "fp32"}}),
+    },
+    4: {"s2 fp32": Case(2, "float32"), "s1 bf16 overlap accum2": Case(1, "bfloat16", 2, zero={"overlap_comm": True})},
+    1: {"s2 bf16": Case(2, "bfloat16"), "s1 fp32 accum2": Case(1, "float32", 2)},
 }
 
 
 # On two ranks: the check every tested DeepSpeed/torch pair runs (the compat legs), one stage and layout each.
-TWO_RANKS = {"s2 fp32, 2 nodes x 1": (1, Case(2, "float32", 2, zero={"overlap_comm": True})),
-             "s1 bf16, 1 node x 2": (2, Case(1, "bfloat16"))}
+TWO_RANKS = {
+    "s2 fp32, 2 nodes x 1": (1, Case(2, "float32", 2, zero={"overlap_comm": True})),
+    "s1 bf16, 1 node x 2": (2, Case(1, "bfloat16")),
+}
 
 
 def _config(rpn: int, case: Case, **block: Any) -> dict[str, Any]:
-    config = H12.ds_config(case.stage, getattr(torch, case.dtype), sdp4bit=_block(rpn, **case.block, **block),
-                           grad_accum=case.accum, offload=case.offload, **case.zero)
+    config = H12.ds_config(
+        case.stage,
+        getattr(torch, case.dtype),
+        sdp4bit=_block(rpn, **case.block, **block),
+        grad_accum=case.accum,
+        offload=case.offload,
+        **case.zero,
+    )
     return {**config, **case.extra}
 
 
@@ -94,8 +109,13 @@ def _case(config: dict[str, Any], logged: bool) -> dict[str, Any]:
     engine.sdp4bit.reset_stats()
     log = recording.record(engine, RECORDED)
     losses = H.train_steps(engine, 0, STEPS)
-    result = {"log": log, "losses": losses, "verified": engine.sdp4bit.verify(), "stats": engine.sdp4bit.stats(),
-              "config": config}
+    result = {
+        "log": log,
+        "losses": losses,
+        "verified": engine.sdp4bit.verify(),
+        "stats": engine.sdp4bit.stats(),
+        "config": config,
+    }
     if logged:
         result["logged"] = _comms_logger_records()
     engine.destroy()
@@ -112,8 +132,10 @@ def _plain_and_unstarted(stage: int) -> dict[str, list[float]]:
 def _layouts() -> dict[int, dict[str, Any]]:
     """Every case of every layout (the block's ranks_per_node), each on an engine of its own, and the unstarted runs
     on two nodes."""
-    out = {rpn: {name: _case(_config(rpn, case), logged=rpn == 2 and name == "s2 fp32")
-                 for name, case in cases.items()} for rpn, cases in CASES.items()}
+    out = {
+        rpn: {name: _case(_config(rpn, case), logged=rpn == 2 and name == "s2 fp32") for name, case in cases.items()}
+        for rpn, cases in CASES.items()
+    }
     out[2]["unstarted"] = {stage: _plain_and_unstarted(stage) for stage in (1, 2)}
     return out
 
@@ -194,7 +216,7 @@ def test_the_comms_logger_sees_sdp4bit_bytes_and_no_bucket_all_reduce_or_weight_
         totals: dict[str, int] = {}
         for name, sizes in logged.items():
             if name.startswith("sdp4bit_"):
-                kind = name[len("sdp4bit_"):].rsplit("_", 1)[0]
+                kind = name[len("sdp4bit_") :].rsplit("_", 1)[0]
                 totals[kind] = totals.get(kind, 0) + sum(size * count for size, count in sizes.items())
         for kind in ("weight_refresh", "weight_resync", "grad_intra", "grad_inter"):
             assert totals.get(kind, 0) == stats[kind]["wire_bytes"], (rank, kind, totals, stats[kind])
@@ -215,15 +237,25 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
     for rank, result in enumerate(r[name] for r in _results(2)):
         block, config = recording.expected(result["config"], 4, STEPS).cfg, result["config"]
         tensors = [p.numel() for p in H.tiny_gpt2(0).parameters()]
-        scheme = Scheme(quantized_weights=True, quantized_gradients=True, weight_bits=block.weight_quantization_bits,
-                        weight_group=block.wq_group_size, bits_intra=block.gradient_quantization_bits_intra,
-                        group_intra=block.gq_group_size_intra, bits_inter=block.gradient_quantization_bits_inter,
-                        group_inter=block.gq_group_size_inter, pipeline=block.gradient_alltoall_pipeline,
-                        reduce_bucket=config["zero_optimization"]["reduce_bucket_size"], stage=stage,
-                        refresh_bucket=block.refresh_bucket_size)
+        scheme = Scheme(
+            quantized_weights=True,
+            quantized_gradients=True,
+            weight_bits=block.weight_quantization_bits,
+            weight_group=block.wq_group_size,
+            bits_intra=block.gradient_quantization_bits_intra,
+            group_intra=block.gq_group_size_intra,
+            bits_inter=block.gradient_quantization_bits_inter,
+            group_inter=block.gq_group_size_inter,
+            pipeline=block.gradient_alltoall_pipeline,
+            reduce_bucket=config["zero_optimization"]["reduce_bucket_size"],
+            stage=stage,
+            refresh_bucket=block.refresh_bucket_size,
+        )
         step = zero12_step(tensors, scheme, Layout(2, 2), 4, rank=rank).per_optimizer_step(accum)
-        model = {kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS
-                 for kind in ("grad_intra", "grad_inter", "weight_refresh")}
+        model = {
+            kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS
+            for kind in ("grad_intra", "grad_inter", "weight_refresh")
+        }
         assert model == {kind: result["stats"][kind]["wire_bytes"] for kind in model}, (rank, model)
 
 

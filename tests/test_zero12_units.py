@@ -34,8 +34,9 @@ def test_a_run_watches_every_parameter_that_overlaps_its_columns_in_any_partitio
     """Partitions of 8 elements over 2 ranks (flat buffer of 16): a run of columns [0, 4) covers elements 0-3 and 8-11,
     so the parameters [0, 5), [7, 10) and [10, 16) and not [5, 7); the run of columns [4, 8) covers them all."""
     optimizer, params = _optimizer([5, 2, 3, 6], 2)
-    units = Zero12Units(optimizer, cut([8], 4), rank=1, world=2,
-                        param_names={id(p): f"p{i}" for i, p in enumerate(params)})
+    units = Zero12Units(
+        optimizer, cut([8], 4), rank=1, world=2, param_names={id(p): f"p{i}" for i, p in enumerate(params)}
+    )
     first, second = (dict(units.watched(key)) for key in (0, 1))
     assert [name for name in first if name] == ["p0", "p2", "p3"]
     assert [name for name in second if name] == ["p0", "p1", "p2", "p3"]

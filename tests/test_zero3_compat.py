@@ -13,6 +13,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3
 
 from deepspeed_sdp4bit import adapter
+from deepspeed_sdp4bit.activate import checked_block
 from deepspeed_sdp4bit.adapter import (
     PATCHED_SYMBOLS,
     SDP4BitCompatError,
@@ -23,7 +24,6 @@ from deepspeed_sdp4bit.adapter import (
 from deepspeed_sdp4bit.core import engine_patches
 from deepspeed_sdp4bit.zero3 import patches
 from deepspeed_sdp4bit.zero12 import patches as zero12_patches
-from deepspeed_sdp4bit.activate import checked_block
 
 pytestmark = pytest.mark.compat  # depends on the DeepSpeed release: run on every tested pair
 
@@ -33,9 +33,17 @@ def test_installed_deepspeed_passes() -> None:
     assert str(adapter.installed_version()) in adapter.TESTED
 
 
-@pytest.mark.parametrize(("version", "where"), [("0.17.5", Support.OLDER), ("0.17.6", Support.SUPPORTED),
-                                                ("0.19.9", Support.SUPPORTED), ("0.19.8+cu124", Support.SUPPORTED),
-                                                ("0.20.0", Support.NEWER), ("1.0.0", Support.NEWER)])
+@pytest.mark.parametrize(
+    ("version", "where"),
+    [
+        ("0.17.5", Support.OLDER),
+        ("0.17.6", Support.SUPPORTED),
+        ("0.19.9", Support.SUPPORTED),
+        ("0.19.8+cu124", Support.SUPPORTED),
+        ("0.20.0", Support.NEWER),
+        ("1.0.0", Support.NEWER),
+    ],
+)
 def test_where_a_version_stands(monkeypatch: pytest.MonkeyPatch, version: str, where: Support) -> None:
     monkeypatch.setattr(deepspeed, "__version__", version)
     assert adapter.support() is where
@@ -44,8 +52,11 @@ def test_where_a_version_stands(monkeypatch: pytest.MonkeyPatch, version: str, w
 @pytest.mark.parametrize("version", ["0.16.9", "0.17.5", "0.14.0"])
 def test_an_older_version_is_refused_naming_the_range(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(deepspeed, "__version__", version)
-    with pytest.raises(SDP4BitCompatError, match=rf"deepspeed {version} is older than the supported range "
-                                                 r"<0\.20,>=0\.17\.6 \(tested: 0\.17\.6, 0\.18\.9, 0\.19\.5, 0\.19\.8\)"):
+    with pytest.raises(
+        SDP4BitCompatError,
+        match=rf"deepspeed {version} is older than the supported range "
+        r"<0\.20,>=0\.17\.6 \(tested: 0\.17\.6, 0\.18\.9, 0\.19\.5, 0\.19\.8\)",
+    ):
         check_deepspeed()
 
 
@@ -56,8 +67,10 @@ def test_a_newer_version_passes_the_check_unless_strict(monkeypatch: pytest.Monk
     monkeypatch.setenv(adapter.STRICT_VARIABLE, "0")
     assert check_deepspeed() is Support.NEWER
     monkeypatch.setenv(adapter.STRICT_VARIABLE, "1")
-    with pytest.raises(SDP4BitCompatError, match="deepspeed 0.20.1 is newer than the tested range .* and "
-                                                 "SDP4BIT_STRICT_VERSION=1 refuses it"):
+    with pytest.raises(
+        SDP4BitCompatError,
+        match="deepspeed 0.20.1 is newer than the tested range .* and SDP4BIT_STRICT_VERSION=1 refuses it",
+    ):
         check_deepspeed()
 
 
@@ -75,10 +88,13 @@ def test_an_older_version_stops_a_block_before_its_settings_are_read(monkeypatch
     assert checked_block({"zero_optimization": {"stage": 3}}) is None  # plain ZeRO-3 is left to DeepSpeed
 
 
-@pytest.mark.parametrize(("version", "attribute"), [("0.19.1", "dtype"), ("0.19.2", "gradient_accumulation_dtype"),
-                                                    ("0.20.0", "gradient_accumulation_dtype")])
-def test_the_reduced_gradient_dtype_follows_the_release(monkeypatch: pytest.MonkeyPatch, version: str,
-                                                        attribute: str) -> None:
+@pytest.mark.parametrize(
+    ("version", "attribute"),
+    [("0.19.1", "dtype"), ("0.19.2", "gradient_accumulation_dtype"), ("0.20.0", "gradient_accumulation_dtype")],
+)
+def test_the_reduced_gradient_dtype_follows_the_release(
+    monkeypatch: pytest.MonkeyPatch, version: str, attribute: str
+) -> None:
     class Optimizer:
         dtype, gradient_accumulation_dtype = "the weights' dtype", "the accumulation dtype"
 
@@ -90,11 +106,17 @@ def test_no_module_but_the_adapter_compares_deepspeed_versions() -> None:
     """Every version-dependent branch lives in adapter.py: no other module of the package reads DeepSpeed's
     version or builds a Version/SpecifierSet, but releases.py, where the supported releases are declared."""
     package = Path(adapter.__file__).parent
-    found = [f"{path.relative_to(package)}:{number}" for path in sorted(package.rglob("*.py"))
-             if path.name not in ("adapter.py", "releases.py")
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             if "deepspeed.__version__" in line or "Version(" in line or "SpecifierSet" in line
-             or "installed_version() <" in line or "installed_version() >" in line]
+    found = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name not in ("adapter.py", "releases.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "deepspeed.__version__" in line
+        or "Version(" in line
+        or "SpecifierSet" in line
+        or "installed_version() <" in line
+        or "installed_version() >" in line
+    ]
     assert found == []
 
 
@@ -126,15 +148,21 @@ def _replacements_in_patches() -> set[str]:
         sets = [c for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("EnginePatches", "PatchSet")]
         outer = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("patch_")]
         outer += [f for c in sets for f in c.body if isinstance(f, ast.FunctionDef)]
-        found |= {inner.name for f in outer for inner in ast.walk(f)
-                  if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name not in HELPERS}
+        found |= {
+            inner.name
+            for f in outer
+            for inner in ast.walk(f)
+            if isinstance(inner, ast.FunctionDef) and inner is not f and inner.name not in HELPERS
+        }
     return found
 
 
 def test_every_patched_symbol_is_checked() -> None:
     """Every function the patch modules install replaces a symbol that check_deepspeed checks, or the per-parameter
     gather that check_param_gather checks (a new patch must be added to one of them)."""
-    checked = {path.rsplit(".", 1)[-1].replace("_DeepSpeedZeroOptimizer_Stage3__", "") for _, path, _ in PATCHED_SYMBOLS}
+    checked = {
+        path.rsplit(".", 1)[-1].replace("_DeepSpeedZeroOptimizer_Stage3__", "") for _, path, _ in PATCHED_SYMBOLS
+    }
     replacements = _replacements_in_patches()
     assert {"all_gather_coalesced", "allreduce_and_scatter", "all_gather_dp_groups"} <= replacements
     assert len(replacements) >= 14

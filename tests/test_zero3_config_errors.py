@@ -47,8 +47,10 @@ BLOCK_ERRORS = [
     ({"weight_replica": "off", **QW}, "weight_replica"),
     ({"verify_interval": 2, **QG}, "verify_interval = 2 checks the weight replicas"),
     ({"verify_interval": 1, "weight_quantization": "direct", **QW}, "verify_interval = 1 checks the weight replicas"),
-    ({"weight_replica": "node", "weight_quantization": "direct", **QW}, "weight_replica = 'node': weight_quantization "
-                                                                         "= 'direct' keeps no replica"),
+    (
+        {"weight_replica": "node", "weight_quantization": "direct", **QW},
+        "weight_replica = 'node': weight_quantization = 'direct' keeps no replica",
+    ),
 ]
 
 
@@ -71,9 +73,12 @@ def test_settings_a_block_does_not_use_are_named() -> None:
     paper = {"wq_group_size": 2048, "gq_group_size_intra": 128, "gradient_quantization_bits_inter": 4}
     assert parse_config({**paper, **QW}).inert_keys() == ["gq_group_size_intra = 128 (quantized_gradients is off)"]
     assert parse_config({**paper, "weight_replica": "rank", **QG}).inert_keys() == [
-        'weight_replica = "rank" (quantized_weights is off)']
+        'weight_replica = "rank" (quantized_weights is off)'
+    ]
     direct = parse_config({"weight_quantization": "direct", "weight_replica": "off", "refresh_bucket_size": 10, **QW})
-    assert direct.inert_keys() == ["refresh_bucket_size = 10 (weight_quantization 'direct' keeps no replica to refresh)"]
+    assert direct.inert_keys() == [
+        "refresh_bucket_size = 10 (weight_quantization 'direct' keeps no replica to refresh)"
+    ]
 
 
 def test_block_that_is_not_an_object_is_rejected() -> None:
@@ -106,8 +111,11 @@ def test_mics_is_refused_with_deepspeeds_own_message_where_it_was_removed(key: s
     if removed is None and key == "mics_hierarchical_params_gather":
         assert checked_block(config) is not None
         return
-    expected = (DeepSpeedConfigError, removed[key]) if removed else (
-        deepspeed_sdp4bit.SDP4BitConfigError, "zero_optimization.mics_shard_size = 2: MiCS shards the parameters")
+    expected = (
+        (DeepSpeedConfigError, removed[key])
+        if removed
+        else (deepspeed_sdp4bit.SDP4BitConfigError, "zero_optimization.mics_shard_size = 2: MiCS shards the parameters")
+    )
     with pytest.raises(expected[0]) as raised:
         deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     assert expected[1] in str(raised.value)
@@ -120,10 +128,18 @@ REFUSALS = [
     ("ZeRO++ qwZ", {"zero_quantized_weights": True}, QW, "zero_optimization.zero_quantized_weights"),
     ("hpZ with qWD", {"zero_hpz_partition_size": 2}, QW, "zero_optimization.zero_hpz_partition_size"),
     ("param offload", {"offload_param": {"device": "cpu"}}, QW, "zero_optimization.offload_param"),
-    ("ZenFlow", {"zenflow": {"topk_ratio": 0.1}, "offload_optimizer": {"device": "cpu"}}, QW,
-     "zero_optimization.zenflow"),
-    ("SuperOffload", {"offload_optimizer": {"device": "cpu", "super_offload": True}}, QW,
-     "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds SuperOffloadOptimizer_Stage3"),
+    (
+        "ZenFlow",
+        {"zenflow": {"topk_ratio": 0.1}, "offload_optimizer": {"device": "cpu"}},
+        QW,
+        "zero_optimization.zenflow",
+    ),
+    (
+        "SuperOffload",
+        {"offload_optimizer": {"device": "cpu", "super_offload": True}},
+        QW,
+        "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds SuperOffloadOptimizer_Stage3",
+    ),
     ("ranks per node", {}, {"ranks_per_node": 3, **QG}, "ranks per node = 3 (from ranks_per_node setting)"),
 ]
 
@@ -145,7 +161,7 @@ def _named(name: str, key: str) -> str:
 
 def test_refusals_name_the_key_before_deepspeed_builds_an_engine() -> None:
     messages, entered = run_distributed(2, _all_refusals)[0]
-    for (name, _, _, key), message in zip(REFUSALS, messages):
+    for (name, _, _, key), message in zip(REFUSALS, messages, strict=True):
         assert _named(name, key) in message, f"{name}: expected an error naming {_named(name, key)}, got {message!r}"
     assert entered == [], f"DeepSpeedEngine.__init__ was entered before a refusal: {entered}"
 
@@ -173,8 +189,9 @@ def test_masters_sharing_the_weights_storage_are_refused() -> None:
     from deepspeed_sdp4bit.zero3.checks import _master_problems
 
     weights = torch.zeros(8)
-    optimizer = SimpleNamespace(fp32_partitioned_groups_flat=[torch.zeros(8), weights],
-                                fp16_partitioned_groups_flat=[torch.zeros(8), weights])
+    optimizer = SimpleNamespace(
+        fp32_partitioned_groups_flat=[torch.zeros(8), weights], fp16_partitioned_groups_flat=[torch.zeros(8), weights]
+    )
     engine = SimpleNamespace(optimizer=optimizer)
     assert "sub-groups [1]" in _master_problems(engine, SDP4BitConfig(quantized_weights=True))[0]
     assert _master_problems(engine, SDP4BitConfig(quantized_gradients=True)) == []

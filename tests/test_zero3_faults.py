@@ -43,12 +43,28 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_a_failed_rank_ends_every_rank_and_the_launcher(tmp_path: Path, fault: str) -> None:
     launcher, port = Path(sys.executable).with_name("deepspeed"), str(free_port())
-    command = [str(launcher), "--num_accelerators", "4", "--master_port", port,
-               str(ROOT / "tests" / "fault_job.py"), "--fault", fault, "--out", str(tmp_path)]
+    command = [
+        str(launcher),
+        "--num_accelerators",
+        "4",
+        "--master_port",
+        port,
+        str(ROOT / "tests" / "fault_job.py"),
+        "--fault",
+        fault,
+        "--out",
+        str(tmp_path),
+    ]
     log = tmp_path / "job.log"
     with log.open("w") as output:
-        job = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=output,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = job.wait(timeout=START_S + FAULT_BOUND_S)
         except subprocess.TimeoutExpired:
@@ -89,8 +105,9 @@ def _burst(value: float) -> dict[str, Any]:
             before = _replicas(engine) if block is not None and step == 2 else None
             engine.step()
             if before is not None:
-                result["replica_elements_changed"] = sum(int((a != b).sum()) for a, b in
-                                                         zip(before, _replicas(engine), strict=True))
+                result["replica_elements_changed"] = sum(
+                    int((a != b).sum()) for a, b in zip(before, _replicas(engine), strict=True)
+                )
         result[name] = {"losses": losses, "skipped": engine.skipped_steps}
         if block is not None:
             result["checksum_mismatches"] = engine.sdp4bit.store.checksum().mismatches
@@ -145,9 +162,14 @@ def _damaged_state(directory: str) -> dict[str, Any]:
     with H.LogCapture() as logged:
         fresh.load_checkpoint(directory, tag="t")
     largest = max(H.fetch(p).abs().max().item() for p in fresh.sdp4bit.units.params.values())
-    return {"warnings": logged, "path": path, "largest": largest,
-            "checksum_mismatches": fresh.sdp4bit.store.checksum().mismatches,
-            "served_unlike_ds_tensor": _served_unlike_ds_tensor(fresh.module), "losses": H.train_steps(fresh, 3, 5)}
+    return {
+        "warnings": logged,
+        "path": path,
+        "largest": largest,
+        "checksum_mismatches": fresh.sdp4bit.store.checksum().mismatches,
+        "served_unlike_ds_tensor": _served_unlike_ds_tensor(fresh.module),
+        "losses": H.train_steps(fresh, 3, 5),
+    }
 
 
 def _served_unlike_ds_tensor(module: torch.nn.Module) -> dict[str, int]:
@@ -165,8 +187,9 @@ def _served_unlike_ds_tensor(module: torch.nn.Module) -> dict[str, int]:
 
 def test_damaged_sdp4bit_state_is_ignored_on_every_rank_naming_the_file(tmp_path: Path) -> None:
     results = run_distributed(2, _damaged_state, str(tmp_path))
-    assert any(results[1]["path"] in w and "rank 1 is unusable" in w and "digest" in w
-               for w in results[1]["warnings"]), results[1]["warnings"]
+    assert any(
+        results[1]["path"] in w and "rank 1 is unusable" in w and "digest" in w for w in results[1]["warnings"]
+    ), results[1]["warnings"]
     assert any("unusable on ranks [1]" in w and "not bit for bit" in w for w in results[0]["warnings"]), results[0]
     for rank, result in enumerate(results):
         assert result["largest"] < 100, f"rank {rank} computes with the damaged values"
@@ -179,15 +202,18 @@ def _truncated_file(directory: str) -> None:
     engine = _saved(directory)
     if torch.distributed.get_rank() == 1:
         path = Path(engine._get_ckpt_name(directory, "t"))
-        path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     torch.distributed.barrier()
     engine.destroy()
     H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=BLOCK)).load_checkpoint(directory, tag="t")
 
 
 def test_unreadable_sdp4bit_state_fails_the_load_naming_the_file(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"rank 1:[\s\S]*zero_pp_rank_1_mp_rank_00_model_states\.pt \(this rank's "
-                                           r"DeepSpeed model states, which hold its sdp4bit state\) cannot be read"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 1:[\s\S]*zero_pp_rank_1_mp_rank_00_model_states\.pt \(this rank's "
+        r"DeepSpeed model states, which hold its sdp4bit state\) cannot be read",
+    ):
         run_distributed(2, _truncated_file, str(tmp_path), timeout=600)
 
 
@@ -212,7 +238,9 @@ def _other_blocks(directory: str) -> list[str]:
 
 def test_a_checkpoint_of_another_block_is_refused_naming_the_setting(tmp_path: Path) -> None:
     for errors in run_distributed(2, _other_blocks, str(tmp_path)):
-        assert errors == ["sdp4bit checkpoint and this run disagree on quantized_gradients: on when it was saved, off "
-                          "now; load with the same sdp4bit block",
-                          'sdp4bit checkpoint and this run disagree on quantized_weights with weight_quantization '
-                          '"difference": on when it was saved, off now; load with the same sdp4bit block'], errors
+        assert errors == [
+            "sdp4bit checkpoint and this run disagree on quantized_gradients: on when it was saved, off "
+            "now; load with the same sdp4bit block",
+            "sdp4bit checkpoint and this run disagree on quantized_weights with weight_quantization "
+            '"difference": on when it was saved, off now; load with the same sdp4bit block',
+        ], errors

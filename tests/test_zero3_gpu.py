@@ -18,8 +18,15 @@ from sdp4bit_testing.dist_harness import run_distributed
 
 pytestmark = pytest.mark.gpu
 
-SDP4BIT = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128,
-           "hadamard_transform": True, "ranks_per_node": 1, "weight_replica": "rank", "verify_interval": 1}
+SDP4BIT = {
+    "quantized_weights": True,
+    "quantized_gradients": True,
+    "gq_group_size_intra": 128,
+    "hadamard_transform": True,
+    "ranks_per_node": 1,
+    "weight_replica": "rank",
+    "verify_interval": 1,
+}
 
 
 def _needs_cuda() -> None:
@@ -30,8 +37,12 @@ def _needs_cuda() -> None:
 def _bf16_run() -> dict[str, Any]:
     engine = H.make_engine(H.ds_config(torch.bfloat16, sdp4bit=SDP4BIT))
     losses = H.train_steps(engine, 0, 20)
-    return {"losses": losses, "device": str(next(iter(engine.sdp4bit.units.params.values())).ds_tensor.device),
-            "checksum_mismatches": engine.sdp4bit.store.checksum().mismatches, "stats": engine.sdp4bit.stats()}
+    return {
+        "losses": losses,
+        "device": str(next(iter(engine.sdp4bit.units.params.values())).ds_tensor.device),
+        "checksum_mismatches": engine.sdp4bit.store.checksum().mismatches,
+        "stats": engine.sdp4bit.stats(),
+    }
 
 
 def test_bf16_trains_on_gpu() -> None:
@@ -44,8 +55,9 @@ def test_bf16_trains_on_gpu() -> None:
 
 def _weights(engine: Any) -> list[torch.Tensor]:
     runtime = engine.sdp4bit
-    return [runtime.units.params[k].ds_tensor.detach().clone() for k in sorted(runtime.units.params)] + \
-        [t.detach().clone() for t in runtime.store.gather(runtime.shards()).wait()]
+    return [runtime.units.params[k].ds_tensor.detach().clone() for k in sorted(runtime.units.params)] + [
+        t.detach().clone() for t in runtime.store.gather(runtime.shards()).wait()
+    ]
 
 
 def _fp16_overflow_run() -> dict[str, Any]:
@@ -60,8 +72,12 @@ def _fp16_overflow_run() -> dict[str, Any]:
     after = _weights(engine)
     losses = H.train_steps(engine, 6, 12)
     changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if not torch.equal(a, b)]
-    return {"skipped": engine.skipped_steps - skipped, "changed_tensors": changed,
-            "checksum_mismatches": engine.sdp4bit.store.checksum().mismatches, "losses": losses}
+    return {
+        "skipped": engine.skipped_steps - skipped,
+        "changed_tensors": changed,
+        "checksum_mismatches": engine.sdp4bit.store.checksum().mismatches,
+        "losses": losses,
+    }
 
 
 def test_fp16_overflow_step_is_skipped_and_replicas_stay_intact() -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import math
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +23,13 @@ from sdp4bit_testing.dist_harness import run_distributed
 pytestmark = pytest.mark.slow
 
 # 2 ranks as 2 nodes: the node replica holds every shard on every rank, TLq runs its inter-node level.
-BLOCK = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 1,
-         "verify_interval": 1}
+BLOCK = {
+    "quantized_weights": True,
+    "quantized_gradients": True,
+    "gq_group_size_intra": 128,
+    "ranks_per_node": 1,
+    "verify_interval": 1,
+}
 TIMEOUT = 300.0  # a hang (ranks issuing different collectives) fails the test instead of stalling CI
 
 
@@ -47,8 +53,11 @@ def _rewrap_after_destroy() -> dict[str, Any]:
     engine.destroy()
     plain = _engine(model, None)
     losses = H.train_steps(plain, 2, 5)
-    result = {"served_vs_ds_tensor": H.served_vs_ds_tensor(plain.module), "losses": losses,
-              "patched": sorted(name for p in model.parameters() for name in vars(p) if name.startswith("_sdp4bit"))}
+    result = {
+        "served_vs_ds_tensor": H.served_vs_ds_tensor(plain.module),
+        "losses": losses,
+        "patched": sorted(name for p in model.parameters() for name in vars(p) if name.startswith("_sdp4bit")),
+    }
     plain.destroy()
     again = _engine(model, BLOCK)
     result["losses_again"] = H.train_steps(again, 5, 7)
@@ -58,8 +67,9 @@ def _rewrap_after_destroy() -> dict[str, Any]:
 
 def test_plain_engine_after_destroy_trains_on_its_own_weights() -> None:
     for rank, result in enumerate(run_distributed(2, _rewrap_after_destroy, timeout=TIMEOUT)):
-        assert not result["served_vs_ds_tensor"], \
+        assert not result["served_vs_ds_tensor"], (
             f"rank {rank}: the plain engine computes with stale SDP4Bit replicas: {result['served_vs_ds_tensor']}"
+        )
         assert result["patched"] == [], (rank, result["patched"])
         assert result["groups_reused"] and all(map(math.isfinite, result["losses_again"])), (rank, result)
 
@@ -169,8 +179,11 @@ def _mixed_fetch() -> dict[str, Any]:
     for param in group:
         param.partition()
     losses = H.train_steps(engine, 1, 3) + H.train_steps(other, 0, 2)
-    problems = [found for name, a, b in zip(("ours", "theirs"), served, reference)
-                for found in H.first_difference(name, a, b, "served in the mixed fetch vs gathered alone")]
+    problems = [
+        found
+        for name, a, b in zip(("ours", "theirs"), served, reference, strict=True)
+        for found in H.first_difference(name, a, b, "served in the mixed fetch vs gathered alone")
+    ]
     return {"problems": problems + H.checksum_problems(engine.sdp4bit), "losses": losses}
 
 
@@ -217,6 +230,7 @@ def _weights_seen_in_forward(engine: Any, modules: dict[str, torch.nn.Module]) -
     def record(name: str) -> Callable[[torch.nn.Module, Any], None]:
         def hook(module: torch.nn.Module, _: Any) -> None:
             seen.setdefault(name, module.weight.detach().clone())
+
         return hook
 
     hooks = [module.register_forward_pre_hook(record(name)) for name, module in modules.items()]
@@ -235,7 +249,7 @@ def _every_ranks_value(name: str, full: torch.Tensor, param: torch.nn.Parameter,
 
     world, shard = torch.distributed.get_world_size(), param.ds_tensor.numel()
     flat = full.reshape(-1)
-    shards = [flat[r * shard:r * shard + valid_numel(param.ds_numel, world, r)] for r in range(world)]
+    shards = [flat[r * shard : r * shard + valid_numel(param.ds_numel, world, r)] for r in range(world)]
     return [found for r in range(world) for found in H.unlike(f"{name}, rank {r}'s shard", shards[r], value(r))]
 
 
@@ -258,24 +272,32 @@ def _script_writes() -> dict[str, Any]:
         verified = engine.sdp4bit.verify()
         after_verify = H.fetch(attn.weight)
     losses = H.train_steps(engine, 1, 3)
-    return {"forward": _every_ranks_value("fc", seen["fc"], fc.weight, lambda r: 0.25 + r)
-            + _every_ranks_value("proj", seen["proj"], proj.weight, lambda r: -0.5 - r),
-            "attn": _every_ranks_value("attn", after_verify, attn.weight, lambda r: 2.0 + r),
-            "verified": verified, "warnings": warnings, "gather_warnings": gathers_then, "losses": losses,
-            "checksum_problems": H.checksum_problems(engine.sdp4bit)}
+    return {
+        "forward": _every_ranks_value("fc", seen["fc"], fc.weight, lambda r: 0.25 + r)
+        + _every_ranks_value("proj", seen["proj"], proj.weight, lambda r: -0.5 - r),
+        "attn": _every_ranks_value("attn", after_verify, attn.weight, lambda r: 2.0 + r),
+        "verified": verified,
+        "warnings": warnings,
+        "gather_warnings": gathers_then,
+        "losses": losses,
+        "checksum_problems": H.checksum_problems(engine.sdp4bit),
+    }
 
 
 def test_script_writes_to_ds_tensor_are_served_on_every_rank_and_named() -> None:
     """A forward after `param.ds_tensor.data = new` and after an in-place `ds_tensor.copy_` computes with the new
     weights of every rank's shard, on every rank, with one warning naming the parameters and how they were written;
     verify() finds a write through `.data` and resyncs it."""
-    named = {"transformer.h.0.mlp.c_fc.weight: its memory was replaced (param.ds_tensor.data = ...)",
-             "transformer.h.1.attn.c_proj.weight: it was written in place (e.g. param.ds_tensor.copy_(...))"}
+    named = {
+        "transformer.h.0.mlp.c_fc.weight: its memory was replaced (param.ds_tensor.data = ...)",
+        "transformer.h.1.attn.c_proj.weight: it was written in place (e.g. param.ds_tensor.copy_(...))",
+    }
     for rank, result in enumerate(run_distributed(2, _script_writes, timeout=TIMEOUT)):
         assert not result["forward"], f"rank {rank}: " + "; ".join(result["forward"])
-        at_gathers = result["warnings"][:result["gather_warnings"]]
-        assert all(m.startswith(f"sdp4bit: on rank {rank}, ds_tensor was written outside") for m in at_gathers), \
+        at_gathers = result["warnings"][: result["gather_warnings"]]
+        assert all(m.startswith(f"sdp4bit: on rank {rank}, ds_tensor was written outside") for m in at_gathers), (
             at_gathers
+        )
         assert {entry for m in at_gathers for entry in named if entry in m} == named, at_gathers
         assert sum(m.count("transformer.") for m in at_gathers) == 2, at_gathers  # each named once, nothing else
         assert not result["verified"] and not result["attn"], (rank, result["attn"], result["warnings"])
@@ -304,9 +326,12 @@ def _exports(folder: str) -> dict[str, Any]:
     if torch.distributed.get_rank():
         return {}
     fp32 = get_fp32_state_dict_from_zero_checkpoint(folder, tag="exported")
-    return {"sixteen_is_served": all(torch.equal(sixteen[n], served[n]) for n in params),
-            "fp32_is_masters": all(torch.equal(fp32[n], masters[n]) for n in params),
-            "largest_gap": max(float((fp32[n] - served[n]).abs().max()) for n in params), "largest_step": largest_step}
+    return {
+        "sixteen_is_served": all(torch.equal(sixteen[n], served[n]) for n in params),
+        "fp32_is_masters": all(torch.equal(fp32[n], masters[n]) for n in params),
+        "largest_gap": max(float((fp32[n] - served[n]).abs().max()) for n in params),
+        "largest_step": largest_step,
+    }
 
 
 def test_16_bit_saves_hold_the_weights_computed_with_and_zero_to_fp32_the_masters(tmp_path: Any) -> None:

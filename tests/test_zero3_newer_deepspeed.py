@@ -92,9 +92,14 @@ def _worker() -> dict[str, Any]:
             engine = make_engine(config)
         newer_losses = train_steps(engine, 0, 2)
         engine.destroy()
-        results = {"support": adapter.support().name, "warnings": warnings, "tested": tested_losses,
-                   "newer": newer_losses, "gather": _broken(_flip_one_gathered_byte, config),
-                   "reduction": _broken(_bypass_the_reduce_scatter_patch, config)}
+        results = {
+            "support": adapter.support().name,
+            "warnings": warnings,
+            "tested": tested_losses,
+            "newer": newer_losses,
+            "gather": _broken(_flip_one_gathered_byte, config),
+            "reduction": _broken(_bypass_the_reduce_scatter_patch, config),
+        }
         os.environ[adapter.STRICT_VARIABLE] = "1"
         results["strict"] = _error_of(lambda: make_engine(config))
     finally:

@@ -7,8 +7,9 @@ logger's warnings, errors, the runtime's state and byte counts). Advice is logge
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +19,11 @@ from sdp4bit_testing.dist_harness import run_distributed
 
 QWD = {"quantized_weights": True, "quantized_gradients": True, "gq_group_size_intra": 128}
 TWO_NODES = {**QWD, "ranks_per_node": 1}
-AUTOCAST = {"enabled": True, "dtype": "bfloat16",
-            "lower_precision_safe_modules": ["transformers.pytorch_utils.Conv1D", "torch.nn.Linear"]}
+AUTOCAST = {
+    "enabled": True,
+    "dtype": "bfloat16",
+    "lower_precision_safe_modules": ["transformers.pytorch_utils.Conv1D", "torch.nn.Linear"],
+}
 
 
 def _built(config: dict[str, Any], model: torch.nn.Module | None = None, steps: int = 2) -> dict[str, Any]:
@@ -33,9 +37,13 @@ def _built(config: dict[str, Any], model: torch.nn.Module | None = None, steps: 
     runtime = getattr(engine, "sdp4bit", None)
     result = {"warnings": logged, "error": "", "runtime": runtime is not None}
     if runtime is not None:
-        result.update(store=runtime.store is not None, reducer=runtime.reducer is not None,
-                      share=runtime.coverage.share, stats=runtime.stats(),
-                      sent_refresh=_sent_refresh_bytes(runtime))
+        result.update(
+            store=runtime.store is not None,
+            reducer=runtime.reducer is not None,
+            share=runtime.coverage.share,
+            stats=runtime.stats(),
+            sent_refresh=_sent_refresh_bytes(runtime),
+        )
     engine.destroy()
     return result
 
@@ -45,8 +53,10 @@ def _sent_refresh_bytes(runtime: Any) -> int:
     from deepspeed_sdp4bit.collectives.sharding import shard_numel
 
     world = torch.distributed.get_world_size()
-    return sum(shard_numel(p.ds_numel, world) * torch.empty(0, dtype=getattr(p, "comm_dtype", p.dtype)).element_size()
-               for p in runtime.units.params.values())
+    return sum(
+        shard_numel(p.ds_numel, world) * torch.empty(0, dtype=getattr(p, "comm_dtype", p.dtype)).element_size()
+        for p in runtime.units.params.values()
+    )
 
 
 def _lora_model() -> torch.nn.Module:
@@ -73,8 +83,9 @@ def _unhooked_initialize() -> dict[str, Any]:
 
     model = H.tiny_gpt2(0)
     with H.LogCapture() as logged:
-        engine, *_ = original_initialize()(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                           config=H.ds_config(sdp4bit=TWO_NODES))
+        engine, *_ = original_initialize()(
+            model=model, optimizer=torch.optim.AdamW(model.parameters()), config=H.ds_config(sdp4bit=TWO_NODES)
+        )
     result = {"warnings": logged, "runtime": hasattr(engine, "sdp4bit")}
     engine.destroy()
     return result
@@ -100,9 +111,15 @@ def _without_optimizer() -> dict[str, Any]:
         with deepspeed.zero.GatheredParameters([weight]):
             gathered.append(weight.data.clone())
     built = H.tiny_gpt2(0).transformer.h[0].mlp.c_fc.weight.detach()
-    result = {"error": "", "optimizer": type(engine.optimizer).__name__, "returned": type(optimizer).__name__,
-              "runtime": hasattr(engine, "sdp4bit"), "logged": logged, "same_logits": torch.equal(*logits),
-              "gathered": all(torch.equal(g, built) for g in gathered)}
+    result = {
+        "error": "",
+        "optimizer": type(engine.optimizer).__name__,
+        "returned": type(optimizer).__name__,
+        "runtime": hasattr(engine, "sdp4bit"),
+        "logged": logged,
+        "same_logits": torch.equal(*logits),
+        "gathered": all(torch.equal(g, built) for g in gathered),
+    }
     engine.destroy()
     plain.destroy()
     return result
@@ -115,21 +132,32 @@ def _cases() -> dict[str, dict[str, Any]]:
     device_name = accelerator.current_device_name
     return {
         "single node, node replica": _built(H.ds_config(sdp4bit={**QWD, "ranks_per_node": 2})),
-        "default persistence threshold": _built(H.ds_config(sdp4bit=TWO_NODES,
-                                                            stage3_param_persistence_threshold=100_000)),
-        "persistence threshold 50000": _built(H.ds_config(sdp4bit=TWO_NODES,
-                                                          stage3_param_persistence_threshold=50_000)),
+        "default persistence threshold": _built(
+            H.ds_config(sdp4bit=TWO_NODES, stage3_param_persistence_threshold=100_000)
+        ),
+        "persistence threshold 50000": _built(
+            H.ds_config(sdp4bit=TWO_NODES, stage3_param_persistence_threshold=50_000)
+        ),
         "frozen base weights": _built(H.ds_config(sdp4bit=TWO_NODES), model=_lora_model()),
         "torch_autocast": _built({**H.ds_config(sdp4bit=TWO_NODES), "torch_autocast": AUTOCAST}),
-        "rank replica, 1 MiB free": _with(accelerator, "available_memory", lambda *_: 2**20, lambda: _built(
-            H.ds_config(sdp4bit={**TWO_NODES, "weight_replica": "rank"}))),
+        "rank replica, 1 MiB free": _with(
+            accelerator,
+            "available_memory",
+            lambda *_: 2**20,
+            lambda: _built(H.ds_config(sdp4bit={**TWO_NODES, "weight_replica": "rank"})),
+        ),
         # DeepSpeed 0.19.8 compares a torch.device with a device string before reusing fp32 weights as masters, so it
         # never does; with the device as a torch.device (the comparison DeepSpeed means) it aliases them.
-        "fp32 masters aliased": _with(accelerator, "current_device_name", lambda: torch.device(device_name()),
-                                      lambda: _built(H.ds_config(sdp4bit=TWO_NODES))),
+        "fp32 masters aliased": _with(
+            accelerator,
+            "current_device_name",
+            lambda: torch.device(device_name()),
+            lambda: _built(H.ds_config(sdp4bit=TWO_NODES)),
+        ),
         "initialize taken before the import": _unhooked_initialize(),
-        "settings of a part that is off": _built(H.ds_config(sdp4bit={**TWO_NODES, "quantized_gradients": False,
-                                                                      "gradient_quantization_bits_intra": 4})),
+        "settings of a part that is off": _built(
+            H.ds_config(sdp4bit={**TWO_NODES, "quantized_gradients": False, "gradient_quantization_bits_intra": 4})
+        ),
         "without an optimizer": _without_optimizer(),
     }
 
@@ -146,8 +174,12 @@ def _warned(result: dict[str, Any], *phrases: str) -> bool:
 @pytest.mark.slow
 def test_settings_of_a_part_that_is_off_are_named_at_initialize(cases: list) -> None:
     on_rank0, on_rank1 = (r["settings of a part that is off"] for r in cases)
-    assert _warned(on_rank0, "have no effect in this block", "gq_group_size_intra = 128 (quantized_gradients is off)",
-                   "gradient_quantization_bits_intra = 4 (quantized_gradients is off)"), on_rank0
+    assert _warned(
+        on_rank0,
+        "have no effect in this block",
+        "gq_group_size_intra = 128 (quantized_gradients is off)",
+        "gradient_quantization_bits_intra = 4 (quantized_gradients is off)",
+    ), on_rank0
     assert not _warned(on_rank1, "have no effect"), on_rank1
     assert on_rank0["store"] and not on_rank0["reducer"], on_rank0
 
@@ -163,8 +195,9 @@ def test_node_replica_on_one_node_turns_weight_quantization_off(cases: list) -> 
 @pytest.mark.slow
 def test_share_served_is_reported_for_persistent_and_frozen_parameters(cases: list) -> None:
     everything = cases[0]["default persistence threshold"]
-    assert _warned(everything, "quantized_weights is off", "serves 0.0%",
-                   "stage3_param_persistence_threshold = 100,000"), everything
+    assert _warned(
+        everything, "quantized_weights is off", "serves 0.0%", "stage3_param_persistence_threshold = 100,000"
+    ), everything
     assert not everything["store"]
     partial = cases[0]["persistence threshold 50000"]
     assert 0.3 < partial["share"] < 0.9 and partial["store"], partial
@@ -246,8 +279,12 @@ def test_partitions_off_the_compute_device_are_refused() -> None:
     problem = _device_problems(engine, SDP4BitConfig(quantized_weights=True))
     assert "remote_device" in problem[0] and "['cpu']" in problem[0], problem
     assert _device_problems(engine, SDP4BitConfig(quantized_gradients=True)) == []
-    assert _device_problems(SimpleNamespace(**{**vars(engine), "device": torch.device("cpu")}),
-                            SDP4BitConfig(quantized_weights=True)) == []
+    assert (
+        _device_problems(
+            SimpleNamespace(**{**vars(engine), "device": torch.device("cpu")}), SDP4BitConfig(quantized_weights=True)
+        )
+        == []
+    )
 
 
 def _remote_device_cpu() -> str:

@@ -1,7 +1,7 @@
 """Real ZeRO-3 training of a tiny GPT-2 with SDP4Bit on CPU ranks (4 ranks acting as 2 nodes unless said otherwise).
 
-Every run is a real DeepSpeed engine on real gloo ranks (sdp4bit_testing/dist_harness.py); checks that need rank-local state
-run inside the ranks and return plain values that the test compares across ranks.
+Every run is a real DeepSpeed engine on real gloo ranks (sdp4bit_testing/dist_harness.py); checks that need rank-local
+state run inside the ranks and return plain values that the test compares across ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _comms_logger_bytes() -> dict[str, int]:
     totals: dict[str, int] = {}
     for name, sizes in comms_logger.comms_dict.items():
         if name.startswith("sdp4bit_"):
-            kind = name[len("sdp4bit_"):].rsplit("_", 1)[0]
+            kind = name[len("sdp4bit_") :].rsplit("_", 1)[0]
             totals[kind] = totals.get(kind, 0) + sum(size * entry[0] for size, entry in sizes.items())
     return totals
 
@@ -59,15 +59,17 @@ def _master_within_last_step(engine: Any, before: dict[int, torch.Tensor]) -> li
     master, delta, w = torch.cat(masters), torch.cat(deltas), torch.cat(ws)
     group = runtime.config.wq_group_size
     _, scales = reference.quantize(delta, bits=runtime.config.weight_quantization_bits, group_size=group)
-    step = scales.repeat_interleave(group)[:delta.numel()]
+    step = scales.repeat_interleave(group)[: delta.numel()]
     ulp = master.abs() * (2.0**-23 if runtime.store.own_shard(key).dtype == torch.float32 else 2.0**-7)
     far = ((w - master).abs() > step + ulp).nonzero().reshape(-1)
     if far.numel() == 0:
         return []
     i = int(far[0])
-    return [f"{far.numel()} of {w.numel()} elements of this rank's shards are farther from the fp32 master than the "
-            f"last step's quantization step, the first at {i}: w~ {w[i].item()!r}, master {master[i].item()!r}, "
-            f"bound {(step + ulp)[i].item()!r}"]
+    return [
+        f"{far.numel()} of {w.numel()} elements of this rank's shards are farther from the fp32 master than the "
+        f"last step's quantization step, the first at {i}: w~ {w[i].item()!r}, master {master[i].item()!r}, "
+        f"bound {(step + ulp)[i].item()!r}"
+    ]
 
 
 def _ds_tensors_vs_replicas(runtime: Any) -> tuple[list[str], list[torch.Tensor]]:
@@ -81,8 +83,12 @@ def _ds_tensors_vs_replicas(runtime: Any) -> tuple[list[str], list[torch.Tensor]
         shard = runtime.store.shard_numel(key)
         valid = runtime.store.valid_numel(key, rank)
         own = runtime.units.params[key].ds_tensor.reshape(-1)[:valid]
-        problems += H.first_difference(runtime.name(key), own, tensor.reshape(-1)[rank * shard:rank * shard + valid],
-                                      "ds_tensor vs the gathered replica")
+        problems += H.first_difference(
+            runtime.name(key),
+            own,
+            tensor.reshape(-1)[rank * shard : rank * shard + valid],
+            "ds_tensor vs the gathered replica",
+        )
     return problems, full
 
 
@@ -93,8 +99,12 @@ def _invariants(engine: Any, before: dict[int, torch.Tensor]) -> dict[str, Any]:
     runtime = engine.sdp4bit
     ds_problems, full = _ds_tensors_vs_replicas(runtime)
     problems = H.checksum_problems(runtime) + ds_problems + _master_within_last_step(engine, before)
-    return {"problems": problems, "gathered": [H.bits(t) for t in full], "stats": runtime.stats(),
-            "logged": _comms_logger_bytes()}
+    return {
+        "problems": problems,
+        "gathered": [H.bits(t) for t in full],
+        "stats": runtime.stats(),
+        "logged": _comms_logger_bytes(),
+    }
 
 
 def _paper_run(dtype_name: str) -> dict[str, Any]:
@@ -163,9 +173,11 @@ def _resume_part(directory: str, uninterrupted: bool) -> dict[str, Any]:
     H.make_engine(H.ds_config(torch.bfloat16))
     engine = H.make_engine(config)
     engine.load_checkpoint(directory, tag="step20")
-    return {"losses": H.train_steps(engine, 20, 40),
-            "module_only": _weights_only_load(directory, load_module_only=True),
-            "no_optimizer_states": _weights_only_load(directory, load_optimizer_states=False)}
+    return {
+        "losses": H.train_steps(engine, 20, 40),
+        "module_only": _weights_only_load(directory, load_module_only=True),
+        "no_optimizer_states": _weights_only_load(directory, load_optimizer_states=False),
+    }
 
 
 def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
@@ -179,8 +191,9 @@ def _weights_only_load(directory: str, **options: bool) -> dict[str, Any]:
     for key, param in runtime.units.params.items():
         valid = runtime.store.valid_numel(key, rank)
         master = safe_get_local_fp32_param(param).reshape(-1)[:valid].to(torch.bfloat16)
-        problems += H.first_difference(runtime.name(key), master, param.ds_tensor.reshape(-1)[:valid],
-                                      "bf16 of the fp32 master vs ds_tensor")
+        problems += H.first_difference(
+            runtime.name(key), master, param.ds_tensor.reshape(-1)[:valid], "bf16 of the fp32 master vs ds_tensor"
+        )
     return {"problems": problems, "loss": H.train_steps(engine, 20, 21)[0]}
 
 
@@ -196,8 +209,9 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path: Any) -> None:
     assert math.isfinite(resumed[0]["module_only"]["loss"])
 
 
-def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluate: bool = False,
-                **extra: Any) -> dict[str, Any]:
+def _train_mode(
+    block: dict | None, steps: int = 6, grad_accum: int = 1, evaluate: bool = False, **extra: Any
+) -> dict[str, Any]:
     """A few steps of one configuration (block None: plain ZeRO-3), optional evaluation forward passes between
     steps; with a block, SDP4Bit's collectives are recorded (zero3_recording.py), tensors at one quantizing step."""
     config = {**H.ds_config(torch.float32, sdp4bit=block, grad_accum=grad_accum), **extra}
@@ -216,31 +230,69 @@ def _train_mode(block: dict | None, steps: int = 6, grad_accum: int = 1, evaluat
             engine.train()
             assert math.isfinite(losses_eval)
     replicas = runtime is not None and runtime.store is not None
-    return {"losses": losses, "checksum_problems": H.checksum_problems(runtime) if replicas else [],
-            "config": config, "steps": steps, "log": log, "stats": runtime.stats() if runtime is not None else None}
+    return {
+        "losses": losses,
+        "checksum_problems": H.checksum_problems(runtime) if replicas else [],
+        "config": config,
+        "steps": steps,
+        "log": log,
+        "stats": runtime.stats() if runtime is not None else None,
+    }
 
 
 WORLD4_MODES = {
-    "replica rank, wq group 512, seed 12345": ({**H.PAPER, "weight_replica": "rank", "wq_group_size": 512,
-                                                "seed": 12345}, {}),
+    "replica rank, wq group 512, seed 12345": (
+        {**H.PAPER, "weight_replica": "rank", "wq_group_size": 512, "seed": 12345},
+        {},
+    ),
     "replica node, grad accum 2, eval": ({**H.PAPER, "weight_replica": "node"}, {"grad_accum": 2, "evaluate": True}),
-    "qwd only, 100k-element refresh buckets": ({"quantized_weights": True, "ranks_per_node": 2,
-                                                "refresh_bucket_size": 100_000}, {}),
-    "tlq only": ({"quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 2,
-                  "weight_replica": "off"}, {}),
-    "tlq-hs, 64-bit seed": ({"quantized_gradients": True, "gq_group_size_intra": 128, "hadamard_transform": True,
-                             "ranks_per_node": 2, "seed": 2**40 + 7}, {}),
-    "4/4 single-level inter": ({"quantized_gradients": True, "gradient_quantization_bits_intra": 4,
-                                "gq_group_size_intra": 128, "ranks_per_node": 1}, {}),
-    "4/4 single-level intra, nearest rounding": ({"quantized_gradients": True, "gradient_quantization_bits_intra": 4,
-                                                  "gq_group_size_intra": 128, "ranks_per_node": 4,
-                                                  "stochastic_rounding": False}, {}),
+    "qwd only, 100k-element refresh buckets": (
+        {"quantized_weights": True, "ranks_per_node": 2, "refresh_bucket_size": 100_000},
+        {},
+    ),
+    "tlq only": (
+        {"quantized_gradients": True, "gq_group_size_intra": 128, "ranks_per_node": 2, "weight_replica": "off"},
+        {},
+    ),
+    "tlq-hs, 64-bit seed": (
+        {
+            "quantized_gradients": True,
+            "gq_group_size_intra": 128,
+            "hadamard_transform": True,
+            "ranks_per_node": 2,
+            "seed": 2**40 + 7,
+        },
+        {},
+    ),
+    "4/4 single-level inter": (
+        {
+            "quantized_gradients": True,
+            "gradient_quantization_bits_intra": 4,
+            "gq_group_size_intra": 128,
+            "ranks_per_node": 1,
+        },
+        {},
+    ),
+    "4/4 single-level intra, nearest rounding": (
+        {
+            "quantized_gradients": True,
+            "gradient_quantization_bits_intra": 4,
+            "gq_group_size_intra": 128,
+            "ranks_per_node": 4,
+            "stochastic_rounding": False,
+        },
+        {},
+    ),
     "direct qW": ({"quantized_weights": True, "weight_quantization": "direct", "ranks_per_node": 2}, {}),
     "pipeline 4, inter group 256": ({**H.PAPER, "gradient_alltoall_pipeline": 4, "gq_group_size_inter": 256}, {}),
     "start step 3, verify every 2": ({**H.PAPER, "quantization_start_step": 3, "verify_interval": 2}, {}),
-    "optimizer offload to cpu": (H.PAPER, {"zero_force_ds_cpu_optimizer": False,
-                                         "zero_optimization": {**H.ds_config()["zero_optimization"],
-                                                               "offload_optimizer": {"device": "cpu"}}}),
+    "optimizer offload to cpu": (
+        H.PAPER,
+        {
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": {**H.ds_config()["zero_optimization"], "offload_optimizer": {"device": "cpu"}},
+        },
+    ),
     "no sdp4bit": (None, {}),
     "quantization starts after the last step": ({**H.PAPER, "quantization_start_step": 6}, {}),
 }
@@ -291,10 +343,14 @@ def test_every_replica_mode_and_ablation_trains_on_four_ranks() -> None:
 
 
 SMALL_WORLDS = {
-    2: {"paper, 2 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
-        "paper, 1 node x 2, replica rank": ({**H.PAPER, "ranks_per_node": 2, "weight_replica": "rank"}, {})},
-    3: {"paper, 3 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
-        "paper, 1 node x 3, replica rank": ({**H.PAPER, "ranks_per_node": 3, "weight_replica": "rank"}, {})},
+    2: {
+        "paper, 2 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
+        "paper, 1 node x 2, replica rank": ({**H.PAPER, "ranks_per_node": 2, "weight_replica": "rank"}, {}),
+    },
+    3: {
+        "paper, 3 nodes x 1": ({**H.PAPER, "ranks_per_node": 1}, {}),
+        "paper, 1 node x 3, replica rank": ({**H.PAPER, "ranks_per_node": 3, "weight_replica": "rank"}, {}),
+    },
 }
 
 
@@ -331,13 +387,18 @@ def _untouched_and_hooks(directory: str) -> dict[str, Any]:
         offload_refused = False
     except NotImplementedError as err:
         offload_refused = "offload_states" in str(err)
-    return {"offload_refused": offload_refused, "edit_resynced": resynced[1] > resynced[0],
-            "save_resynced": resynced[2] > resynced[1], "plain_equal": plain_before == plain_after,
-            "plain_has_runtime": hasattr(plain, "sdp4bit"),
-            "plain_param_patched": any(hasattr(p, "_sdp4bit_original_all_gather_coalesced")
-                                       for p in plain.module.parameters()),
-            "edited": sorted(set(edited.reshape(-1).tolist())),
-            "checksum_problems": H.checksum_problems(engine.sdp4bit)}
+    return {
+        "offload_refused": offload_refused,
+        "edit_resynced": resynced[1] > resynced[0],
+        "save_resynced": resynced[2] > resynced[1],
+        "plain_equal": plain_before == plain_after,
+        "plain_has_runtime": hasattr(plain, "sdp4bit"),
+        "plain_param_patched": any(
+            hasattr(p, "_sdp4bit_original_all_gather_coalesced") for p in plain.module.parameters()
+        ),
+        "edited": sorted(set(edited.reshape(-1).tolist())),
+        "checksum_problems": H.checksum_problems(engine.sdp4bit),
+    }
 
 
 def test_other_engines_untouched_and_weight_writers_resync(tmp_path: Any) -> None:
@@ -392,9 +453,13 @@ def _codec_backends(mixed: bool) -> dict[str, Any]:
     engine = H.make_engine(H.ds_config(sdp4bit={**H.PAPER, "verify_interval": 1}))
     losses = H.train_steps(engine, 0, 8)
     ds_problems, full = _ds_tensors_vs_replicas(engine.sdp4bit)
-    return {"backend": codec.backend_name(torch.empty(0)), "losses": losses, "gathered": [H.bits(t) for t in full],
-            "mismatches": engine.sdp4bit.checksum_mismatches,
-            "problems": H.checksum_problems(engine.sdp4bit) + ds_problems}
+    return {
+        "backend": codec.backend_name(torch.empty(0)),
+        "losses": losses,
+        "gathered": [H.bits(t) for t in full],
+        "mismatches": engine.sdp4bit.checksum_mismatches,
+        "problems": H.checksum_problems(engine.sdp4bit) + ds_problems,
+    }
 
 
 def test_ranks_on_different_codec_backends_train_bit_identically() -> None:
@@ -403,7 +468,7 @@ def test_ranks_on_different_codec_backends_train_bit_identically() -> None:
     alone, mixed = run_distributed(4, _codec_backends, False), run_distributed(4, _codec_backends, True)
     assert [r["backend"] for r in alone] == ["cpu"] * 4
     assert [r["backend"] for r in mixed] == ["reference", "cpu", "reference", "cpu"]
-    for rank, (one, other) in enumerate(zip(alone, mixed)):
+    for rank, (one, other) in enumerate(zip(alone, mixed, strict=True)):
         assert (other["mismatches"], other["problems"]) == (0, []), (rank, other["mismatches"], other["problems"])
         assert other["losses"] == one["losses"], rank
         for index, (mine, theirs) in enumerate(zip(other["gathered"], alone[0]["gathered"], strict=True)):

@@ -22,9 +22,28 @@ from .dispatch import backend_for, backend_name, prepare, set_backend
 from .spec import BITS, HADAMARD_BLOCK, MAX_GROUP, MIN_GROUP, CodecBackend, CodecOp, codes_nbytes, num_groups, qmax_for
 
 __all__ = [
-    "BITS", "HADAMARD_BLOCK", "MAX_GROUP", "MIN_GROUP", "CodecBackend", "CodecOp", "backend_for", "backend_name",
-    "codes_nbytes", "dequantize", "dequantize_add_", "dequantize_reduce", "dequantize_reduce_quantize", "diff_quantize",
-    "hadamard32", "num_groups", "prepare", "qmax_for", "quantize", "reference", "set_backend", "swizzle_quantize",
+    "BITS",
+    "HADAMARD_BLOCK",
+    "MAX_GROUP",
+    "MIN_GROUP",
+    "CodecBackend",
+    "CodecOp",
+    "backend_for",
+    "backend_name",
+    "codes_nbytes",
+    "dequantize",
+    "dequantize_add_",
+    "dequantize_reduce",
+    "dequantize_reduce_quantize",
+    "diff_quantize",
+    "hadamard32",
+    "num_groups",
+    "prepare",
+    "qmax_for",
+    "quantize",
+    "reference",
+    "set_backend",
+    "swizzle_quantize",
 ]
 
 

@@ -55,8 +55,12 @@ def _load(kind: str) -> Any | None:
         _loaded[kind] = CompiledBackend(load_codec_op(kind), kind)
     except Exception as exc:  # any build or import failure means: fall back to the reference, loudly
         _failed[kind] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"deepspeed_sdp4bit: the {kind} codec op could not be built ({_failed[kind]}); "
-                      f"using the plain-torch reference codec instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"deepspeed_sdp4bit: the {kind} codec op could not be built ({_failed[kind]}); "
+            f"using the plain-torch reference codec instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     return _loaded[kind]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from .spec import (
-    Codes,
     FLOAT_DTYPES,
     HADAMARD_BLOCK,
+    Codes,
     check_codes,
     check_group_args,
     check_out_codes,
@@ -63,8 +63,9 @@ def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None 
     return _into_values(y, out, dtypes=frozenset({torch.float32}))
 
 
-def _into_codes(result: Codes, out: Codes | None, device: torch.device, numel: int, bits: int,
-                group_size: int) -> Codes:
+def _into_codes(
+    result: Codes, out: Codes | None, device: torch.device, numel: int, bits: int, group_size: int
+) -> Codes:
     """Return `result`, copied into the caller's (codes, scales) buffers when it gave some."""
     if out is None:
         return result
@@ -74,8 +75,9 @@ def _into_codes(result: Codes, out: Codes | None, device: torch.device, numel: i
     return out
 
 
-def _into_values(result: torch.Tensor, out: torch.Tensor | None,
-                 dtypes: frozenset[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+def _into_values(
+    result: torch.Tensor, out: torch.Tensor | None, dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+) -> torch.Tensor:
     """Return `result`, copied into the caller's tensor (of one of `dtypes`) when it gave one."""
     if out is None:
         return result
@@ -97,7 +99,7 @@ def _prepared(x: torch.Tensor, valid: int | None, hadamard: bool, partitions: in
     valid = part if valid is None else valid
     rows = x.reshape(partitions, part)
     out = torch.zeros(padded, dtype=torch.float32, device=x.device)
-    view = out[:x.numel()].view(partitions, part)
+    view = out[: x.numel()].view(partitions, part)
     view[:, :valid] = rows[:, :valid].to(torch.float32)
     if hadamard:
         whole = _whole_blocks(valid)
@@ -147,8 +149,9 @@ def unpack(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return q[:numel].to(torch.float32)
 
 
-def _quantize_fp32(xf: torch.Tensor, numel: int, bits: int, group_size: int, stochastic: bool, seed: int,
-                   offset: int) -> Codes:
+def _quantize_fp32(
+    xf: torch.Tensor, numel: int, bits: int, group_size: int, stochastic: bool, seed: int, offset: int
+) -> Codes:
     """Quantize a zero-padded fp32 buffer (a whole number of groups) and keep the first `numel` codes."""
     qmax = qmax_for(bits)
     groups = xf.view(-1, group_size)
@@ -161,8 +164,18 @@ def _quantize_fp32(xf: torch.Tensor, numel: int, bits: int, group_size: int, sto
     return pack(q.reshape(-1)[:numel], bits), scale
 
 
-def quantize(x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
-             offset: int = 0, valid: int | None = None, hadamard: bool = False, out: Codes | None = None) -> Codes:
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    valid: int | None = None,
+    hadamard: bool = False,
+    out: Codes | None = None,
+) -> Codes:
     """Groupwise symmetric abs-max quantization of a 1-D tensor -> (uint8 codes, fp32 scales)."""
     numel = x.numel()
     check_group_args(x, bits, group_size, valid, hadamard)
@@ -171,8 +184,9 @@ def quantize(x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = 
     return _into_codes(result, out, x.device, numel, bits, group_size)
 
 
-def dequantize_fp32(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int,
-                    group_size: int) -> torch.Tensor:
+def dequantize_fp32(
+    codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int
+) -> torch.Tensor:
     """Codes and scales -> fp32 values fp32(q) * scale (one rounding)."""
     check_codes(codes, scales, numel, bits, group_size)
     q = unpack(codes, bits, numel)
@@ -180,15 +194,33 @@ def dequantize_fp32(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bi
     return q * per_elem
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
-               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    numel: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Codes and scales -> values in `dtype` (or out's dtype): fp32 product, one rounding to the dtype."""
     values = dequantize_fp32(codes, scales, numel=numel, bits=bits, group_size=group_size)
     return _into_values(values.to(dtype if out is None else out.dtype), out)
 
 
-def diff_quantize(new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False,
-                  seed: int = 0, offset: int = 0, valid: int | None = None, out: Codes | None = None) -> Codes:
+def diff_quantize(
+    new: torch.Tensor,
+    ref: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    valid: int | None = None,
+    out: Codes | None = None,
+) -> Codes:
     """Quantize d = fp32(new) - fp32(ref) (one fp32 subtraction); elements at index >= valid read neither input."""
     if new.numel() != ref.numel():
         raise ValueError(f"diff_quantize: new has {new.numel()} elements, ref has {ref.numel()}")
@@ -197,12 +229,14 @@ def diff_quantize(new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size
     numel = new.numel()
     padded = num_groups(numel, group_size) * group_size
     d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)
-    return _into_codes(_quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset), out, new.device, numel,
-                       bits, group_size)
+    return _into_codes(
+        _quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset), out, new.device, numel, bits, group_size
+    )
 
 
-def dequantize_add_(ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int,
-                    group_size: int) -> torch.Tensor:
+def dequantize_add_(
+    ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int
+) -> torch.Tensor:
     """ref <- dtype(fp32(q) * scale + fp32(ref)): fp32 multiply, fp32 add, one rounding to ref's dtype."""
     if ref.dtype not in FLOAT_DTYPES:
         raise TypeError(f"dequantize_add_: ref dtype {ref.dtype} is not one of {sorted(map(str, FLOAT_DTYPES))}")
@@ -225,9 +259,21 @@ def swizzle_permutation(nodes: int, ranks_per_node: int, slices: int) -> torch.T
     return (z * slices + y).reshape(-1)
 
 
-def swizzle_quantize(x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int, slices: int,
-                     stochastic: bool = False, seed: int = 0, offset: int = 0, valid: int | None = None,
-                     hadamard: bool = False, out: Codes | None = None) -> Codes:
+def swizzle_quantize(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    nodes: int,
+    ranks_per_node: int,
+    slices: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    valid: int | None = None,
+    hadamard: bool = False,
+    out: Codes | None = None,
+) -> Codes:
     """Quantize x (W partitions x `slices` slices, each a whole number of groups) into the swizzled layout.
 
     Each partition holds `valid` real elements at its start (all of it when None); the rest are read as zero and
@@ -256,9 +302,20 @@ def _sum_pieces(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: in
     return acc
 
 
-def dequantize_reduce_quantize(codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
-                               in_group: int, out_bits: int, out_group: int, stochastic: bool = False, seed: int = 0,
-                               offset: int = 0, out: Codes | None = None) -> Codes:
+def dequantize_reduce_quantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    pieces: int,
+    in_bits: int,
+    in_group: int,
+    out_bits: int,
+    out_group: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    out: Codes | None = None,
+) -> Codes:
     """Sum `pieces` quantized pieces in fp32 and quantize the sum again with other bits and group size."""
     total = _sum_pieces(codes, scales, pieces, in_bits, in_group)
     check_group_args(total, out_bits, out_group, None, False)
@@ -268,9 +325,19 @@ def dequantize_reduce_quantize(codes: torch.Tensor, scales: torch.Tensor, *, pie
     return _into_codes(result, out, codes.device, total.numel(), out_bits, out_group)
 
 
-def dequantize_reduce(codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int, group_size: int,
-                      dtype: torch.dtype = torch.float32, hadamard: bool = False, mul: float = 1.0,
-                      valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_reduce(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    pieces: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+    hadamard: bool = False,
+    mul: float = 1.0,
+    valid: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform of the 32-blocks lying wholly
     below `valid` (the ones the quantizer transformed), scale by `mul`, cast to `dtype` (or out's dtype)."""
     total = _sum_pieces(codes, scales, pieces, bits, group_size)

@@ -41,7 +41,9 @@ def codes_nbytes(numel: int, bits: int) -> int:
 def check_group_size(group_size: int) -> None:
     """Group sizes are multiples of 32 from 32 to 8192, so Hadamard blocks and nibble pairs never straddle groups."""
     if not isinstance(group_size, int) or group_size % MIN_GROUP or not MIN_GROUP <= group_size <= MAX_GROUP:
-        raise ValueError(f"group_size must be a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}], got {group_size}")
+        raise ValueError(
+            f"group_size must be a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}], got {group_size}"
+        )
 
 
 def check_group_args(x: torch.Tensor, bits: int, group_size: int, valid: int | None, hadamard: bool) -> None:
@@ -64,8 +66,9 @@ def check_valid(valid: int | None, length: int, what: str) -> None:
         raise ValueError(f"valid must be an integer in [0, {length}] (the elements of {what}), got {valid!r}")
 
 
-def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, slices: int,
-                       valid: int | None = None) -> int:
+def check_swizzle_args(
+    x: torch.Tensor, bits: int, group_size: int, world: int, slices: int, valid: int | None = None
+) -> int:
     """Validate a swizzle input and return the elements per (partition, slice) block."""
     check_group_args(x, bits, group_size, None, False)
     if world < 1 or slices < 1:
@@ -75,8 +78,10 @@ def check_swizzle_args(x: torch.Tensor, bits: int, group_size: int, world: int, 
         raise ValueError(f"swizzle_quantize: {numel} elements do not split into {world} partitions x {slices} slices")
     block = numel // (world * slices)
     if block % group_size or block % HADAMARD_BLOCK:
-        raise ValueError(f"swizzle_quantize: block of {block} elements is not a multiple of group_size {group_size}"
-                         f" and of {HADAMARD_BLOCK}")
+        raise ValueError(
+            f"swizzle_quantize: block of {block} elements is not a multiple of group_size {group_size}"
+            f" and of {HADAMARD_BLOCK}"
+        )
     check_valid(valid, numel // world, "a partition")
     return block
 
@@ -90,12 +95,15 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int
     qmax_for(bits)
     check_group_size(group_size)
     if codes.numel() != codes_nbytes(numel, bits) or scales.numel() != num_groups(numel, group_size):
-        raise ValueError(f"{codes.numel()} code bytes / {scales.numel()} scales do not fit {numel} elements at "
-                         f"{bits} bits in groups of {group_size}")
+        raise ValueError(
+            f"{codes.numel()} code bytes / {scales.numel()} scales do not fit {numel} elements at "
+            f"{bits} bits in groups of {group_size}"
+        )
 
 
-def check_out_codes(out: tuple[torch.Tensor, torch.Tensor], device: torch.device, numel: int, bits: int,
-                    group_size: int) -> None:
+def check_out_codes(
+    out: tuple[torch.Tensor, torch.Tensor], device: torch.device, numel: int, bits: int, group_size: int
+) -> None:
     """A caller's (codes, scales) output buffers must be exactly what `numel` elements need, on `device`."""
     codes, scales = out
     check_codes(codes, scales, numel, bits, group_size)
@@ -103,13 +111,16 @@ def check_out_codes(out: tuple[torch.Tensor, torch.Tensor], device: torch.device
         raise ValueError(f"out buffers are on {codes.device}/{scales.device}, the input on {device}")
 
 
-def check_out_values(out: torch.Tensor, device: torch.device, numel: int,
-                     dtypes: frozenset[torch.dtype] = FLOAT_DTYPES) -> None:
+def check_out_values(
+    out: torch.Tensor, device: torch.device, numel: int, dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+) -> None:
     """A caller's output tensor must be a contiguous tensor of `numel` elements on `device`, of one of `dtypes`."""
     if out.dtype not in dtypes or not out.is_contiguous() or out.numel() != numel or out.device != device:
         names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        raise ValueError(f"out must be a contiguous {names} tensor of {numel} elements on {device}, "
-                         f"got {out.numel()} elements of {out.dtype} on {out.device} (contiguous={out.is_contiguous()})")
+        raise ValueError(
+            f"out must be a contiguous {names} tensor of {numel} elements on {device}, "
+            f"got {out.numel()} elements of {out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
+        )
 
 
 def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> int:
@@ -170,42 +181,108 @@ class CodecBackend(Protocol):
     hash of (seed, offset + element index), so a call is reproducible and needs no RNG state.
     """
 
-    def quantize(self, x: torch.Tensor, *, bits: int, group_size: int, stochastic: bool = False, seed: int = 0,
-                 offset: int = 0, valid: int | None = None, hadamard: bool = False,
-                 out: Codes | None = None) -> Codes:
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        bits: int,
+        group_size: int,
+        stochastic: bool = False,
+        seed: int = 0,
+        offset: int = 0,
+        valid: int | None = None,
+        hadamard: bool = False,
+        out: Codes | None = None,
+    ) -> Codes:
         """Groupwise symmetric abs-max quantization of a contiguous tensor -> (uint8 codes, fp32 scales); elements
         at index >= valid are read as zero, `hadamard` first transforms each 32-block lying wholly below valid."""
 
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int,
-                   dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        numel: int,
+        bits: int,
+        group_size: int,
+        dtype: torch.dtype = torch.float32,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Codes and scales -> `numel` values in `dtype` (or in `out`, in its dtype): fp32 product, one rounding."""
 
     def hadamard32(self, x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """32-point Walsh-Hadamard transform of each contiguous 32-block, in fp32; the inverse includes the 1/32."""
 
-    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, *, bits: int, group_size: int,
-                      stochastic: bool = False, seed: int = 0, offset: int = 0, valid: int | None = None,
-                      out: Codes | None = None) -> Codes:
+    def diff_quantize(
+        self,
+        new: torch.Tensor,
+        ref: torch.Tensor,
+        *,
+        bits: int,
+        group_size: int,
+        stochastic: bool = False,
+        seed: int = 0,
+        offset: int = 0,
+        valid: int | None = None,
+        out: Codes | None = None,
+    ) -> Codes:
         """Quantize fp32(new) - fp32(ref) in one pass (qWD sender); elements at index >= valid read neither input."""
 
-    def dequantize_add_(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int,
-                        group_size: int) -> torch.Tensor:
+    def dequantize_add_(
+        self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int
+    ) -> torch.Tensor:
         """ref <- dtype(fp32(q) * scale + fp32(ref)) in place, bit-identical on every backend (qWD receiver)."""
 
-    def swizzle_quantize(self, x: torch.Tensor, *, bits: int, group_size: int, nodes: int, ranks_per_node: int,
-                         slices: int, stochastic: bool = False, seed: int = 0, offset: int = 0,
-                         valid: int | None = None, hadamard: bool = False, out: Codes | None = None) -> Codes:
+    def swizzle_quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        bits: int,
+        group_size: int,
+        nodes: int,
+        ranks_per_node: int,
+        slices: int,
+        stochastic: bool = False,
+        seed: int = 0,
+        offset: int = 0,
+        valid: int | None = None,
+        hadamard: bool = False,
+        out: Codes | None = None,
+    ) -> Codes:
         """Quantize a rank's full gradient buffer into the layout the two-level all-to-all sends (TLq step 1); each
         of its nodes x ranks_per_node partitions holds `valid` real elements at its start (all when None)."""
 
-    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, in_bits: int,
-                                   in_group: int, out_bits: int, out_group: int, stochastic: bool = False,
-                                   seed: int = 0, offset: int = 0, out: Codes | None = None) -> Codes:
+    def dequantize_reduce_quantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        pieces: int,
+        in_bits: int,
+        in_group: int,
+        out_bits: int,
+        out_group: int,
+        stochastic: bool = False,
+        seed: int = 0,
+        offset: int = 0,
+        out: Codes | None = None,
+    ) -> Codes:
         """Sum `pieces` received pieces in fp32 and requantize the sum with other bits and group size (TLq step 3)."""
 
-    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, *, pieces: int, bits: int,
-                          group_size: int, dtype: torch.dtype = torch.float32, hadamard: bool = False,
-                          mul: float = 1.0, valid: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize_reduce(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        pieces: int,
+        bits: int,
+        group_size: int,
+        dtype: torch.dtype = torch.float32,
+        hadamard: bool = False,
+        mul: float = 1.0,
+        valid: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Sum `pieces` received pieces in fp32, undo the Hadamard transform if asked (of the 32-blocks lying wholly
         below `valid`, as the quantizer transformed them), scale by `mul`, cast to `dtype` or out's (TLq step 5)."""
 
@@ -216,34 +293,98 @@ class CodecOp(Protocol):
     arguments, caller-allocated outputs, the stochastic-rounding key from `seed_key` and the counter offset as the
     int64 with the same bits. Arguments are checked by the `CodecBackend` adapter before any call."""
 
-    def quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                 stochastic: bool, key: int, offset: int, valid: int, hadamard: bool, /) -> None:
+    def quantize(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        group_size: int,
+        stochastic: bool,
+        key: int,
+        offset: int,
+        valid: int,
+        hadamard: bool,
+        /,
+    ) -> None:
         """codes, scales <- quantize(x)."""
 
-    def diff_quantize(self, new: torch.Tensor, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      bits: int, group_size: int, stochastic: bool, key: int, offset: int, valid: int, /) -> None:
+    def diff_quantize(
+        self,
+        new: torch.Tensor,
+        ref: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        group_size: int,
+        stochastic: bool,
+        key: int,
+        offset: int,
+        valid: int,
+        /,
+    ) -> None:
         """codes, scales <- quantize(new - ref)."""
 
-    def swizzle_quantize(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                         group_size: int, nodes: int, ranks_per_node: int, slices: int, stochastic: bool, key: int,
-                         offset: int, valid: int, hadamard: bool, /) -> None:
+    def swizzle_quantize(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        group_size: int,
+        nodes: int,
+        ranks_per_node: int,
+        slices: int,
+        stochastic: bool,
+        key: int,
+        offset: int,
+        valid: int,
+        hadamard: bool,
+        /,
+    ) -> None:
         """codes, scales <- the swizzled quantization of x."""
 
-    def dequantize_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, in_bits: int,
-                                   in_group: int, out_codes: torch.Tensor, out_scales: torch.Tensor, out_bits: int,
-                                   out_group: int, stochastic: bool, key: int, offset: int, /) -> None:
+    def dequantize_reduce_quantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        pieces: int,
+        in_bits: int,
+        in_group: int,
+        out_codes: torch.Tensor,
+        out_scales: torch.Tensor,
+        out_bits: int,
+        out_group: int,
+        stochastic: bool,
+        key: int,
+        offset: int,
+        /,
+    ) -> None:
         """out_codes, out_scales <- quantize(sum of the pieces)."""
 
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int,
-                   group_size: int, /) -> None:
+    def dequantize(
+        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int, group_size: int, /
+    ) -> None:
         """out <- dequantize(codes, scales)."""
 
-    def dequantize_add(self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                       group_size: int, /) -> None:
+    def dequantize_add(
+        self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, /
+    ) -> None:
         """ref += dequantize(codes, scales)."""
 
-    def dequantize_reduce(self, codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int,
-                          group_size: int, out: torch.Tensor, hadamard: bool, mul: float, valid: int, /) -> None:
+    def dequantize_reduce(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        pieces: int,
+        bits: int,
+        group_size: int,
+        out: torch.Tensor,
+        hadamard: bool,
+        mul: float,
+        valid: int,
+        /,
+    ) -> None:
         """out <- mul x (inverse Hadamard of) the sum of the pieces."""
 
     def hadamard32(self, x: torch.Tensor, out: torch.Tensor, inverse: bool, /) -> None:

@@ -55,11 +55,22 @@ class CommStats:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per kind and in total: logical, wire and cross-node bytes, calls and the wire/logical ratio."""
         entries = dict(self._kinds)
-        entries["total"] = KindBytes(*(sum(getattr(e, name) for e in self._kinds.values())
-                                       for name in ("logical", "wire", "cross_node", "calls")))
-        return {kind: {"logical_bytes": e.logical, "wire_bytes": e.wire, "cross_node_bytes": e.cross_node,
-                       "calls": e.calls, "ratio": e.wire / e.logical if e.logical else float("nan")}
-                for kind, e in entries.items()}
+        entries["total"] = KindBytes(
+            *(
+                sum(getattr(e, name) for e in self._kinds.values())
+                for name in ("logical", "wire", "cross_node", "calls")
+            )
+        )
+        return {
+            kind: {
+                "logical_bytes": e.logical,
+                "wire_bytes": e.wire,
+                "cross_node_bytes": e.cross_node,
+                "calls": e.calls,
+                "ratio": e.wire / e.logical if e.logical else float("nan"),
+            }
+            for kind, e in entries.items()
+        }
 
     def reset(self) -> None:
         """Zero every counter."""

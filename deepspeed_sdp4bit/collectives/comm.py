@@ -21,8 +21,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per_node: int | None,
-                     splits: Sequence[int] | None = None) -> int:
+def cross_node_bytes(
+    op: str, nbytes: int, group: ProcessGroup | None, ranks_per_node: int | None, splits: Sequence[int] | None = None
+) -> int:
     """Bytes this rank sends to other nodes when it passes `nbytes` to collective `op` over `group`.
 
     all_to_all: each split goes straight to its member (equal splits, or `splits`: the bytes for each member in
@@ -46,9 +47,17 @@ def cross_node_bytes(op: str, nbytes: int, group: ProcessGroup | None, ranks_per
     raise ValueError(f"no cross-node model for collective {op!r}")
 
 
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None, stats: CommStats,
-                      kind: str, part: str, async_op: bool = False, output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None) -> dist.Work | None:
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    stats: CommStats,
+    kind: str,
+    part: str,
+    async_op: bool = False,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> dist.Work | None:
     """All-to-all of `tensor` into `output` over `group`, in equal splits or in the given split sizes (rows of the
     first dimension per member, in group-rank order); the work handle when async_op."""
     nbytes = _nbytes(tensor)
@@ -57,21 +66,39 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: Process
         row = tensor.element_size() * math.prod(tensor.shape[1:])
         splits = [size * row for size in input_split_sizes]
     stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node, splits))
-    return ds_comm.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                     input_split_sizes=input_split_sizes, group=group, async_op=async_op,
-                                     log_name=f"sdp4bit_{kind}_{part}")
+    return ds_comm.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+        log_name=f"sdp4bit_{kind}_{part}",
+    )
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
-                           stats: CommStats, kind: str, part: str, async_op: bool = False) -> dist.Work | None:
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    stats: CommStats,
+    kind: str,
+    part: str,
+    async_op: bool = False,
+) -> dist.Work | None:
     """All-gather of equal `tensor`s into `output` (rank-major) over `group`; the work handle when async_op."""
     nbytes = _nbytes(tensor)
     stats.add_wire(kind, nbytes, cross_node_bytes("all_gather", nbytes, group, stats.ranks_per_node))
-    return ds_comm.all_gather_into_tensor(output, tensor, group=group, async_op=async_op,
-                                          log_name=f"sdp4bit_{kind}_{part}")
+    return ds_comm.all_gather_into_tensor(
+        output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}"
+    )
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: ds_comm.ReduceOp = ds_comm.ReduceOp.SUM,
-               log_name: str = "sdp4bit_check") -> None:
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    op: ds_comm.ReduceOp = ds_comm.ReduceOp.SUM,
+    log_name: str = "sdp4bit_check",
+) -> None:
     """A small all-reduce for checks (not part of any kind's bytes)."""
     ds_comm.all_reduce(tensor, op=op, group=group, log_name=log_name)

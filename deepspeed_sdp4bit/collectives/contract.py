@@ -80,8 +80,9 @@ class GradientState(Protocol):
 class GradientCollective(GradientState, Protocol):
     """Replaces ZeRO-3's gradient reduce-scatter."""
 
-    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
-                                 group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    def reduce_scatter_coalesced(
+        self, tensors: Sequence[torch.Tensor], group: ProcessGroup | None = None
+    ) -> list[torch.Tensor]:
         """This rank's partition of each tensor's mean over all ranks, in the input dtype."""
 
 
@@ -89,7 +90,8 @@ class GradientCollective(GradientState, Protocol):
 class OwnerGradientCollective(GradientState, Protocol):
     """Replaces ZeRO-1/2's gradient all-reduce of one bucket: each rank receives the runs it owns."""
 
-    def reduce(self, bucket: torch.Tensor, runs: Sequence[Any], logical_element_size: int | None = None
-               ) -> torch.Tensor:
+    def reduce(
+        self, bucket: torch.Tensor, runs: Sequence[Any], logical_element_size: int | None = None
+    ) -> torch.Tensor:
         """The sum over all ranks of the runs (owner, start, numel) this rank owns, concatenated in bucket order, in
         the bucket's dtype; logical bytes counted at `logical_element_size` per element (default: the bucket's)."""

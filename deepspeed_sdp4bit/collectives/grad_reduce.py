@@ -91,22 +91,30 @@ def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> L
     offsets = tuple(lead + sum(chunks[:i]) for i in range(len(chunks)))
     unit = group * slices
     part = max(1, -(-(lead + used) // unit)) * unit
-    return Layout(world=world, numels=tuple(numels), chunks=chunks, offsets=offsets, used=used, part=part,
-                  slices=slices, lead=lead)
+    return Layout(
+        world=world,
+        numels=tuple(numels),
+        chunks=chunks,
+        offsets=offsets,
+        used=used,
+        part=part,
+        slices=slices,
+        lead=lead,
+    )
 
 
 def rank_major(tensors: Sequence[torch.Tensor], layout: Layout, dtype: torch.dtype) -> torch.Tensor:
     """The flat buffer [rank][part] holding every tensor's rank chunks, zero elsewhere (views are read as-is)."""
     buf = torch.zeros(layout.world, layout.part, dtype=dtype, device=tensors[0].device)
-    for tensor, chunk, offset in zip(tensors, layout.chunks, layout.offsets):
+    for tensor, chunk, offset in zip(tensors, layout.chunks, layout.offsets, strict=True):
         if chunk == 0:
             continue
         flat = tensor.reshape(-1)
         full = flat.numel() // chunk
-        buf[:full, offset:offset + chunk] = flat[:full * chunk].view(full, chunk)
+        buf[:full, offset : offset + chunk] = flat[: full * chunk].view(full, chunk)
         rest = flat.numel() - full * chunk
         if rest:
-            buf[full, offset:offset + rest] = flat[full * chunk:]
+            buf[full, offset : offset + rest] = flat[full * chunk :]
     return buf.view(-1)
 
 
@@ -120,8 +128,10 @@ def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     dtypes = {t.dtype for t in tensors}
     devices = {t.device for t in tensors}
     if len(dtypes) != 1 or not dtypes <= FLOAT_DTYPES:
-        raise TypeError(f"reduce_scatter_coalesced: tensors must share one dtype among float32, bfloat16, float16; "
-                        f"got {sorted(map(str, dtypes))}")
+        raise TypeError(
+            f"reduce_scatter_coalesced: tensors must share one dtype among float32, bfloat16, float16; "
+            f"got {sorted(map(str, dtypes))}"
+        )
     if len(devices) != 1:
         raise ValueError(f"reduce_scatter_coalesced: tensors must be on one device, got {sorted(map(str, devices))}")
     return dtypes.pop()
@@ -132,19 +142,35 @@ def _check_group(group: object, world: int) -> None:
     if group is None or group is dist.group.WORLD:
         return
     if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"reduce_scatter_coalesced: group must be the world group or None; this rank is not a "
-                         f"member of the group passed ({group!r})")
+        raise ValueError(
+            f"reduce_scatter_coalesced: group must be the world group or None; this rank is not a "
+            f"member of the group passed ({group!r})"
+        )
     ranks = dist.get_process_group_ranks(group)
     if ranks != list(range(world)):
-        raise ValueError(f"reduce_scatter_coalesced: group must be the world group (ranks 0..{world - 1}) or None; "
-                         f"got a group of ranks {ranks}")
+        raise ValueError(
+            f"reduce_scatter_coalesced: group must be the world group (ranks 0..{world - 1}) or None; "
+            f"got a group of ranks {ranks}"
+        )
 
 
 class TLqReducer(TwoLevelRounding):
     """Quantized mean reduce-scatter over the world group on `topo`'s nodes, with exact-resume rounding streams."""
 
-    def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
-                 hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        bits_intra: int,
+        group_intra: int,
+        bits_inter: int,
+        group_inter: int,
+        hadamard: bool,
+        pipeline: int,
+        stochastic: bool,
+        seed: int,
+        stats: CommStats,
+    ) -> None:
         """Validate the settings and derive the padding unit and the two rounding streams."""
         self.topo = topo
         self.intra = check_level("TLqReducer", "intra", bits_intra, group_intra)
@@ -156,8 +182,9 @@ class TLqReducer(TwoLevelRounding):
         self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
         TwoLevelRounding.__init__(self, seed, topo.rank)
 
-    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor],
-                                 group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    def reduce_scatter_coalesced(
+        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    ) -> list[torch.Tensor]:
         """Per tensor, this rank's DeepSpeed partition of the mean over all ranks, in the input dtype."""
         _check_group(group, self.topo.world)
         if not tensors:
@@ -191,29 +218,55 @@ class TLqReducer(TwoLevelRounding):
     def _quantize(self, flat: torch.Tensor, level: Level, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 1: the whole buffer, swizzled so each slice's exchange sends every peer one contiguous run."""
         seed, offset = self.quant_stream.take(flat.numel())
-        return codec.swizzle_quantize(flat, bits=level.bits, group_size=level.group, nodes=self.topo.nodes,
-                                      ranks_per_node=self.topo.ranks_per_node, slices=layout.slices,
-                                      stochastic=self.stochastic, seed=seed, offset=offset, valid=layout.valid,
-                                      hadamard=self.hadamard)
+        return codec.swizzle_quantize(
+            flat,
+            bits=level.bits,
+            group_size=level.group,
+            nodes=self.topo.nodes,
+            ranks_per_node=self.topo.ranks_per_node,
+            slices=layout.slices,
+            stochastic=self.stochastic,
+            seed=seed,
+            offset=offset,
+            valid=layout.valid,
+            hadamard=self.hadamard,
+        )
 
-    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor,
-                    numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 3: sum the D intra-node pieces in fp32 and quantize the `numel`-element sum at the inter level."""
         seed, offset = self.requant_stream.take(numel)
-        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,
-                                                in_bits=self.intra.bits, in_group=self.intra.group,
-                                                out_bits=self.inter.bits, out_group=self.inter.group,
-                                                stochastic=self.stochastic, seed=seed, offset=offset)
+        return codec.dequantize_reduce_quantize(
+            codes,
+            scales,
+            pieces=self.topo.ranks_per_node,
+            in_bits=self.intra.bits,
+            in_group=self.intra.group,
+            out_bits=self.inter.bits,
+            out_group=self.inter.group,
+            stochastic=self.stochastic,
+            seed=seed,
+            offset=offset,
+        )
 
     def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype, valid: int) -> torch.Tensor:
         """Step 5: sum the received pieces in fp32, undo the Hadamard transform of the blocks below the slice's
         `valid` end (those the quantizer transformed), take the mean, cast."""
         codes, scales = exchange.wait()
-        return codec.dequantize_reduce(codes, scales, pieces=pieces, bits=level.bits, group_size=level.group,
-                                       dtype=dtype, hadamard=self.hadamard, mul=1.0 / self.topo.world, valid=valid)
+        return codec.dequantize_reduce(
+            codes,
+            scales,
+            pieces=pieces,
+            bits=level.bits,
+            group_size=level.group,
+            dtype=dtype,
+            hadamard=self.hadamard,
+            mul=1.0 / self.topo.world,
+            valid=valid,
+        )
 
-    def _one_level(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype, level: Level,
-                   group: dist.ProcessGroup, kind: str) -> list[torch.Tensor]:
+    def _one_level(
+        self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype, level: Level, group: dist.ProcessGroup, kind: str
+    ) -> list[torch.Tensor]:
         """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""
         codes, scales = self._quantize(flat, level, layout)
         run = layout.world * layout.slice_len

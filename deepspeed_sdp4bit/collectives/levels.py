@@ -45,11 +45,12 @@ def check_pipeline(owner: str, pipeline: object) -> int:
     return pipeline
 
 
-def codes_slice(codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int,
-                index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def codes_slice(
+    codes: torch.Tensor, scales: torch.Tensor, level: Level, numel: int, index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of the `index`-th run of `numel` elements in a buffer quantized at `level`."""
     nbytes, nscales = codes_nbytes(numel, level.bits), num_groups(numel, level.group)
-    return codes[index * nbytes:(index + 1) * nbytes], scales[index * nscales:(index + 1) * nscales]
+    return codes[index * nbytes : (index + 1) * nbytes], scales[index * nscales : (index + 1) * nscales]
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,15 @@ class Exchange:
     """An async all-to-all of codes and scales over `group` (equal splits, or `splits`); `wait()` returns what this
     rank received."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, stats: CommStats,
-                 kind: str, splits: Splits | None = None) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        group: dist.ProcessGroup,
+        stats: CommStats,
+        kind: str,
+        splits: Splits | None = None,
+    ) -> None:
         """Issue both all-to-alls now (async); the send buffers stay referenced until `wait`."""
         self._sent = (codes, scales)
         if splits is None:
@@ -87,10 +95,28 @@ class Exchange:
             self.codes = codes.new_empty(sum(code_splits[0]))
             self.scales = scales.new_empty(sum(scale_splits[0]))
         self._works = [
-            comm.all_to_all_single(self.codes, codes, group, stats, kind, "codes", async_op=True,
-                                   output_split_sizes=code_splits[0], input_split_sizes=code_splits[1]),
-            comm.all_to_all_single(self.scales, scales, group, stats, kind, "scales", async_op=True,
-                                   output_split_sizes=scale_splits[0], input_split_sizes=scale_splits[1]),
+            comm.all_to_all_single(
+                self.codes,
+                codes,
+                group,
+                stats,
+                kind,
+                "codes",
+                async_op=True,
+                output_split_sizes=code_splits[0],
+                input_split_sizes=code_splits[1],
+            ),
+            comm.all_to_all_single(
+                self.scales,
+                scales,
+                group,
+                stats,
+                kind,
+                "scales",
+                async_op=True,
+                output_split_sizes=scale_splits[0],
+                input_split_sizes=scale_splits[1],
+            ),
         ]
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,8 +89,7 @@ class BucketLayout:
     @property
     def order(self) -> tuple[int, ...]:
         """The destination ranks in the order of a slice of the send buffer: [local][node]."""
-        return tuple(n * self.ranks_per_node + local for local in range(self.ranks_per_node)
-                     for n in range(self.nodes))
+        return tuple(n * self.ranks_per_node + local for local in range(self.ranks_per_node) for n in range(self.nodes))
 
     def column(self, local: int) -> int:
         """Elements of one slice of the pieces of the ranks with local index `local`, one per node."""
@@ -109,8 +108,10 @@ class BucketLayout:
         """The layout in words, for errors."""
         shown = ", ".join(f"({r.owner}, {r.start}, {r.numel})" for r in self.runs[:_SHOWN_RUNS])
         more = f", ... ({len(self.runs)} in all)" if len(self.runs) > _SHOWN_RUNS else ""
-        return (f"a {str(dtype).removeprefix('torch.')} bucket of {self.numel} elements with the merged runs "
-                f"(owner, start, numel) [{shown}{more}], pieces padded to multiples of {self.unit}")
+        return (
+            f"a {str(dtype).removeprefix('torch.')} bucket of {self.numel} elements with the merged runs "
+            f"(owner, start, numel) [{shown}{more}], pieces padded to multiples of {self.unit}"
+        )
 
 
 def _check_runs(runs: Sequence[Run], numel: int, world: int) -> None:
@@ -121,8 +122,10 @@ def _check_runs(runs: Sequence[Run], numel: int, world: int) -> None:
         if run.numel < 1:
             raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: numel must be >= 1")
         if run.start < 0 or run.start + run.numel > numel:
-            raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: elements [start, start + numel) must lie "
-                             f"in the bucket's [0, {numel})")
+            raise ValueError(
+                f"OwnerReducer.reduce: runs[{i}] = {run}: elements [start, start + numel) must lie "
+                f"in the bucket's [0, {numel})"
+            )
         if not 0 <= run.owner < world:
             raise ValueError(f"OwnerReducer.reduce: runs[{i}] = {run}: owner must be a rank in [0, {world})")
 
@@ -133,8 +136,10 @@ def merge_runs(runs: Sequence[Run]) -> tuple[Run, ...]:
     for run in sorted(runs, key=lambda r: r.start):
         last = merged[-1] if merged else None
         if last is not None and run.start < last.start + last.numel:
-            raise ValueError(f"OwnerReducer.reduce: runs must not overlap; {run} overlaps the elements "
-                             f"[{last.start}, {last.start + last.numel}) of owner {last.owner}")
+            raise ValueError(
+                f"OwnerReducer.reduce: runs must not overlap; {run} overlaps the elements "
+                f"[{last.start}, {last.start + last.numel}) of owner {last.owner}"
+            )
         if last is not None and last.owner == run.owner and last.start + last.numel == run.start:
             merged[-1] = Run(last.owner, last.start, last.numel + run.numel)
         else:
@@ -151,23 +156,40 @@ def plan_bucket(numel: int, runs: Sequence[Run], topo: Topology, unit: int, slic
     for run in merged:
         lengths[run.owner] += run.numel
     padded = tuple(-(-length // unit) * unit for length in lengths)
-    return BucketLayout(numel=numel, runs=merged, lengths=tuple(lengths), padded=padded, unit=unit,
-                        nodes=topo.nodes, ranks_per_node=topo.ranks_per_node, slices=slices)
+    return BucketLayout(
+        numel=numel,
+        runs=merged,
+        lengths=tuple(lengths),
+        padded=padded,
+        unit=unit,
+        nodes=topo.nodes,
+        ranks_per_node=topo.ranks_per_node,
+        slices=slices,
+    )
 
 
 def _check_bucket(bucket: torch.Tensor) -> torch.dtype:
     """The bucket is a 1-D contiguous float32, bfloat16 or float16 tensor; returns its dtype."""
-    if (not isinstance(bucket, torch.Tensor) or bucket.dim() != 1 or not bucket.is_contiguous()
-            or bucket.dtype not in FLOAT_DTYPES):
-        got = (f"shape {tuple(bucket.shape)}, {bucket.dtype}, contiguous={bucket.is_contiguous()}"
-               if isinstance(bucket, torch.Tensor) else type(bucket).__name__)
-        raise TypeError(f"OwnerReducer.reduce: bucket must be a 1-D contiguous tensor of float32, bfloat16 or "
-                        f"float16; got {got}")
+    if (
+        not isinstance(bucket, torch.Tensor)
+        or bucket.dim() != 1
+        or not bucket.is_contiguous()
+        or bucket.dtype not in FLOAT_DTYPES
+    ):
+        got = (
+            f"shape {tuple(bucket.shape)}, {bucket.dtype}, contiguous={bucket.is_contiguous()}"
+            if isinstance(bucket, torch.Tensor)
+            else type(bucket).__name__
+        )
+        raise TypeError(
+            f"OwnerReducer.reduce: bucket must be a 1-D contiguous tensor of float32, bfloat16 or float16; got {got}"
+        )
     return bucket.dtype
 
 
-def _segments(bucket: torch.Tensor, runs: Sequence[Run], lo: int, hi: int,
-              zeros: torch.Tensor) -> Iterator[torch.Tensor]:
+def _segments(
+    bucket: torch.Tensor, runs: Sequence[Run], lo: int, hi: int, zeros: torch.Tensor
+) -> Iterator[torch.Tensor]:
     """Elements [lo, hi) of a piece made of `runs`' values in bucket order followed by zeros."""
     pos = 0
     for run in runs:
@@ -177,7 +199,7 @@ def _segments(bucket: torch.Tensor, runs: Sequence[Run], lo: int, hi: int,
         pos += run.numel
     pad_from = max(lo, pos)
     if pad_from < hi:
-        yield zeros[:hi - pad_from]
+        yield zeros[: hi - pad_from]
 
 
 def send_buffer(bucket: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
@@ -209,8 +231,20 @@ class OwnerReducer(TwoLevelRounding):
     """Quantized sum of a ZeRO-1/2 gradient bucket onto the owners of its runs, over the world group on `topo`'s
     nodes, with exact-resume rounding streams."""
 
-    def __init__(self, topo: Topology, *, bits_intra: int, group_intra: int, bits_inter: int, group_inter: int,
-                 hadamard: bool, pipeline: int, stochastic: bool, seed: int, stats: CommStats) -> None:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        bits_intra: int,
+        group_intra: int,
+        bits_inter: int,
+        group_inter: int,
+        hadamard: bool,
+        pipeline: int,
+        stochastic: bool,
+        seed: int,
+        stats: CommStats,
+    ) -> None:
         """Validate the settings and derive the padding unit and the two rounding streams."""
         self.topo = topo
         self.intra = check_level("OwnerReducer", "intra", bits_intra, group_intra)
@@ -222,8 +256,9 @@ class OwnerReducer(TwoLevelRounding):
         self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline
         TwoLevelRounding.__init__(self, seed, topo.rank)
 
-    def reduce(self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
-               ) -> torch.Tensor:
+    def reduce(
+        self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
+    ) -> torch.Tensor:
         """The SUM over all ranks of the runs this rank owns, concatenated in bucket order, in the bucket's dtype
         (an empty tensor when it owns none). Collective over the world; a bucket without runs exchanges nothing
         but the layout check. Logical bytes are counted at `logical_element_size` bytes per element (default: the
@@ -240,7 +275,7 @@ class OwnerReducer(TwoLevelRounding):
         self._account(layout, logical_element_size or bucket.element_size())
         slices = self._reduce(send_buffer(bucket, layout), layout, dtype)
         piece = slices[0] if len(slices) == 1 else torch.cat(slices)
-        return piece[:layout.lengths[rank]]
+        return piece[: layout.lengths[rank]]
 
     def _check_agreement(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device) -> None:
         """Raise a RuntimeError on every rank when the ranks' merged layouts differ, before the uneven all-to-alls
@@ -251,8 +286,10 @@ class OwnerReducer(TwoLevelRounding):
         comm.all_reduce(extremes, self.topo.flags, ReduceOp.MAX, "sdp4bit_owner_layout")
         highest, negated_lowest = extremes.tolist()
         if highest != -negated_lowest:
-            raise RuntimeError(f"OwnerReducer.reduce: the ranks passed different bucket layouts (the exchanges "
-                               f"would hang); rank {self.topo.rank} has {layout.describe(dtype)}")
+            raise RuntimeError(
+                f"OwnerReducer.reduce: the ranks passed different bucket layouts (the exchanges "
+                f"would hang); rank {self.topo.rank} has {layout.describe(dtype)}"
+            )
 
     def _account(self, layout: BucketLayout, elem_size: int) -> None:
         """Logical bytes: the unquantized exchanges of the real (unpadded) elements at each level."""
@@ -277,39 +314,70 @@ class OwnerReducer(TwoLevelRounding):
     def _quantize(self, send: torch.Tensor, level: Level) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2: the whole send buffer at the first level."""
         seed, offset = self.quant_stream.take(send.numel())
-        return codec.quantize(send, bits=level.bits, group_size=level.group, stochastic=self.stochastic, seed=seed,
-                              offset=offset, hadamard=self.hadamard)
+        return codec.quantize(
+            send,
+            bits=level.bits,
+            group_size=level.group,
+            stochastic=self.stochastic,
+            seed=seed,
+            offset=offset,
+            hadamard=self.hadamard,
+        )
 
-    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor,
-                    numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum the D intra-node runs of `numel` elements in fp32 and quantize the sum at the inter level (nothing
         arrived when `numel` is 0: the empty codes and scales pass through)."""
         seed, offset = self.requant_stream.take(numel)
         if not numel:
             return codes, scales
-        return codec.dequantize_reduce_quantize(codes, scales, pieces=self.topo.ranks_per_node,
-                                                in_bits=self.intra.bits, in_group=self.intra.group,
-                                                out_bits=self.inter.bits, out_group=self.inter.group,
-                                                stochastic=self.stochastic, seed=seed, offset=offset)
+        return codec.dequantize_reduce_quantize(
+            codes,
+            scales,
+            pieces=self.topo.ranks_per_node,
+            in_bits=self.intra.bits,
+            in_group=self.intra.group,
+            out_bits=self.inter.bits,
+            out_group=self.inter.group,
+            stochastic=self.stochastic,
+            seed=seed,
+            offset=offset,
+        )
 
-    def _exchange(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str,
-                  splits: Splits) -> Exchange | _Idle:
+    def _exchange(
+        self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str, splits: Splits
+    ) -> Exchange | _Idle:
         """Start an exchange, or skip it when this rank sends nothing: every member then sends nothing."""
         if not any(splits.send):
             return _Idle(codes, scales)
         return Exchange(codes, scales, group, self.stats, kind, splits)
 
-    def _finish(self, exchange: Exchange | _Idle, level: Level, pieces: int, dtype: torch.dtype,
-                numel: int) -> torch.Tensor:
+    def _finish(
+        self, exchange: Exchange | _Idle, level: Level, pieces: int, dtype: torch.dtype, numel: int
+    ) -> torch.Tensor:
         """Sum the received pieces of `numel` elements in fp32, undo the Hadamard transform, cast."""
         codes, scales = exchange.wait()
         if not numel:
             return torch.empty(0, dtype=dtype, device=codes.device)
-        return codec.dequantize_reduce(codes, scales, pieces=pieces, bits=level.bits, group_size=level.group,
-                                       dtype=dtype, hadamard=self.hadamard, mul=1.0)
+        return codec.dequantize_reduce(
+            codes,
+            scales,
+            pieces=pieces,
+            bits=level.bits,
+            group_size=level.group,
+            dtype=dtype,
+            hadamard=self.hadamard,
+            mul=1.0,
+        )
 
-    def _one_level(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype, level: Level,
-                   group: dist.ProcessGroup, kind: str) -> list[torch.Tensor]:
+    def _one_level(
+        self,
+        send: torch.Tensor,
+        layout: BucketLayout,
+        dtype: torch.dtype,
+        level: Level,
+        group: dist.ProcessGroup,
+        kind: str,
+    ) -> list[torch.Tensor]:
         """One exchange per slice over the world; slice y+1's exchange is in flight while slice y is reduced."""
         codes, scales = self._quantize(send, level)
         world, own = self.topo.world, layout.slice_len(self.topo.rank)
@@ -331,10 +399,16 @@ class OwnerReducer(TwoLevelRounding):
         topo = self.topo
         codes, scales = self._quantize(send, self.intra)
         column, own = layout.column(topo.local), layout.slice_len(topo.rank)
-        intra = Splits(self.intra, tuple(layout.column(local) for local in range(topo.ranks_per_node)),
-                       (column,) * topo.ranks_per_node)
-        inter = Splits(self.inter, tuple(layout.slice_len(topo.global_rank(n, topo.local)) for n in range(topo.nodes)),
-                       (own,) * topo.nodes)
+        intra = Splits(
+            self.intra,
+            tuple(layout.column(local) for local in range(topo.ranks_per_node)),
+            (column,) * topo.ranks_per_node,
+        )
+        inter = Splits(
+            self.inter,
+            tuple(layout.slice_len(topo.global_rank(n, topo.local)) for n in range(topo.nodes)),
+            (own,) * topo.nodes,
+        )
 
         def issue_intra(y: int) -> Exchange | _Idle:
             """Start slice y's intra-node exchange."""

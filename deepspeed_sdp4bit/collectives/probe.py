@@ -62,8 +62,9 @@ def gather_seconds(group: ProcessGroup | None, size: int, nbytes: int, device: t
     return statistics.median(times)
 
 
-def _bytes_per_second(group: ProcessGroup | None, size: int, device: torch.device, target_s: float,
-                      max_bytes: int) -> tuple[int, float]:
+def _bytes_per_second(
+    group: ProcessGroup | None, size: int, device: torch.device, target_s: float, max_bytes: int
+) -> tuple[int, float]:
     """(message bytes, seconds) of the first all-gather over `group` that takes `target_s` or uses `max_bytes`."""
     nbytes = FIRST_BYTES
     while True:
@@ -73,8 +74,9 @@ def _bytes_per_second(group: ProcessGroup | None, size: int, device: torch.devic
         nbytes = min(max_bytes, nbytes * max(2, int(target_s / max(seconds, 1e-6))))
 
 
-def measure_links(topology: Topology, device: torch.device, target_s: float = TARGET_S,
-                  max_bytes: int = MAX_BYTES) -> LinkRates:
+def measure_links(
+    topology: Topology, device: torch.device, target_s: float = TARGET_S, max_bytes: int = MAX_BYTES
+) -> LinkRates:
     """The job's inter-node bandwidth per node and intra-node bandwidth per rank (collective over the world); each
     gather grows until it takes `target_s` (initialize keeps it short; `sdp4bit-measure` takes longer gathers)."""
     nodes, per_node = topology.nodes, topology.ranks_per_node

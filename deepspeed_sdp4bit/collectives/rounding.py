@@ -55,8 +55,10 @@ class RoundingStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume the counter of a checkpoint written by the same stream (same base seed, rank and stage)."""
         if state["seed"] != self.seed:
-            raise ValueError(f"rounding stream seed {state['seed']} in the checkpoint differs from {self.seed}: "
-                             "the checkpoint was written with another sdp4bit.seed or on another rank")
+            raise ValueError(
+                f"rounding stream seed {state['seed']} in the checkpoint differs from {self.seed}: "
+                "the checkpoint was written with another sdp4bit.seed or on another rank"
+            )
         self.counter = int(state["counter"])
 
 
@@ -79,7 +81,8 @@ class TwoLevelRounding:
         """Restore the counters written by `state_dict` (same seed and rank required)."""
         missing = {"quantize", "requantize"} - set(state)
         if missing:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: state lacks {sorted(missing)}; it has "
-                           f"{sorted(state)}")
+            raise KeyError(
+                f"{type(self).__name__}.load_state_dict: state lacks {sorted(missing)}; it has {sorted(state)}"
+            )
         self.quant_stream.load_state_dict(state["quantize"])
         self.requant_stream.load_state_dict(state["requantize"])

@@ -1,7 +1,7 @@
 """ZeRO-3's partitioning of a flat parameter over W ranks, which the weight collectives follow exactly.
 
-A parameter of n elements is split into W shards of shard_numel = ceil(n / W) elements; shard r covers [r*s, r*s + s) (s = shard_numel) of
-the flat parameter and only its first clamp(n - r*s, 0, s) elements are valid, the rest is padding.
+A parameter of n elements is split into W shards of shard_numel = ceil(n / W) elements; shard r covers [r*s, r*s + s)
+(s = shard_numel) of the flat parameter and only its first clamp(n - r*s, 0, s) elements are valid, the rest is padding.
 """
 
 from __future__ import annotations
@@ -24,5 +24,4 @@ def check_registration(key: int, numel: object, logical_element_size: object) ->
     if not isinstance(numel, int) or numel < 1:
         raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
     if logical_element_size is not None and (not isinstance(logical_element_size, int) or logical_element_size < 1):
-        raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got "
-                         f"{logical_element_size!r}")
+        raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got {logical_element_size!r}")

@@ -40,8 +40,9 @@ class DirectQuantGather:
     caller to write its shards: the exact weights stay there.
     """
 
-    def __init__(self, topo: Topology, *, bits: int, group_size: int, stochastic: bool, seed: int,
-                 stats: CommStats) -> None:
+    def __init__(
+        self, topo: Topology, *, bits: int, group_size: int, stochastic: bool, seed: int, stats: CommStats
+    ) -> None:
         check_quant_args(bits, group_size)
         self._topo = topo
         self._bits, self._group_size, self._stochastic = bits, group_size, stochastic
@@ -97,10 +98,14 @@ class DirectQuantGather:
         self._stats.add_logical(GATHER_KIND, sum(shards[key].numel() * sizes[key] for key in keys))
         all_codes = codes.new_empty(world, codes.numel())
         all_scales = scales.new_empty(world, scales.numel())
-        works = [comm.all_gather_into_tensor(all_codes.view(-1), codes, None, self._stats, GATHER_KIND, "codes",
-                                             async_op=True),
-                 comm.all_gather_into_tensor(all_scales.view(-1), scales, None, self._stats, GATHER_KIND, "scales",
-                                             async_op=True)]
+        works = [
+            comm.all_gather_into_tensor(
+                all_codes.view(-1), codes, None, self._stats, GATHER_KIND, "codes", async_op=True
+            ),
+            comm.all_gather_into_tensor(
+                all_scales.view(-1), scales, None, self._stats, GATHER_KIND, "scales", async_op=True
+            ),
+        ]
         return GatherHandle(works, lambda: self._decode(all_codes, all_scales, keys, dtypes))
 
     def _check_shard(self, key: int, shard: torch.Tensor) -> None:
@@ -110,8 +115,10 @@ class DirectQuantGather:
         n, world = self._numels[key], self._topo.world
         ps = shard_numel(n, world)
         if shard.numel() != ps or not shard.is_contiguous() or shard.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"gather: shard of key {key} (a {n}-element parameter) must be a contiguous float tensor "
-                             f"of ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}")
+            raise ValueError(
+                f"gather: shard of key {key} (a {n}-element parameter) must be a contiguous float tensor "
+                f"of ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}"
+            )
 
     def _codes(self, key: int, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's codes and scales of this rank's shard of `key`, quantized at its first gather in the step.
@@ -125,31 +132,42 @@ class DirectQuantGather:
             scales = torch.zeros(num_groups(ps, self._group_size), dtype=torch.float32, device=shard.device)
             valid = valid_numel(n, world, rank)
             if valid:
-                c, s = codec.quantize(shard, bits=self._bits, group_size=self._group_size,
-                                      stochastic=self._stochastic, seed=self._stream.seed,
-                                      offset=(self._stream.counter + self._offsets[key]) % (1 << 64), valid=valid)
+                c, s = codec.quantize(
+                    shard,
+                    bits=self._bits,
+                    group_size=self._group_size,
+                    stochastic=self._stochastic,
+                    seed=self._stream.seed,
+                    offset=(self._stream.counter + self._offsets[key]) % (1 << 64),
+                    valid=valid,
+                )
                 codes.copy_(c)
                 scales.copy_(s)
             self._encoded[key] = (codes, scales)
         return self._encoded[key]
 
-    def _decode(self, all_codes: torch.Tensor, all_scales: torch.Tensor, keys: list[int],
-                dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    def _decode(
+        self, all_codes: torch.Tensor, all_scales: torch.Tensor, keys: list[int], dtypes: list[torch.dtype]
+    ) -> list[torch.Tensor]:
         """Rebuild each full parameter (n elements, the shard dtype) from every rank's [world, buffer] row."""
         world = self._topo.world
         result = []
         co = so = 0
-        for key, dtype in zip(keys, dtypes):
+        for key, dtype in zip(keys, dtypes, strict=True):
             n = self._numels[key]
             ps = shard_numel(n, world)
             full = torch.empty(world * ps, dtype=dtype, device=all_codes.device)
             for src in range(world):
                 valid = valid_numel(n, world, src)
                 if valid:
-                    full[src * ps:src * ps + valid] = codec.dequantize(
-                        all_codes[src, co:co + codes_nbytes(valid, self._bits)],
-                        all_scales[src, so:so + num_groups(valid, self._group_size)],
-                        numel=valid, bits=self._bits, group_size=self._group_size, dtype=dtype)
+                    full[src * ps : src * ps + valid] = codec.dequantize(
+                        all_codes[src, co : co + codes_nbytes(valid, self._bits)],
+                        all_scales[src, so : so + num_groups(valid, self._group_size)],
+                        numel=valid,
+                        bits=self._bits,
+                        group_size=self._group_size,
+                        dtype=dtype,
+                    )
             result.append(full[:n])
             co += codes_nbytes(ps, self._bits)
             so += num_groups(ps, self._group_size)

@@ -14,10 +14,10 @@ flat 16-bit buffers, [W, partition], which every rank holds whole and whose own 
 the new weights before each refresh; the store then keeps w~ of its own slot in a snapshot).
 
 A refresh quantizes a bucket (parameters adjacent in the storage) as one contiguous run, so the quantization groups
-tile the run across parameter boundaries, as in the original. Every holder of a shard, its owner included, changes it only by applying the same received bytes with
-the codec's deterministic `dequantize_add_`, so all copies stay bit-identical. The inputs' padding is never read;
-the replica's padding is zero and stays zero unless a non-finite value turns its whole quantization group into
-NaN. docs/weights.md describes the layout and the exchange with diagrams.
+tile the run across parameter boundaries, as in the original. Every holder of a shard, its owner included, changes it
+only by applying the same received bytes with the codec's deterministic `dequantize_add_`, so all copies stay
+bit-identical. The inputs' padding is never read; the replica's padding is zero and stays zero unless a non-finite value
+turns its whole quantization group into NaN. docs/weights.md describes the layout and the exchange with diagrams.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HA
         cols = torch.arange(lo, min(lo + width, total), dtype=torch.int64, device=storage.device)
         block = torch.searchsorted(first, cols, right=True) - 1
         position = mix32((cols - first[block] + 0x9E3779B9) & _M32)
-        bits = storage[:, lo:lo + cols.numel()].view(as_int).to(torch.int64) & mask
+        bits = storage[:, lo : lo + cols.numel()].view(as_int).to(torch.int64) & mask
         out.index_add_(0, block, torch.stack((bits, mix32(bits ^ position)), dim=-1).transpose(0, 1))
     return out
 
@@ -170,9 +170,20 @@ def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HA
 class WeightStore:
     """Persistent replicas of the 16-bit (or fp32) model weights w~, kept bit-identical on every holder."""
 
-    def __init__(self, topo: Topology, *, replica: Literal["rank", "node"], bits: int, group_size: int,
-                 stochastic: bool, seed: int, stats: CommStats, bucket_numel: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        replica: Literal["rank", "node"],
+        bits: int,
+        group_size: int,
+        stochastic: bool,
+        seed: int,
+        stats: CommStats,
+        bucket_numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         if replica not in ("rank", "node"):
             raise ValueError(f"replica must be 'rank' or 'node', got {replica!r}")
         check_quant_args(bits, group_size, dtype)
@@ -223,8 +234,9 @@ class WeightStore:
         """Allocate the zeroed [slots, total] replica storage of every segment once every parameter is registered."""
         if self._storages is not None:
             raise RuntimeError("finalize: the store is already finalized")
-        self._storages = [torch.zeros(self._slots, total, dtype=self._dtype, device=self._device)
-                          for total in self._totals]
+        self._storages = [
+            torch.zeros(self._slots, total, dtype=self._dtype, device=self._device) for total in self._totals
+        ]
 
     def attach(self, storages: Sequence[torch.Tensor]) -> None:
         """Take the caller's tensors as the replica storage, one [slots, total] tensor per segment, instead of
@@ -239,15 +251,20 @@ class WeightStore:
         if self._storages is not None:
             raise RuntimeError("attach: the store is already finalized")
         if self._replica != "rank":
-            raise ValueError(f"attach: the caller's storage holds every rank's slot (rank replicas); this store "
-                             f"has {self._replica!r} replicas")
+            raise ValueError(
+                f"attach: the caller's storage holds every rank's slot (rank replicas); this store "
+                f"has {self._replica!r} replicas"
+            )
         want = [(self._slots, total) for total in self._totals]
         got = [tuple(t.shape) for t in storages]
-        if got != want or any(t.dtype != self._dtype or t.device.type != self._device.type or not t.is_contiguous()
-                              for t in storages):
-            raise ValueError(f"attach: storages must be contiguous {self._dtype} tensors on {self._device.type} of "
-                             f"shapes {want} (slots x columns per segment); got "
-                             f"{[(tuple(t.shape), t.dtype, t.device.type) for t in storages]}")
+        if got != want or any(
+            t.dtype != self._dtype or t.device.type != self._device.type or not t.is_contiguous() for t in storages
+        ):
+            raise ValueError(
+                f"attach: storages must be contiguous {self._dtype} tensors on {self._device.type} of "
+                f"shapes {want} (slots x columns per segment); got "
+                f"{[(tuple(t.shape), t.dtype, t.device.type) for t in storages]}"
+            )
         self._storages = list(storages)
         self._snapshots = [t[self._own_slot].clone() for t in storages]
 
@@ -273,21 +290,21 @@ class WeightStore:
         return valid_numel(self._param(key).numel, self._topo.world, rank)
 
     def _columns(self, p: _Param) -> torch.Tensor:
-        """This rank's replica region of `p` as a [slots, shard_numel] view; slot s holds the shard of rank `_source(s)`."""
+        """This rank's replica region of `p` as a [slots, shard_numel] view; slot s holds rank `_source(s)`'s shard."""
         assert self._storages is not None
-        return self._storages[p.segment][:, p.offset:p.offset + p.shard_numel]
+        return self._storages[p.segment][:, p.offset : p.offset + p.shard_numel]
 
     def _run(self, slot: int, bucket: _Bucket) -> torch.Tensor:
         """The contiguous view of `bucket`'s columns in `slot`."""
         assert self._storages is not None
-        return self._storages[bucket.segment][slot, bucket.start:bucket.stop]
+        return self._storages[bucket.segment][slot, bucket.start : bucket.stop]
 
     def _reference(self, bucket: _Bucket) -> torch.Tensor:
         """w~ of this rank's own slot over `bucket`: the own slot itself, or its snapshot where the caller writes the
         own slot (`attach`)."""
         if self._snapshots is None:
             return self._run(self._own_slot, bucket)
-        return self._snapshots[bucket.segment][bucket.start:bucket.stop]
+        return self._snapshots[bucket.segment][bucket.start : bucket.stop]
 
     def _slot_of(self, rank: int) -> int:
         """The slot where the shard of world rank `rank` lives on this rank (it must be a holder)."""
@@ -302,7 +319,7 @@ class WeightStore:
         snapshot where the caller writes the own slot (`attach`), which the own slot must equal between refreshes."""
         p = self._param(key)
         if self._snapshots is not None:
-            return self._snapshots[p.segment][p.offset:p.offset + p.shard_numel]
+            return self._snapshots[p.segment][p.offset : p.offset + p.shard_numel]
         return self._columns(p)[self._own_slot]
 
     def _own_slots(self, params: list[_Param]) -> dict[int, torch.Tensor]:
@@ -321,8 +338,9 @@ class WeightStore:
         returns w~ on this rank's shards of them, what the owner's ds_tensor must hold from now on."""
         params = self._checked(shards, "refresh")
         if quantize:
-            self._exchange(params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, shards),
-                           self._apply_deltas)
+            self._exchange(
+                params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, shards), self._apply_deltas
+            )
         else:
             self._send_values(params, REFRESH_KIND, shards)
         return self._own_slots(params)
@@ -348,8 +366,10 @@ class WeightStore:
         for p in params:
             t = tensors[p.key]
             if t.numel() != p.shard_numel or not t.is_contiguous() or t.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"{what}: tensor for key {p.key} must be a contiguous float tensor of shard_numel = {p.shard_numel} "
-                                 f"elements, got {t.numel()} elements of {t.dtype} (contiguous={t.is_contiguous()})")
+                raise ValueError(
+                    f"{what}: tensor for key {p.key} must be a contiguous float tensor of shard_numel = "
+                    f"{p.shard_numel} elements, got {t.numel()} elements of {t.dtype} (contiguous={t.is_contiguous()})"
+                )
             if t.device.type != self._device.type:
                 raise ValueError(f"{what}: tensor for key {p.key} is on {t.device}, the store on {self._device}")
         return params
@@ -361,16 +381,25 @@ class WeightStore:
         """
         run: list[_Param] = []
         for p in params:
-            if run and (p.index != run[-1].index + 1 or p.segment != run[0].segment
-                        or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel):
+            if run and (
+                p.index != run[-1].index + 1
+                or p.segment != run[0].segment
+                or self._slots * (p.offset + p.shard_numel - run[0].offset) > self._bucket_numel
+            ):
                 yield _Bucket(tuple(run))
                 run = []
             run.append(p)
         if run:
             yield _Bucket(tuple(run))
 
-    def _exchange(self, params: list[_Param], kind: str, names: tuple[str, ...],
-                  encode: Callable[[_Bucket], list[torch.Tensor]], apply: Callable[[_Bucket, Rows], None]) -> None:
+    def _exchange(
+        self,
+        params: list[_Param],
+        kind: str,
+        names: tuple[str, ...],
+        encode: Callable[[_Bucket], list[torch.Tensor]],
+        apply: Callable[[_Bucket, Rows], None],
+    ) -> None:
         """Encode, all-gather and apply bucket by bucket; bucket k+1 is encoded while bucket k is in flight."""
         pending: _InFlight | None = None
         for bucket in self._buckets(params):
@@ -385,16 +414,17 @@ class WeightStore:
         """Bytes one rank would send in the unquantized all-gather of its own shards of `bucket`."""
         return sum(p.shard_numel * p.logical_size for p in bucket.params)
 
-    def _start_inter(self, bucket: _Bucket, parts: list[torch.Tensor], kind: str, names: tuple[str, ...]
-                     ) -> _InFlight:
+    def _start_inter(self, bucket: _Bucket, parts: list[torch.Tensor], kind: str, names: tuple[str, ...]) -> _InFlight:
         """Start the all-gather of `parts` among the ranks with this local index (nothing to send on one node)."""
         nodes = self._topo.nodes
         if nodes == 1:
             return _InFlight(bucket, kind, names, parts, [part.view(1, -1) for part in parts], [])
         self._stats.add_logical(kind, self._logical(bucket))
         outs = [part.new_empty(nodes, part.numel()) for part in parts]
-        works = [comm.all_gather_into_tensor(out.view(-1), part, self._topo.inter, self._stats, kind, name,
-                                             async_op=True) for out, part, name in zip(outs, parts, names)]
+        works = [
+            comm.all_gather_into_tensor(out.view(-1), part, self._topo.inter, self._stats, kind, name, async_op=True)
+            for out, part, name in zip(outs, parts, names, strict=True)
+        ]
         return _InFlight(bucket, kind, names, parts, outs, works)
 
     def _finish(self, inflight: _InFlight, apply: Callable[[_Bucket, Rows], None]) -> None:
@@ -407,10 +437,13 @@ class WeightStore:
         else:
             self._stats.add_logical(inflight.kind, self._logical(inflight.bucket) * topo.nodes)
             full = [out.new_empty(per_node, *out.shape) for out in outs]
-            for dst, out, name in zip(full, outs, inflight.names):
+            for dst, out, name in zip(full, outs, inflight.names, strict=True):
                 comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, inflight.kind, name)
-            rows = [(topo.global_rank(n, l), [dst[l, n] for dst in full])
-                    for l in range(per_node) for n in range(topo.nodes)]
+            rows = [
+                (topo.global_rank(n, local), [dst[local, n] for dst in full])
+                for local in range(per_node)
+                for n in range(topo.nodes)
+            ]
         apply(inflight.bucket, rows)
 
     def _own_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -434,9 +467,15 @@ class WeightStore:
         Padding is zero in both the run and the own slot, so its differences are exactly 0 and cost no range.
         """
         seed, offset = self._stream.take(bucket.numel)
-        codes, scales = codec.diff_quantize(self._own_values(bucket, new), self._reference(bucket),
-                                            bits=self._bits, group_size=self._group_size,
-                                            stochastic=self._stochastic, seed=seed, offset=offset)
+        codes, scales = codec.diff_quantize(
+            self._own_values(bucket, new),
+            self._reference(bucket),
+            bits=self._bits,
+            group_size=self._group_size,
+            stochastic=self._stochastic,
+            seed=seed,
+            offset=offset,
+        )
         return [codes, scales]
 
     def _apply_deltas(self, bucket: _Bucket, rows: Rows) -> None:
@@ -447,8 +486,9 @@ class WeightStore:
             own = self._snapshots is not None and source == self._topo.rank
             if own:
                 target.copy_(self._reference(bucket))
-            codec.dequantize_add_(self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits,
-                                  group_size=self._group_size)
+            codec.dequantize_add_(
+                self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits, group_size=self._group_size
+            )
             if own:
                 self._reference(bucket).copy_(target)
 
@@ -473,24 +513,22 @@ class WeightStore:
         if not params:
             return GatherHandle([], list)
         if self._slots == self._topo.world:
-            outs = [self._columns(p).clone(memory_format=torch.contiguous_format).view(-1)[:p.numel]
-                    for p in params]
+            outs = [self._columns(p).clone(memory_format=torch.contiguous_format).view(-1)[: p.numel] for p in params]
             return GatherHandle([], lambda: outs)
         regions = [self._columns(p).reshape(-1) for p in params]
         send = regions[0] if len(regions) == 1 else torch.cat(regions)
         out = send.new_empty(per_node * send.numel())
         self._stats.add_logical(GATHER_KIND, sum(self._slots * p.shard_numel * p.logical_size for p in params))
-        work = comm.all_gather_into_tensor(out, send, self._topo.intra, self._stats, GATHER_KIND, "data",
-                                           async_op=True)
+        work = comm.all_gather_into_tensor(out, send, self._topo.intra, self._stats, GATHER_KIND, "data", async_op=True)
         return GatherHandle([work], lambda: self._reorder(out.view(per_node, -1), params))
 
     def _reorder(self, rows: torch.Tensor, params: list[_Param]) -> list[torch.Tensor]:
-        """[local peer, node slots x shard_numel] blocks -> each parameter's shards in world-rank order, first n elements."""
+        """[local peer, node slots x shard_numel] blocks -> each parameter's shards in world-rank order, n elements."""
         nodes, per_node = self._topo.nodes, self._topo.ranks_per_node
         result, off = [], 0
         for p in params:
-            block = rows[:, off:off + nodes * p.shard_numel].view(per_node, nodes, p.shard_numel)
-            result.append(block.transpose(0, 1).reshape(-1)[:p.numel])
+            block = rows[:, off : off + nodes * p.shard_numel].view(per_node, nodes, p.shard_numel)
+            result.append(block.transpose(0, 1).reshape(-1)[: p.numel])
             off += nodes * p.shard_numel
         return result
 
@@ -504,8 +542,12 @@ class WeightStore:
             return ChecksumReport(ok=True)
         holders = None if self._replica == "rank" else topo.inter
         assert self._storages is not None
-        local = torch.cat([column_hashes(storage, [p.offset for p in params if p.segment == segment])
-                           for segment, storage in enumerate(self._storages)])
+        local = torch.cat(
+            [
+                column_hashes(storage, [p.offset for p in params if p.segment == segment])
+                for segment, storage in enumerate(self._storages)
+            ]
+        )
         low, high = local.clone(), local.clone()
         comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")
         comm.all_reduce(high, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")

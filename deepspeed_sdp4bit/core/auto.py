@@ -60,7 +60,7 @@ class Decision:
     source: str = "measured"
 
     def parts(self) -> list[str]:
-        return [name for name, on in zip(PARTS, (self.weights, self.gradients)) if on]
+        return [name for name, on in zip(PARTS, (self.weights, self.gradients), strict=True) if on]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "on": self.parts()}
@@ -73,14 +73,18 @@ class Decision:
 
 def label(weights: bool, gradients: bool, stage: int = 3) -> str:
     """A combination's name in the log and in `predicted` (none on: the plain ZeRO stage)."""
-    return {(False, False): f"ZeRO-{stage}", (True, False): "qWD", (False, True): "TLq",
-            (True, True): "qWD + TLq"}[(weights, gradients)]
+    return {(False, False): f"ZeRO-{stage}", (True, False): "qWD", (False, True): "TLq", (True, True): "qWD + TLq"}[
+        (weights, gradients)
+    ]
 
 
 def _reduce(local: Measurements, device: torch.device) -> Measurements:
     """The job's numbers: the slowest rank's step and the lowest rates (one all-reduce)."""
-    values = torch.tensor([local.plain_step_s, -local.inter_bytes_s, -local.intra_bytes_s, -local.codec_bytes_s],
-                          dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [local.plain_step_s, -local.inter_bytes_s, -local.intra_bytes_s, -local.codec_bytes_s],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     step, inter, intra, codec_rate = values.tolist()
     return Measurements(-inter, -intra, -codec_rate, step)
@@ -103,10 +107,22 @@ class JobModel:
 
     def step_s(self, compute_s: float, measured: Measurements, weights: bool, gradients: bool) -> float:
         """Predicted seconds of one optimizer step with these parts on."""
-        work = Workload(self.tensors, compute_s, self.grad_accum, dtype_bytes=self.dtype_bytes,
-                        comm_bytes=self.comm_bytes, second_pass=self.second_pass, overlap=self.overlap)
-        rates = Rates(1.0, measured.inter_bytes_s, measured.intra_bytes_s, measured.codec_bytes_s,
-                      shared_links=self.backend == "gloo")
+        work = Workload(
+            self.tensors,
+            compute_s,
+            self.grad_accum,
+            dtype_bytes=self.dtype_bytes,
+            comm_bytes=self.comm_bytes,
+            second_pass=self.second_pass,
+            overlap=self.overlap,
+        )
+        rates = Rates(
+            1.0,
+            measured.inter_bytes_s,
+            measured.intra_bytes_s,
+            measured.codec_bytes_s,
+            shared_links=self.backend == "gloo",
+        )
         scheme = replace(self.scheme, quantized_weights=weights, quantized_gradients=gradients)
         return deepspeed_step(work, self.layout, scheme, rates, backend=self.backend).step_s
 
@@ -127,15 +143,19 @@ class JobModel:
     def decide(self, measured: Measurements, step: int) -> Decision:
         """The fewest parts whose predicted step is within TOLERANCE of the fastest combination."""
         compute = self.compute_s(measured)
-        options = [(w, g) for w, g in itertools.product((False, True), repeat=2)
-                   if (not w or self.candidates[0]) and (not g or self.candidates[1])]
+        options = [
+            (w, g)
+            for w, g in itertools.product((False, True), repeat=2)
+            if (not w or self.candidates[0]) and (not g or self.candidates[1])
+        ]
         predicted = {option: self.step_s(compute, measured, *option) for option in options}
         fastest = min(predicted.values())
         good = [o for o in options if predicted[o] <= fastest * (1 + TOLERANCE)]
         weights, gradients = min(good, key=lambda o: (sum(o), predicted[o]))
         stage = self.scheme.stage
-        return Decision(weights, gradients, measured, compute, {label(*o, stage): t for o, t in predicted.items()},
-                        step)
+        return Decision(
+            weights, gradients, measured, compute, {label(*o, stage): t for o, t in predicted.items()}, step
+        )
 
 
 @dataclass(frozen=True)
@@ -159,18 +179,35 @@ class JobFacts:
 
 def job_model(facts: JobFacts, cfg: SDP4BitConfig, topology: Topology, candidates: tuple[bool, bool]) -> JobModel:
     """The cost model's view of this engine."""
-    scheme = Scheme(weight_bits=cfg.weight_quantization_bits, weight_group=cfg.wq_group_size,
-                    bits_intra=cfg.gradient_quantization_bits_intra, group_intra=cfg.gq_group_size_intra,
-                    bits_inter=cfg.gradient_quantization_bits_inter, group_inter=cfg.gq_group_size_inter,
-                    pipeline=cfg.gradient_alltoall_pipeline,
-                    replica=cfg.weight_replica if facts.stage == 3 else "rank",
-                    persistence_threshold=facts.persistence_threshold, reduce_bucket=facts.reduce_bucket,
-                    stage=facts.stage, refresh_bucket=cfg.refresh_bucket_size, round_robin=facts.round_robin)
+    scheme = Scheme(
+        weight_bits=cfg.weight_quantization_bits,
+        weight_group=cfg.wq_group_size,
+        bits_intra=cfg.gradient_quantization_bits_intra,
+        group_intra=cfg.gq_group_size_intra,
+        bits_inter=cfg.gradient_quantization_bits_inter,
+        group_inter=cfg.gq_group_size_inter,
+        pipeline=cfg.gradient_alltoall_pipeline,
+        replica=cfg.weight_replica if facts.stage == 3 else "rank",
+        persistence_threshold=facts.persistence_threshold,
+        reduce_bucket=facts.reduce_bucket,
+        stage=facts.stage,
+        refresh_bucket=cfg.refresh_bucket_size,
+        round_robin=facts.round_robin,
+    )
     cpu = facts.device_type == "cpu"
     passes = second_pass(sum(facts.tensors), facts.live_parameters) if facts.stage == 3 else 0.0
-    return JobModel(facts.tensors, Layout(topology.nodes, topology.ranks_per_node), scheme, facts.grad_accum,
-                    facts.dtype_bytes, facts.comm_bytes, passes, overlap=not cpu and facts.overlap_comm,
-                    backend="gloo" if cpu else "nccl", candidates=candidates)
+    return JobModel(
+        facts.tensors,
+        Layout(topology.nodes, topology.ranks_per_node),
+        scheme,
+        facts.grad_accum,
+        facts.dtype_bytes,
+        facts.comm_bytes,
+        passes,
+        overlap=not cpu and facts.overlap_comm,
+        backend="gloo" if cpu else "nccl",
+        candidates=candidates,
+    )
 
 
 def codec_bytes_s(device: torch.device) -> float:
@@ -207,9 +244,10 @@ class AutoTuner:
 
     def local_measurements(self) -> Measurements:
         """This rank's numbers: its links, codec and the median of its plain steps after the first."""
-        durations = [b - a for a, b in zip(self.step_ends, self.step_ends[1:])]
-        return Measurements(self.links.inter_bytes_s, self.links.intra_bytes_s, self.codec_bytes_s,
-                            statistics.median(durations))
+        durations = [b - a for a, b in itertools.pairwise(self.step_ends)]
+        return Measurements(
+            self.links.inter_bytes_s, self.links.intra_bytes_s, self.codec_bytes_s, statistics.median(durations)
+        )
 
     def after_step(self, step: int) -> Decision | None:
         """Record a plain step's end; at the last one before the start step, decide (collective). Returns the new
@@ -244,10 +282,12 @@ class AutoTuner:
         on = " + ".join({"weights": "qWD", "gradients": "TLq"}[p] for p in d.parts()) or f"nothing (plain {plain})"
         best = d.predicted.get(label(d.weights, d.gradients, self.model.scheme.stage))
         gain = f", {d.predicted[plain] / best:.2f}x predicted" if best and plain in d.predicted else ""
-        return (f"sdp4bit auto ({d.source}, after step {d.step}): inter-node {_rate(m.inter_bytes_s)} per node, "
-                f"intra-node {_rate(m.intra_bytes_s)} per rank, codec {_rate(m.codec_bytes_s)}, plain {plain} step "
-                f"{m.plain_step_s:.3f} s of which compute {d.compute_s * self.model.grad_accum:.3f} s; predicted "
-                f"{predicted}; on: {on}{gain}")
+        return (
+            f"sdp4bit auto ({d.source}, after step {d.step}): inter-node {_rate(m.inter_bytes_s)} per node, "
+            f"intra-node {_rate(m.intra_bytes_s)} per rank, codec {_rate(m.codec_bytes_s)}, plain {plain} step "
+            f"{m.plain_step_s:.3f} s of which compute {d.compute_s * self.model.grad_accum:.3f} s; predicted "
+            f"{predicted}; on: {on}{gain}"
+        )
 
 
 def _rate(bytes_s: float) -> str:

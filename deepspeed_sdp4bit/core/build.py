@@ -15,21 +15,48 @@ from ..topology import Topology
 
 def gradient_settings(cfg: SDP4BitConfig) -> dict[str, Any]:
     """The keyword arguments of either TLq reducer (`TLqReducer`, `OwnerReducer`) from the block."""
-    return dict(bits_intra=cfg.gradient_quantization_bits_intra,
-                group_intra=cfg.gq_group_size_intra, bits_inter=cfg.gradient_quantization_bits_inter,
-                group_inter=cfg.gq_group_size_inter, hadamard=cfg.hadamard_transform,
-                pipeline=cfg.gradient_alltoall_pipeline, stochastic=cfg.stochastic_rounding, seed=cfg.seed)
+    return dict(
+        bits_intra=cfg.gradient_quantization_bits_intra,
+        group_intra=cfg.gq_group_size_intra,
+        bits_inter=cfg.gradient_quantization_bits_inter,
+        group_inter=cfg.gq_group_size_inter,
+        hadamard=cfg.hadamard_transform,
+        pipeline=cfg.gradient_alltoall_pipeline,
+        stochastic=cfg.stochastic_rounding,
+        seed=cfg.seed,
+    )
 
 
-def weight_store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, dtype: torch.dtype, device: torch.device,
-                 replica: Literal["rank", "node"]) -> WeightStore:
+def weight_store(
+    cfg: SDP4BitConfig,
+    topology: Topology,
+    stats: CommStats,
+    dtype: torch.dtype,
+    device: torch.device,
+    replica: Literal["rank", "node"],
+) -> WeightStore:
     """qWD's store with the block's settings, before any unit is registered."""
-    return WeightStore(topology, replica=replica, bits=cfg.weight_quantization_bits,
-                       group_size=cfg.wq_group_size, stochastic=cfg.stochastic_rounding, seed=cfg.seed,
-                       stats=stats, bucket_numel=cfg.refresh_bucket_size, dtype=dtype, device=device)
+    return WeightStore(
+        topology,
+        replica=replica,
+        bits=cfg.weight_quantization_bits,
+        group_size=cfg.wq_group_size,
+        stochastic=cfg.stochastic_rounding,
+        seed=cfg.seed,
+        stats=stats,
+        bucket_numel=cfg.refresh_bucket_size,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def direct_gather(cfg: SDP4BitConfig, topology: Topology, stats: CommStats) -> DirectQuantGather:
     """The qW ablation's gather with the block's settings, before any unit is registered."""
-    return DirectQuantGather(topology, bits=cfg.weight_quantization_bits, group_size=cfg.wq_group_size,
-                             stochastic=cfg.stochastic_rounding, seed=cfg.seed, stats=stats)
+    return DirectQuantGather(
+        topology,
+        bits=cfg.weight_quantization_bits,
+        group_size=cfg.wq_group_size,
+        stochastic=cfg.stochastic_rounding,
+        seed=cfg.seed,
+        stats=stats,
+    )

@@ -119,13 +119,17 @@ def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
     if status[rank] == _DAMAGED:
         logger.warning(f"sdp4bit: {source}: the sdp4bit state saved by rank {rank} is unusable: {problem}")
     if rank == 0 and damaged:
-        logger.warning(f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
-                       "rank and the replicas start from the weights DeepSpeed loaded (a full-precision resync): "
-                       "training continues correctly, but not bit for bit like an uninterrupted run")
+        logger.warning(
+            f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
+            "rank and the replicas start from the weights DeepSpeed loaded (a full-precision resync): "
+            "training continues correctly, but not bit for bit like an uninterrupted run"
+        )
     elif rank == 0:
-        logger.warning(f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
-                       f"{[r for r, what in enumerate(status) if what]} (written without sdp4bit?); starting the "
-                       "replicas from the loaded weights")
+        logger.warning(
+            f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
+            f"{[r for r, what in enumerate(status) if what]} (written without sdp4bit?); starting the "
+            "replicas from the loaded weights"
+        )
     return False
 
 
@@ -134,11 +138,15 @@ def check_layout(saved: dict[str, Any], world: int, ranks_per_node: int, parts: 
     `parts` maps each state key to (the block setting that writes it, whether this run has it on)."""
     layout = (saved["world"], saved["ranks_per_node"])
     if layout != (world, ranks_per_node):
-        raise RuntimeError(f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
-                           f"this run has {world} and {ranks_per_node}")
+        raise RuntimeError(
+            f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
+            f"this run has {world} and {ranks_per_node}"
+        )
     for key, (setting, here) in parts.items():
         saved_on = key in saved
         if saved_on != here:
-            raise RuntimeError(f"sdp4bit checkpoint and this run disagree on {setting}: "
-                               f"{'on' if saved_on else 'off'} when it was saved, {'on' if here else 'off'} now; "
-                               "load with the same sdp4bit block")
+            raise RuntimeError(
+                f"sdp4bit checkpoint and this run disagree on {setting}: "
+                f"{'on' if saved_on else 'off'} when it was saved, {'on' if here else 'off'} now; "
+                "load with the same sdp4bit block"
+            )

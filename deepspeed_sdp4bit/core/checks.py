@@ -24,8 +24,9 @@ def dtype_problems(dtypes: set[torch.dtype], cfg: SDP4BitConfig, holders: str) -
     """The weights' dtypes (`holders`, e.g. "trainable parameters"): float dtypes the codec handles, and one dtype
     for the replicas when weights are quantized."""
     if cfg.quantized_weights and len(dtypes) > 1:
-        return [f"{holders} have dtypes {sorted(map(str, dtypes))}: sdp4bit.quantized_weights needs one parameter "
-                "dtype"]
+        return [
+            f"{holders} have dtypes {sorted(map(str, dtypes))}: sdp4bit.quantized_weights needs one parameter dtype"
+        ]
     if dtypes - set(FLOAT_DTYPES):
         return [f"parameter dtypes {sorted(map(str, dtypes))}: only float32, bfloat16 and float16 are supported"]
     return []

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import deepspeed
 import torch.distributed as dist
@@ -175,7 +176,8 @@ class PatchSet:
         let the runtime find and resync writes to the served weights made since the last forward."""
         runtime = self.runtime
         handle = self.engine.module.register_forward_pre_hook(
-            lambda module, args: runtime.resync_foreign_writes(), prepend=True)
+            lambda module, args: runtime.resync_foreign_writes(), prepend=True
+        )
         self._undo.append(handle.remove)
 
     def _saved_state(self) -> Any:
@@ -221,8 +223,11 @@ class PatchSet:
                 raise
             if load_path is not None:
                 client_state = dict(client_state or {})
-                full_restore = (options["load_optimizer_states"] and not options["load_module_only"]
-                                and not engine.load_universal_checkpoint())
+                full_restore = (
+                    options["load_optimizer_states"]
+                    and not options["load_module_only"]
+                    and not engine.load_universal_checkpoint()
+                )
                 saved = self._loaded_state(client_state.pop(checkpoint.CLIENT_STATE_KEY, None))
                 runtime.load_state_dict(saved, full_restore=full_restore, source=str(load_path))
             return load_path, client_state
@@ -232,15 +237,19 @@ class PatchSet:
 
     def _refuse_offload_states(self) -> None:
         """engine.offload_states() would move the weights and the optimizer off the device but not the replicas."""
+
         def offload_states(*args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError("engine.offload_states() is not supported with an enabled sdp4bit block: the "
-                                      "weight replicas (engine.sdp4bit.store) would stay on the device and the "
-                                      "weights could no longer be refreshed; disable quantized_weights to use it")
+            raise NotImplementedError(
+                "engine.offload_states() is not supported with an enabled sdp4bit block: the "
+                "weight replicas (engine.sdp4bit.store) would stay on the device and the "
+                "weights could no longer be refreshed; disable quantized_weights to use it"
+            )
 
         self.replace(self.engine, "offload_states", offload_states)
 
     def _destroy(self) -> None:
         """engine.destroy() first releases SDP4Bit (undoes these patches, frees the replicas), then DeepSpeed's."""
+
         def destroy(*args: Any, **kwargs: Any) -> Any:
             self.release()
             return unpatched(*args, **kwargs)
@@ -256,5 +265,7 @@ def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception)
         return
     problem = checkpoint.why_unreadable(path)
     if problem is not None:
-        raise RuntimeError(f"sdp4bit: cannot load the checkpoint: {path} (this rank's DeepSpeed model states, which "
-                           f"hold its sdp4bit state) cannot be read: {problem}") from error
+        raise RuntimeError(
+            f"sdp4bit: cannot load the checkpoint: {path} (this rank's DeepSpeed model states, which "
+            f"hold its sdp4bit state) cannot be read: {problem}"
+        ) from error

@@ -57,12 +57,18 @@ class Plan:
 def inert_notes(block: SDP4BitConfig, unused: dict[str, str] | None = None) -> list[str]:
     """The block's settings that this run does not use: those its switches leave inert, and `unused` (key -> why)
     that the stage does not read, when the block sets them."""
-    inert = block.inert_keys() + [f"{key} = {json.dumps(getattr(block, key))} ({why})"
-                                  for key, why in (unused or {}).items() if key in block.model_fields_set]
+    inert = block.inert_keys() + [
+        f"{key} = {json.dumps(getattr(block, key))} ({why})"
+        for key, why in (unused or {}).items()
+        if key in block.model_fields_set
+    ]
     return [f"sdp4bit: these settings have no effect in this block: {'; '.join(inert)}"] if inert else []
 
 
 def weights_off(block: SDP4BitConfig, reason: str, note: str) -> tuple[SDP4BitConfig, list[Change], list[str]]:
     """The block with quantized_weights off for this engine, the change and its note."""
-    return (block.model_copy(update={"quantized_weights": False}), [Change("quantized_weights", True, False, reason)],
-            [note])
+    return (
+        block.model_copy(update={"quantized_weights": False}),
+        [Change("quantized_weights", True, False, reason)],
+        [note],
+    )

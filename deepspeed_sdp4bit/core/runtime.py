@@ -11,7 +11,8 @@ reductions to its collectives and calls it at the seams; it never patches anythi
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -24,7 +25,8 @@ from ..collectives.weight_direct import DirectQuantGather
 from ..collectives.weight_store import WeightStore
 from ..log import logger
 from ..topology import Topology
-from . import auto, checkpoint, units as units_module
+from . import auto, checkpoint
+from . import units as units_module
 from .plan import Plan
 from .telemetry import AllReduceBaseline, Telemetry
 from .units import Units
@@ -41,9 +43,22 @@ class Runtime:
     the 16-bit model itself, which is w~).
     """
 
-    def __init__(self, engine: Any, plan: Plan, topology: Topology, units: Units, stats: CommStats, *, stage: int,
-                 weights: WeightCollective | None, reducer: GradientState | None, tuner: auto.AutoTuner | None,
-                 save_weights: bool, created: int = 0, baseline: AllReduceBaseline | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        plan: Plan,
+        topology: Topology,
+        units: Units,
+        stats: CommStats,
+        *,
+        stage: int,
+        weights: WeightCollective | None,
+        reducer: GradientState | None,
+        tuner: auto.AutoTuner | None,
+        save_weights: bool,
+        created: int = 0,
+        baseline: AllReduceBaseline | None = None,
+    ) -> None:
         self.engine = engine
         self.plan = plan
         self.topology = topology
@@ -206,19 +221,25 @@ class Runtime:
         """Compare every rank's tensors with its w~, then checksum every replica region across holders; on a
         mismatch log it and resync in full precision (collective)."""
         if self.store is None:
-            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
-                               "exist only with quantized_weights and weight_quantization 'difference' (on ZeRO-3 on "
-                               "more than one node, or with weight_replica 'rank')")
+            raise RuntimeError(
+                f"sdp4bit: verify() checks the weight replicas, and {self.describe()} keeps none: they "
+                "exist only with quantized_weights and weight_quantization 'difference' (on ZeRO-3 on "
+                "more than one node, or with weight_replica 'rank')"
+            )
         if self.measuring():
-            raise RuntimeError(f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, "
-                               f"after step {self.config.start_step - 1}; this is step {self.engine.global_steps}")
+            raise RuntimeError(
+                f"sdp4bit: verify() checks the weight replicas, which auto builds when it decides, "
+                f"after step {self.config.start_step - 1}; this is step {self.engine.global_steps}"
+            )
         agree = self._tensors_agree()
         report = self.store.checksum()
         if not report.ok:
             self.checksum_mismatches += 1
-            logger.warning(f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
-                           f"{len(report.mismatches)} of {report.regions} (unit, shard) regions "
-                           f"{report.mismatches[:8]}; resyncing in full precision")
+            logger.warning(
+                f"sdp4bit: replica checksum mismatch at optimizer step {self.optimizer_steps} in "
+                f"{len(report.mismatches)} of {report.regions} (unit, shard) regions "
+                f"{report.mismatches[:8]}; resyncing in full precision"
+            )
             self.resync()
         return agree and report.ok
 
@@ -226,16 +247,19 @@ class Runtime:
         """Whether every rank's tensors equal its w~ (one all-reduce); if not, the differing units are named and
         resynced from their tensors in full precision (a write no version counter sees, e.g. through `.data`)."""
         keys = self.units.keys()
-        local = torch.tensor([int(not self._holds_w(k)) for k in keys], dtype=torch.int32,
-                             device=get_accelerator().current_device_name())
+        local = torch.tensor(
+            [int(not self._holds_w(k)) for k in keys], dtype=torch.int32, device=get_accelerator().current_device_name()
+        )
         comm.all_reduce(local, None, ReduceOp.MAX, "sdp4bit_weight_checksum")
-        differing = [key for key, flag in zip(keys, local.tolist()) if flag]
+        differing = [key for key, flag in zip(keys, local.tolist(), strict=True) if flag]
         if not differing:
             return True
         self.checksum_mismatches += 1
-        logger.warning(f"sdp4bit: at optimizer step {self.optimizer_steps} {self.units.noun} differs from the weight "
-                       f"replica on some rank for {[self.units.name(k) for k in differing][:8]} ({len(differing)} "
-                       f"units): written behind SDP4Bit; resyncing them from {self.units.noun} in full precision")
+        logger.warning(
+            f"sdp4bit: at optimizer step {self.optimizer_steps} {self.units.noun} differs from the weight "
+            f"replica on some rank for {[self.units.name(k) for k in differing][:8]} ({len(differing)} "
+            f"units): written behind SDP4Bit; resyncing them from {self.units.noun} in full precision"
+        )
         self.resync(differing)
         return False
 
@@ -273,10 +297,15 @@ class Runtime:
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs beyond DeepSpeed's checkpoint: the rounding counters (and, with `save_weights`, w~ of
         this rank's units), sealed with a digest."""
-        saved: dict[str, Any] = {"version": checkpoint.STATE_VERSION, "stage": self.stage, "world": self.topology.world,
-                                 "ranks_per_node": self.topology.ranks_per_node,
-                                 "block": self.block.model_dump(), "effective": self.config.model_dump(),
-                                 "optimizer_steps": self.optimizer_steps}
+        saved: dict[str, Any] = {
+            "version": checkpoint.STATE_VERSION,
+            "stage": self.stage,
+            "world": self.topology.world,
+            "ranks_per_node": self.topology.ranks_per_node,
+            "block": self.block.model_dump(),
+            "effective": self.config.model_dump(),
+            "optimizer_steps": self.optimizer_steps,
+        }
         if self.auto is not None:
             saved["auto"] = self._auto_state()
         if self.measuring():  # the replicas are stale until the decision, and the reducer has not run
@@ -326,8 +355,9 @@ class Runtime:
     def _restore_decision(self, saved: dict[str, Any] | None) -> None:
         """Apply the decision a checkpoint holds; one written before it leaves auto measuring."""
         if saved is None:
-            raise RuntimeError("sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was "
-                               "written with")
+            raise RuntimeError(
+                "sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was written with"
+            )
         if not saved.get("measuring"):
             decision = auto.Decision.from_dict(saved)
             self.weights = self.weights if decision.weights else None
@@ -340,21 +370,33 @@ class Runtime:
         runs)."""
         keys = self.units.keys()
         if len(shards) != len(keys):
-            raise RuntimeError(f"sdp4bit checkpoint holds the weights of {len(shards)} units; this model has "
-                               f"{len(keys)} whose weights sdp4bit serves")
-        for index, (key, shard) in enumerate(zip(keys, shards)):
+            raise RuntimeError(
+                f"sdp4bit checkpoint holds the weights of {len(shards)} units; this model has "
+                f"{len(keys)} whose weights sdp4bit serves"
+            )
+        for index, (key, shard) in enumerate(zip(keys, shards, strict=True)):
             own = self.units.tensor(key)
             if shard.numel() != own.numel():
-                raise RuntimeError(f"sdp4bit checkpoint: unit {index} (in key order) has {shard.numel()} elements on "
-                                   f"this rank; this model's has {own.numel()}")
+                raise RuntimeError(
+                    f"sdp4bit checkpoint: unit {index} (in key order) has {shard.numel()} elements on "
+                    f"this rank; this model's has {own.numel()}"
+                )
             own.data.copy_(shard.view_as(own))
 
     def _check_state(self, saved: dict[str, Any]) -> None:
         """The saved state must come from the same stage, layout and quantized parts (the same on every rank)."""
         if saved.get("stage", 3) != self.stage:
-            raise RuntimeError(f"sdp4bit checkpoint was written on ZeRO stage {saved.get('stage', 3)}; this run is on "
-                               f"stage {self.stage}")
-        checkpoint.check_layout(saved, self.topology.world, self.topology.ranks_per_node, {
-            "store": ("quantized_weights with weight_quantization \"difference\"", self.store is not None),
-            "direct": ("quantized_weights with weight_quantization \"direct\"", self.direct is not None),
-            "reducer": ("quantized_gradients", self.reducer is not None)})
+            raise RuntimeError(
+                f"sdp4bit checkpoint was written on ZeRO stage {saved.get('stage', 3)}; this run is on "
+                f"stage {self.stage}"
+            )
+        checkpoint.check_layout(
+            saved,
+            self.topology.world,
+            self.topology.ranks_per_node,
+            {
+                "store": ('quantized_weights with weight_quantization "difference"', self.store is not None),
+                "direct": ('quantized_weights with weight_quantization "direct"', self.direct is not None),
+                "reducer": ("quantized_gradients", self.reducer is not None),
+            },
+        )

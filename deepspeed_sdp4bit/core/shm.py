@@ -56,9 +56,11 @@ def release_workspace() -> None:
     _released = True
     store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if store is None:
-        logger.warning("sdp4bit: this torch has no default process-group store to count the ranks in; DeepSpeed's "
-                       f"CPU shared-memory all-reduce segments ({segment_path(dist.get_rank())} and its peers) stay "
-                       "in /dev/shm after the job")
+        logger.warning(
+            "sdp4bit: this torch has no default process-group store to count the ranks in; DeepSpeed's "
+            f"CPU shared-memory all-reduce segments ({segment_path(dist.get_rank())} and its peers) stay "
+            "in /dev/shm after the job"
+        )
         return
     if store().add(COUNTER_KEY, 1) == dist.get_world_size():
         for rank in range(dist.get_world_size()):
@@ -70,6 +72,8 @@ def _unlink(path: Path) -> None:
     try:
         path.unlink()
     except FileNotFoundError:
-        logger.warning(f"sdp4bit: DeepSpeed's CPU shared-memory all-reduce segment {path} was not found (its name "
-                       "changed in this DeepSpeed?); if it exists under another name, it stays in /dev/shm after "
-                       "the job")
+        logger.warning(
+            f"sdp4bit: DeepSpeed's CPU shared-memory all-reduce segment {path} was not found (its name "
+            "changed in this DeepSpeed?); if it exists under another name, it stays in /dev/shm after "
+            "the job"
+        )

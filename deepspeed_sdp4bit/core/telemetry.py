@@ -41,8 +41,11 @@ class AllReduceBaseline:
     def snapshot(self) -> dict[str, float]:
         """Both readings of the baseline, in bytes per rank."""
         share = (self.world - 1) / self.world
-        return {"all_reduce_input_bytes": self.input_bytes, "all_reduce_link_bytes": 2 * share * self.input_bytes,
-                "reduce_scatter_link_bytes": share * self.input_bytes}
+        return {
+            "all_reduce_input_bytes": self.input_bytes,
+            "all_reduce_link_bytes": 2 * share * self.input_bytes,
+            "reduce_scatter_link_bytes": share * self.input_bytes,
+        }
 
 
 class Telemetry:
@@ -77,8 +80,10 @@ class Telemetry:
     def step_done(self) -> None:
         """One optimizer step ended: keep its byte deltas and write them to DeepSpeed's monitor (rank 0)."""
         now = self.comm_stats.snapshot()
-        self.last_step_bytes = {kind: {key: now[kind][key] - self._at_last_step[kind][key] for key in STEP_KEYS}
-                                for kind in (*KINDS, "total")}
+        self.last_step_bytes = {
+            kind: {key: now[kind][key] - self._at_last_step[kind][key] for key in STEP_KEYS}
+            for kind in (*KINDS, "total")
+        }
         self._at_last_step = now
         monitor = getattr(self.engine, "monitor", None)
         if monitor is not None and monitor.enabled and self.engine.global_rank == 0:
@@ -87,10 +92,18 @@ class Telemetry:
     def events(self) -> list[tuple[str, float, int]]:
         """The last step's bytes as DeepSpeed monitor events (name, value, samples)."""
         samples = self.engine.global_samples
-        events = [(f"Train/Samples/sdp4bit/{kind}/{key}", float(value), samples)
-                  for kind, values in self.last_step_bytes.items() for key, value in values.items()]
+        events = [
+            (f"Train/Samples/sdp4bit/{kind}/{key}", float(value), samples)
+            for kind, values in self.last_step_bytes.items()
+            for key, value in values.items()
+        ]
         total = self.last_step_bytes["total"]
         if total["logical_bytes"]:
-            events.append(("Train/Samples/sdp4bit/compression_ratio",
-                           total["logical_bytes"] / max(total["wire_bytes"], 1), samples))
+            events.append(
+                (
+                    "Train/Samples/sdp4bit/compression_ratio",
+                    total["logical_bytes"] / max(total["wire_bytes"], 1),
+                    samples,
+                )
+            )
         return events

@@ -53,8 +53,12 @@ def write(units: Units, values: Mapping[int, torch.Tensor]) -> None:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the same elements of the same memory."""
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() == b.storage_offset() and a.numel() == b.numel() and a.dtype == b.dtype)
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.numel() == b.numel()
+        and a.dtype == b.dtype
+    )
 
 
 def tensors(units: Units, keys: Sequence[int] | None = None) -> dict[int, torch.Tensor]:

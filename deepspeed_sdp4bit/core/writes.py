@@ -63,9 +63,11 @@ class WriteWatch:
     def _local(self, key: int) -> tuple[int, str]:
         """(flag, what was written and how) for one unit on this rank."""
         watched = self.units.watched(key)
-        found = [f"{label or self.units.name(key)}: {how}" for (label, tensor), before
-                 in zip(watched, self._fingerprints[key])
-                 if (how := how_written(before, fingerprint(tensor), self.units.expression))]
+        found = [
+            f"{label or self.units.name(key)}: {how}"
+            for (label, tensor), before in zip(watched, self._fingerprints[key], strict=True)
+            if (how := how_written(before, fingerprint(tensor), self.units.expression))
+        ]
         if not found:
             return CLEAN, ""
         problem = self.units.unusable(key)
@@ -80,12 +82,14 @@ class WriteWatch:
         device = "cpu" if self.topology.flags is not None else get_accelerator().current_device_name()
         flags = torch.tensor([found[key][0] for key in keys], dtype=torch.int32, device=device)
         comm.all_reduce(flags, self.topology.flags, ReduceOp.MAX, "sdp4bit_weight_written")
-        agreed = dict(zip(keys, flags.tolist()))
+        agreed = dict(zip(keys, flags.tolist(), strict=True))
         self._warn({key: how for key, (_, how) in found.items() if how})
         unusable = [key for key in keys if agreed[key] == UNUSABLE]
         if unusable:
-            raise RuntimeError(f"sdp4bit: the {self.units.noun} of {[self.units.name(k) for k in unusable]} no longer "
-                               "holds its weights on some rank (see the warning there); SDP4Bit cannot serve them")
+            raise RuntimeError(
+                f"sdp4bit: the {self.units.noun} of {[self.units.name(k) for k in unusable]} no longer "
+                "holds its weights on some rank (see the warning there); SDP4Bit cannot serve them"
+            )
         return [key for key in keys if agreed[key] == WRITTEN]
 
     def _warn(self, ways: dict[int, str]) -> None:
@@ -95,7 +99,9 @@ class WriteWatch:
             return
         self._warned.update(new)
         listed = "; ".join(how for _, how in sorted(new.items()))
-        logger.warning(f"sdp4bit: on rank {self.topology.rank}, {self.units.noun} was written outside SDP4Bit's and "
-                       f"DeepSpeed's own updates ({listed}); the weight replicas of these parameters are resynced "
-                       f"from {self.units.noun} in full precision before they are used again, so the model computes "
-                       "with the new weights")
+        logger.warning(
+            f"sdp4bit: on rank {self.topology.rank}, {self.units.noun} was written outside SDP4Bit's and "
+            f"DeepSpeed's own updates ({listed}); the weight replicas of these parameters are resynced "
+            f"from {self.units.noun} in full precision before they are used again, so the model computes "
+            "with the new weights"
+        )

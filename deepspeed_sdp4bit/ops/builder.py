@@ -15,9 +15,10 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
@@ -87,10 +88,17 @@ class _CodecOp:
 
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
         if root is None:
-            kind = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
-                    f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-            root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}"
-                                f"{getattr(sys, 'abiflags', '')}_{kind}")
+            kind = (
+                f"rocm{torch.version.hip.replace('.', '')}"
+                if torch.version.hip
+                else f"cu{torch.version.cuda.replace('.', '')}"
+                if torch.version.cuda
+                else "cpu"
+            )
+            root = os.path.join(
+                get_default_build_root(),
+                f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{kind}",
+            )
         return Path(root) / self.NAME / f"{self.NAME}.so"
 
     def sources_newer_than(self, library: Path) -> list[str]:
@@ -129,8 +137,12 @@ class _CodecOp:
         try:
             return importlib.import_module(self.absolute_name())
         except ImportError as err:
-            warnings.warn(f"deepspeed_sdp4bit: the prebuilt {self.NAME} op at {path} does not import ({err}); "
-                          f"building it just in time instead", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"deepspeed_sdp4bit: the prebuilt {self.NAME} op at {path} does not import ({err}); "
+                f"building it just in time instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
 
 
@@ -149,8 +161,15 @@ class CodecCPUBuilder(_CodecOp, OpBuilder):
         """Vectorised for this CPU, IEEE values kept: no FMA contraction, no fast-math; -fno-trapping-math only lets
         floorf vectorise (it changes which FP exception flags may be raised, never a value). The C++ standard is
         torch's own choice (C++20 for torch >= 2.12, whose headers require it)."""
-        return ["-O3", "-fopenmp", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
-                "-Wno-reorder"]
+        return [
+            "-O3",
+            "-fopenmp",
+            "-march=native",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-fno-trapping-math",
+            "-Wno-reorder",
+        ]
 
     def extra_ldflags(self) -> list[str]:
         return ["-fopenmp"]
@@ -176,10 +195,19 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
     def nvcc_args(self) -> list[str]:
         """Our flags whether or not a GPU is visible (DeepSpeed drops its own without one), plus the architectures
         from TORCH_CUDA_ARCH_LIST (or the visible GPUs)."""
-        return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false",
-                "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
-                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-                "-U__CUDA_NO_BFLOAT162_OPERATORS__"] + adapter.cuda_arch_args(self)
+        return [
+            "-O3",
+            "-fmad=false",
+            "-prec-div=true",
+            "-prec-sqrt=true",
+            "-ftz=false",
+            "-U__CUDA_NO_HALF_OPERATORS__",
+            "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_HALF2_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+        ] + adapter.cuda_arch_args(self)
 
     def check_buildable(self) -> None:
         """A CUDA build of torch and a CUDA toolkit; points torch's extension builder at that toolkit."""
@@ -215,11 +243,14 @@ def cuda_toolkit_root() -> Path:
     fallback = Path("/usr/local/cuda/bin/nvcc")
     nvcc = shutil.which("nvcc") or (str(fallback) if fallback.is_file() else None)
     if nvcc is None:
-        raise RuntimeError("no nvcc found (none on PATH, CUDA_HOME unset, no /usr/local/cuda): install a CUDA "
-                           "toolkit or set CUDA_HOME to its root")
+        raise RuntimeError(
+            "no nvcc found (none on PATH, CUDA_HOME unset, no /usr/local/cuda): install a CUDA "
+            "toolkit or set CUDA_HOME to its root"
+        )
     try:
-        probe = subprocess.run([nvcc, "--dryrun", "-c", "probe.cu"], capture_output=True, text=True, timeout=60,
-                               check=False)
+        probe = subprocess.run(
+            [nvcc, "--dryrun", "-c", "probe.cu"], capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.SubprocessError) as err:
         raise RuntimeError(f"cannot run {nvcc}: {err}") from err
     for line in (probe.stdout + probe.stderr).splitlines():

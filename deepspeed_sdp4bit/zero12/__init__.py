@@ -34,7 +34,8 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
         raise adapter.SDP4BitCompatError(
             f"deepspeed_sdp4bit: ZeRO stage {engine.zero_optimization_stage()} with deepspeed "
             f"{adapter.installed_version()}, newer than the tested range {adapter.SUPPORTED}, is not supported; "
-            f"install one of {', '.join(adapter.TESTED)}")
+            f"install one of {', '.join(adapter.TESTED)}"
+        )
     runtime = build_runtime(engine, cfg, topology, created)
     patches.EnginePatches(engine, runtime).install()
     runtime.begin()
@@ -46,7 +47,10 @@ def describe(runtime: Runtime) -> dict[str, str]:
     rank's partitions."""
     memory = runtime.store.memory_bytes() if runtime.store else 0
     groups = len(runtime.plan.served)
-    return {"weights": "the model on every rank is the replica", "gather": "post-step weight all-gather",
-            "reduction": f"ZeRO-{runtime.stage}'s gradient bucket all-reduce",
-            "units": f"{groups} param group{'s' if groups != 1 else ''} in {len(runtime.units.keys())} runs per rank",
-            "memory": f"a snapshot of this rank's partitions, {memory / 2**20:.1f} MiB/rank"}
+    return {
+        "weights": "the model on every rank is the replica",
+        "gather": "post-step weight all-gather",
+        "reduction": f"ZeRO-{runtime.stage}'s gradient bucket all-reduce",
+        "units": f"{groups} param group{'s' if groups != 1 else ''} in {len(runtime.units.keys())} runs per rank",
+        "memory": f"a snapshot of this rank's partitions, {memory / 2**20:.1f} MiB/rank",
+    }

@@ -38,25 +38,37 @@ def _bf16_optimizer_path(zero: DeepSpeedZeroConfig, ds_config: dict[str, Any]) -
     """Whether DeepSpeed will build BF16_Optimizer instead of its ZeRO-1/2 optimizer (its engine's optimizer sanity
     check: stage 1, bf16 weights, fp32 gradient accumulation, no optimizer offload)."""
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
-    return (zero.stage == 1 and get_bfloat16_config(ds_config).enabled and accum is not None
-            and DtypeEnum(accum).value == torch.float32 and offload_device(zero.offload_optimizer) == "none")
+    return (
+        zero.stage == 1
+        and get_bfloat16_config(ds_config).enabled
+        and accum is not None
+        and DtypeEnum(accum).value == torch.float32
+        and offload_device(zero.offload_optimizer) == "none"
+    )
 
 
 def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict[str, Any]) -> list[str]:
     """Conflicts with the ZeRO-1/2 settings of `ds_config`."""
     problems = []
     if cfg.quantized_gradients:
-        problems += [f"zero_optimization.{key} = false: sdp4bit.quantized_gradients replaces the bucket all-reduce "
-                     f"of DeepSpeed's ZeRO-{zero.stage} (allreduce_and_scatter); {why}; set {key} to true"
-                     for key, why in _GRADIENT_PATH.items() if not getattr(zero, key, True)]
+        problems += [
+            f"zero_optimization.{key} = false: sdp4bit.quantized_gradients replaces the bucket all-reduce "
+            f"of DeepSpeed's ZeRO-{zero.stage} (allreduce_and_scatter); {why}; set {key} to true"
+            for key, why in _GRADIENT_PATH.items()
+            if not getattr(zero, key, True)
+        ]
     if cfg.weights_direct:
-        problems.append("sdp4bit.weight_quantization = 'direct' (the qW ablation) quantizes ZeRO-3's parameter "
-                        f"gathers, which ZeRO-{zero.stage} does not have; use 'difference' on ZeRO-1/2")
+        problems.append(
+            "sdp4bit.weight_quantization = 'direct' (the qW ablation) quantizes ZeRO-3's parameter "
+            f"gathers, which ZeRO-{zero.stage} does not have; use 'difference' on ZeRO-1/2"
+        )
     if _bf16_optimizer_path(zero, ds_config):
-        problems.append("data_types.grad_accum_dtype = fp32 with bf16 on ZeRO stage 1 without optimizer offload: "
-                        "DeepSpeed then builds BF16_Optimizer, whose own gradient all-reduce and weight all-gather "
-                        "sdp4bit does not replace; leave grad_accum_dtype out (bf16), use stage 2, or offload the "
-                        "optimizer")
+        problems.append(
+            "data_types.grad_accum_dtype = fp32 with bf16 on ZeRO stage 1 without optimizer offload: "
+            "DeepSpeed then builds BF16_Optimizer, whose own gradient all-reduce and weight all-gather "
+            "sdp4bit does not replace; leave grad_accum_dtype out (bf16), use stage 2, or offload the "
+            "optimizer"
+        )
     return problems
 
 
@@ -65,12 +77,16 @@ def _optimizer_problems(engine: Any) -> list[str]:
     optimizer = engine.optimizer
     if type(optimizer) is not DeepSpeedZeroOptimizer:
         found = type(optimizer)
-        return [f"this engine's ZeRO-{engine.zero_optimization_stage()} optimizer is {found.__module__}."
-                f"{found.__qualname__}: sdp4bit works with DeepSpeed's standard DeepSpeedZeroOptimizer only"]
+        return [
+            f"this engine's ZeRO-{engine.zero_optimization_stage()} optimizer is {found.__module__}."
+            f"{found.__qualname__}: sdp4bit works with DeepSpeed's standard DeepSpeedZeroOptimizer only"
+        ]
     missing = [name for name in adapter.ZERO12_ATTRIBUTES if not hasattr(optimizer, name)]
     if missing:
-        return [f"DeepSpeedZeroOptimizer of deepspeed {adapter.installed_version()} lacks {missing}, which sdp4bit "
-                "reads; install one of the tested releases " + ", ".join(adapter.TESTED)]
+        return [
+            f"DeepSpeedZeroOptimizer of deepspeed {adapter.installed_version()} lacks {missing}, which sdp4bit "
+            "reads; install one of the tested releases " + ", ".join(adapter.TESTED)
+        ]
     return []
 
 
@@ -79,18 +95,25 @@ def _group_problems(engine: Any) -> list[str]:
     optimizer, world = engine.optimizer, dist.get_world_size()
     problems = []
     if optimizer.has_moe_layers:
-        problems.append("the model has expert (MoE) parameters, reduced by DeepSpeed over expert data-parallel "
-                        "groups; sdp4bit's collectives run over all ranks")
+        problems.append(
+            "the model has expert (MoE) parameters, reduced by DeepSpeed over expert data-parallel "
+            "groups; sdp4bit's collectives run over all ranks"
+        )
     if optimizer.sequence_parallel_size != 1:
-        problems.append(f"sequence parallelism ({optimizer.sequence_parallel_size} ranks): sdp4bit's collectives run "
-                        "over all ranks")
+        problems.append(
+            f"sequence parallelism ({optimizer.sequence_parallel_size} ranks): sdp4bit's collectives run over all ranks"
+        )
     sizes = {dist.get_world_size(group) for group in [optimizer.dp_process_group, *optimizer.real_dp_process_group]}
     if sizes != {world}:
-        problems.append(f"ZeRO partitions over groups of {sorted(sizes)} ranks (tensor or pipeline parallelism); "
-                        f"sdp4bit needs data parallelism over all {world} ranks")
+        problems.append(
+            f"ZeRO partitions over groups of {sorted(sizes)} ranks (tensor or pipeline parallelism); "
+            f"sdp4bit needs data parallelism over all {world} ranks"
+        )
     if type(optimizer.optimizer).__name__ == "MuonWithAuxAdam":
-        problems.append("the Muon optimizer (MuonWithAuxAdam) sends each split matrix's gradient to several ranks; "
-                        "sdp4bit delivers each run to one owner")
+        problems.append(
+            "the Muon optimizer (MuonWithAuxAdam) sends each split matrix's gradient to several ranks; "
+            "sdp4bit delivers each run to one owner"
+        )
     return problems
 
 

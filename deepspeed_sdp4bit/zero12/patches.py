@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
@@ -28,7 +29,8 @@ from .serving import Zero12Serving
 
 _STEP, _LP_PARAMS = "step", "update_lp_params"
 _GATHERING: contextvars.ContextVar[tuple[Zero12Serving, str] | None] = contextvars.ContextVar(
-    "sdp4bit_zero12_gathering", default=None)
+    "sdp4bit_zero12_gathering", default=None
+)
 
 
 @contextlib.contextmanager
@@ -78,11 +80,27 @@ class EnginePatches(PatchSet):
         patch_all_gather()
         optimizer, serving, runtime = self.engine.optimizer, self.serving, self.runtime
 
-        def allreduce_and_scatter(bucket: Any, communication_data_type: Any, numel_per_bucket: int = 500000000,
-                                  log: Any = None, divide: bool = True, process_group: Any = None) -> None:
-            serving.reduce_bucket(bucket, communication_data_type, numel_per_bucket, lambda: reduce(
-                bucket, communication_data_type, numel_per_bucket=numel_per_bucket, log=log, divide=divide,
-                process_group=process_group))
+        def allreduce_and_scatter(
+            bucket: Any,
+            communication_data_type: Any,
+            numel_per_bucket: int = 500000000,
+            log: Any = None,
+            divide: bool = True,
+            process_group: Any = None,
+        ) -> None:
+            serving.reduce_bucket(
+                bucket,
+                communication_data_type,
+                numel_per_bucket,
+                lambda: reduce(
+                    bucket,
+                    communication_data_type,
+                    numel_per_bucket=numel_per_bucket,
+                    log=log,
+                    divide=divide,
+                    process_group=process_group,
+                ),
+            )
 
         def step(*args: Any, **kwargs: Any) -> Any:
             with _gathering(serving, _STEP):

@@ -39,8 +39,15 @@ def make_plan(block: SDP4BitConfig, topology: Topology, groups: list[GroupFacts]
     effective, changes, notes = block, [], inert_notes(block, UNUSED_KEYS)
     if block.quantized_weights and topology.world == 1:
         reason = "a single rank gathers no weights"
-        effective, changes, off = weights_off(block, reason, f"sdp4bit: quantized_weights is off for this run: "
-                                                             f"{reason}")
+        effective, changes, off = weights_off(
+            block, reason, f"sdp4bit: quantized_weights is off for this run: {reason}"
+        )
         notes += off
-    return Plan(block=block, effective=effective, changes=tuple(changes), served=tuple(groups), coverage=cover,
-                notes=tuple(notes))
+    return Plan(
+        block=block,
+        effective=effective,
+        changes=tuple(changes),
+        served=tuple(groups),
+        coverage=cover,
+        notes=tuple(notes),
+    )

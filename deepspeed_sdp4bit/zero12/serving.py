@@ -11,7 +11,8 @@ buffers (4-bit differences against w~, every rank applying the same bytes to its
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     measurements)."""
     optimizer, world = engine.optimizer, topology.world
     stats = CommStats(topology.ranks_per_node)
-    groups = [GroupFacts(g, sum(p.numel() for p in params), flat.numel() // world)
-              for g, (params, flat) in enumerate(zip(optimizer.bit16_groups, optimizer.bit16_groups_flat))]
+    groups = [
+        GroupFacts(g, sum(p.numel() for p in params), flat.numel() // world)
+        for g, (params, flat) in enumerate(zip(optimizer.bit16_groups, optimizer.bit16_groups_flat, strict=True))
+    ]
     trainable = {id(p) for params in optimizer.bit16_groups for p in params}
     frozen = sum(p.numel() for p in engine.module.parameters() if id(p) not in trainable)
     plan = make_plan(cfg, topology, groups, frozen)
@@ -44,15 +47,34 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
             logger.warning(note)
     config = plan.effective
     names = {id(p): name for name, p in engine.module.named_parameters()}
-    units = Zero12Units(optimizer, cut([g.partition for g in groups], max(1, config.refresh_bucket_size // world)),
-                        topology.rank, world, names)
+    units = Zero12Units(
+        optimizer,
+        cut([g.partition for g in groups], max(1, config.refresh_bucket_size // world)),
+        topology.rank,
+        world,
+        names,
+    )
     weights = _store(config, topology, stats, units) if config.weight_differences else None
     reducer = OwnerReducer(topology, **gradient_settings(config), stats=stats) if config.quantized_gradients else None
-    tuner = _tuner(engine, config, topology, (weights is not None, reducer is not None)) \
-        if config.auto and (weights or reducer) else None
-    return Runtime(engine, plan, topology, units, stats, stage=engine.zero_optimization_stage(), weights=weights,
-                   reducer=reducer, tuner=tuner, save_weights=False, created=created,
-                   baseline=AllReduceBaseline(world) if reducer is not None else None)
+    tuner = (
+        _tuner(engine, config, topology, (weights is not None, reducer is not None))
+        if config.auto and (weights or reducer)
+        else None
+    )
+    return Runtime(
+        engine,
+        plan,
+        topology,
+        units,
+        stats,
+        stage=engine.zero_optimization_stage(),
+        weights=weights,
+        reducer=reducer,
+        tuner=tuner,
+        save_weights=False,
+        created=created,
+        baseline=AllReduceBaseline(world) if reducer is not None else None,
+    )
 
 
 def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero12Units) -> Any:
@@ -76,11 +98,17 @@ def _tuner(engine: Any, cfg: SDP4BitConfig, topology: Topology, candidates: tupl
     optimizer, zero = engine.optimizer, engine._config.zero_config
     flat = optimizer.bit16_groups_flat[0]
     params = [p for group in optimizer.bit16_groups for p in group]
-    facts = auto.JobFacts(tensors=tuple(p.numel() for p in params), dtype_bytes=flat.element_size(),
-                          comm_bytes=torch.empty(0, dtype=engine.communication_data_type).element_size(),
-                          grad_accum=engine.gradient_accumulation_steps(), stage=engine.zero_optimization_stage(),
-                          reduce_bucket=int(optimizer.reduce_bucket_size), overlap_comm=bool(optimizer.overlap_comm),
-                          device_type=flat.device.type, round_robin=bool(zero.round_robin_gradients))
+    facts = auto.JobFacts(
+        tensors=tuple(p.numel() for p in params),
+        dtype_bytes=flat.element_size(),
+        comm_bytes=torch.empty(0, dtype=engine.communication_data_type).element_size(),
+        grad_accum=engine.gradient_accumulation_steps(),
+        stage=engine.zero_optimization_stage(),
+        reduce_bucket=int(optimizer.reduce_bucket_size),
+        overlap_comm=bool(optimizer.overlap_comm),
+        device_type=flat.device.type,
+        round_robin=bool(zero.round_robin_gradients),
+    )
     return auto.AutoTuner(auto.job_model(facts, cfg, topology, candidates), topology, flat.device, cfg.start_step)
 
 
@@ -91,9 +119,12 @@ def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
     adjacent = True
     for tensor in tensors:
-        adjacent = adjacent and (tensor.is_contiguous() and tensor.dtype == first.dtype
-                                 and tensor.untyped_storage().data_ptr() == storage
-                                 and tensor.storage_offset() == offset)
+        adjacent = adjacent and (
+            tensor.is_contiguous()
+            and tensor.dtype == first.dtype
+            and tensor.untyped_storage().data_ptr() == storage
+            and tensor.storage_offset() == offset
+        )
         offset += tensor.numel()
     if adjacent:
         return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
@@ -113,8 +144,13 @@ class Zero12Serving:
         runtime = self.runtime
         return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()
 
-    def reduce_bucket(self, bucket: Sequence[tuple], communication_data_type: torch.dtype, numel_per_bucket: int,
-                      deepspeed_reduce: Callable[[], None]) -> None:
+    def reduce_bucket(
+        self,
+        bucket: Sequence[tuple],
+        communication_data_type: torch.dtype,
+        numel_per_bucket: int,
+        deepspeed_reduce: Callable[[], None],
+    ) -> None:
         """One call of `allreduce_and_scatter`: TLq onto the runs' owners, in DeepSpeed's chunks of at most
         `numel_per_bucket` elements (past it the chunk ends with the entry that crossed it), or DeepSpeed's own
         all-reduce before the start step."""

@@ -53,15 +53,17 @@ class Zero12Units:
     noun = "the flat 16-bit weight buffer"
     expression = "param"
 
-    def __init__(self, optimizer: object, units: list[Unit], rank: int, world: int,
-                 param_names: dict[int, str]) -> None:
+    def __init__(
+        self, optimizer: object, units: list[Unit], rank: int, world: int, param_names: dict[int, str]
+    ) -> None:
         """`param_names`: the model's name of each parameter, by id()."""
         self.units = {u.key: u for u in units}
         self._flats = list(optimizer.bit16_groups_flat)
         self._sizes = [flat.numel() // world for flat in self._flats]
         self._rank = rank
-        self._tensors = {u.key: self._flats[u.group].narrow(0, rank * self._sizes[u.group] + u.start, u.numel)
-                         for u in units}
+        self._tensors = {
+            u.key: self._flats[u.group].narrow(0, rank * self._sizes[u.group] + u.start, u.numel) for u in units
+        }
         self._params = {u.key: self._covering(u, optimizer.bit16_groups[u.group], world) for u in units}
         self._param_names = param_names
 
@@ -85,15 +87,16 @@ class Zero12Units:
         return self._tensors[key]
 
     def watched(self, key: int) -> list[tuple[str, torch.Tensor]]:
-        return [("", self._tensors[key]), *((self._param_names.get(id(p), "a parameter"), p)
-                                            for p in self._params[key])]
+        return [
+            ("", self._tensors[key]),
+            *((self._param_names.get(id(p), "a parameter"), p) for p in self._params[key]),
+        ]
 
     def name(self, key: int) -> str:
         unit, params = self.units[key], self._params[key]
         shown = ", ".join(self._param_names.get(id(p), "?") for p in params[:_SHOWN])
         more = f" and {len(params) - _SHOWN} more" if len(params) > _SHOWN else ""
-        return (f"param group {unit.group} partition elements [{unit.start}, {unit.start + unit.numel}) "
-                f"({shown}{more})")
+        return f"param group {unit.group} partition elements [{unit.start}, {unit.start + unit.numel}) ({shown}{more})"
 
     def unusable(self, key: int) -> str | None:
         flat = self._flats[self.units[key].group]
@@ -103,7 +106,7 @@ class Zero12Units:
 
     def storages(self, world: int) -> list[torch.Tensor]:
         """Each param group's flat buffer as [W, partition]: the weight store's segments."""
-        return [flat.view(world, size) for flat, size in zip(self._flats, self._sizes)]
+        return [flat.view(world, size) for flat, size in zip(self._flats, self._sizes, strict=True)]
 
     @property
     def partition_sizes(self) -> list[int]:

@@ -49,15 +49,21 @@ def _self_test(runtime: Runtime, engine_patches: patches.EnginePatches) -> None:
         engine_patches.release()
         raise
     if runtime.topology.rank == 0:
-        logger.warning(f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "
-                       f"{adapter.SUPPORTED} (tested: {', '.join(adapter.TESTED)}); it passed the self-test "
-                       f"({' and '.join(checked) or 'nothing served at initialize'} through DeepSpeed's own path, "
-                       f"bit for bit), so training goes on. {adapter.STRICT_VARIABLE}=1 refuses such a release")
+        logger.warning(
+            f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "
+            f"{adapter.SUPPORTED} (tested: {', '.join(adapter.TESTED)}); it passed the self-test "
+            f"({' and '.join(checked) or 'nothing served at initialize'} through DeepSpeed's own path, "
+            f"bit for bit), so training goes on. {adapter.STRICT_VARIABLE}=1 refuses such a release"
+        )
 
 
 def describe(runtime: Runtime) -> dict[str, str]:
     """ZeRO-3's words in the activation line: the replica, the served parameters and the replicas' memory."""
     memory = runtime.store.memory_bytes() if runtime.store else 0
-    return {"weights": f"replica {runtime.config.weight_replica}" if runtime.store else "no replica",
-            "gather": "parameter gathers", "reduction": "ZeRO-3's gradient reduce-scatter",
-            "units": f"{len(runtime.units.keys())} params", "memory": f"replica {memory / 2**20:.1f} MiB/rank"}
+    return {
+        "weights": f"replica {runtime.config.weight_replica}" if runtime.store else "no replica",
+        "gather": "parameter gathers",
+        "reduction": "ZeRO-3's gradient reduce-scatter",
+        "units": f"{len(runtime.units.keys())} params",
+        "memory": f"replica {memory / 2**20:.1f} MiB/rank",
+    }

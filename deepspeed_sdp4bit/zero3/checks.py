@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..collectives import comm
@@ -29,23 +29,33 @@ def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict
     stage-1/2 integration reads too, is not)."""
     problems = []
     if cfg.quantized_gradients and not zero.reduce_scatter:
-        problems.append("zero_optimization.reduce_scatter = false: sdp4bit.quantized_gradients replaces ZeRO-3's "
-                        "reduce-scatter; set reduce_scatter to true")
+        problems.append(
+            "zero_optimization.reduce_scatter = false: sdp4bit.quantized_gradients replaces ZeRO-3's "
+            "reduce-scatter; set reduce_scatter to true"
+        )
     if cfg.quantized_weights and zero.zero_hpz_partition_size > 1:
-        problems.append(f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size}: with "
-                        "sdp4bit.quantized_weights the weight replica (sdp4bit.weight_replica) takes hpZ's place; "
-                        "set it to 1")
+        problems.append(
+            f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size}: with "
+            "sdp4bit.quantized_weights the weight replica (sdp4bit.weight_replica) takes hpZ's place; "
+            "set it to 1"
+        )
     if getattr(zero, "mics_shard_size", -1) > 0:
-        problems.append(f"zero_optimization.mics_shard_size = {zero.mics_shard_size}: MiCS shards the parameters "
-                        "in its own groups, which sdp4bit's replicas and reductions do not follow; remove it")
+        problems.append(
+            f"zero_optimization.mics_shard_size = {zero.mics_shard_size}: MiCS shards the parameters "
+            "in its own groups, which sdp4bit's replicas and reductions do not follow; remove it"
+        )
     if offload_device(zero.offload_param) != "none":
-        problems.append(f"zero_optimization.offload_param.device = {offload_device(zero.offload_param)!r}: "
-                        "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)")
+        problems.append(
+            f"zero_optimization.offload_param.device = {offload_device(zero.offload_param)!r}: "
+            "parameter offload is not supported by sdp4bit (optimizer offload to cpu is)"
+        )
     if getattr(zero.offload_optimizer, "super_offload", False):
-        problems.append("zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds "
-                        "SuperOffloadOptimizer_Stage3 instead of its standard ZeRO-3 optimizer "
-                        "DeepSpeedZeroOptimizer_Stage3, the one sdp4bit works with; remove super_offload or the "
-                        "sdp4bit block")
+        problems.append(
+            "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed then builds "
+            "SuperOffloadOptimizer_Stage3 instead of its standard ZeRO-3 optimizer "
+            "DeepSpeedZeroOptimizer_Stage3, the one sdp4bit works with; remove super_offload or the "
+            "sdp4bit block"
+        )
     return problems
 
 
@@ -54,14 +64,18 @@ def _engine_problems(engine: object) -> list[str]:
     problems = []
     if type(engine.optimizer) is not DeepSpeedZeroOptimizer_Stage3:
         found = type(engine.optimizer)
-        problems.append(f"this engine's ZeRO-3 optimizer is {found.__module__}.{found.__qualname__}: sdp4bit works "
-                        "with DeepSpeed's standard ZeRO-3 optimizer DeepSpeedZeroOptimizer_Stage3 only")
+        problems.append(
+            f"this engine's ZeRO-3 optimizer is {found.__module__}.{found.__qualname__}: sdp4bit works "
+            "with DeepSpeed's standard ZeRO-3 optimizer DeepSpeedZeroOptimizer_Stage3 only"
+        )
         return problems
     world = dist.get_world_size()
     groups = {dist.get_world_size(p.ds_process_group) for g in engine.optimizer.fp16_groups for p in g}
     if groups - {world}:
-        problems.append(f"ZeRO-3 partitions parameters over groups of {sorted(groups)} ranks; sdp4bit needs "
-                        f"partitioning over all {world} ranks (no sequence/expert parallel partition groups)")
+        problems.append(
+            f"ZeRO-3 partitions parameters over groups of {sorted(groups)} ranks; sdp4bit needs "
+            f"partitioning over all {world} ranks (no sequence/expert parallel partition groups)"
+        )
     return problems
 
 
@@ -81,11 +95,16 @@ def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
         return []
     optimizer = engine.optimizer
     weights = {_storage(t) for t in optimizer.fp16_partitioned_groups_flat if t is not None and t.numel()}
-    shared = [i for i, master in enumerate(optimizer.fp32_partitioned_groups_flat)
-              if master.numel() and _storage(master) in weights]
+    shared = [
+        i
+        for i, master in enumerate(optimizer.fp32_partitioned_groups_flat)
+        if master.numel() and _storage(master) in weights
+    ]
     if shared:
-        return [f"DeepSpeed keeps the fp32 masters of sub-groups {shared} in the parameters' own storage (autocast "
-                "or an fp32 model without a separate master copy); sdp4bit.quantized_weights needs separate masters"]
+        return [
+            f"DeepSpeed keeps the fp32 masters of sub-groups {shared} in the parameters' own storage (autocast "
+            "or an fp32 model without a separate master copy); sdp4bit.quantized_weights needs separate masters"
+        ]
     return []
 
 
@@ -95,13 +114,16 @@ def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
     if not cfg.quantized_weights:
         return []
     compute = torch.device(engine.device).type
-    elsewhere = sorted({str(p.ds_tensor.device) for g in engine.optimizer.fp16_groups for p in g
-                        if p.ds_tensor.device.type != compute})
+    elsewhere = sorted(
+        {str(p.ds_tensor.device) for g in engine.optimizer.fp16_groups for p in g if p.ds_tensor.device.type != compute}
+    )
     if elsewhere:
-        return [f"ZeRO-3 keeps parameter partitions (ds_tensor) on {elsewhere} while the engine computes on "
-                f"{engine.device} (deepspeed.zero.Init(remote_device=...) without zero_optimization.offload_param): "
-                "sdp4bit.quantized_weights would keep its replicas there too; build the model under zero.Init "
-                "without remote_device"]
+        return [
+            f"ZeRO-3 keeps parameter partitions (ds_tensor) on {elsewhere} while the engine computes on "
+            f"{engine.device} (deepspeed.zero.Init(remote_device=...) without zero_optimization.offload_param): "
+            "sdp4bit.quantized_weights would keep its replicas there too; build the model under zero.Init "
+            "without remote_device"
+        ]
     return []
 
 
@@ -113,8 +135,9 @@ def _dtype_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
 def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
     """Raise SDP4BitConfigError for what the built engine shows: optimizer class, groups, dtypes."""
     problems = _engine_problems(engine)
-    raise_problems(problems or _dtype_problems(engine, cfg) or _device_problems(engine, cfg)
-                   or _master_problems(engine, cfg))
+    raise_problems(
+        problems or _dtype_problems(engine, cfg) or _device_problems(engine, cfg) or _master_problems(engine, cfg)
+    )
 
 
 def _free_bytes() -> int:
@@ -142,11 +165,15 @@ def check_replica_memory(need: int, cfg: SDP4BitConfig, topology: Topology, devi
         return
     if cfg.weight_replica == "rank":
         what = "the whole model"
-        fix = (f"use weight_replica 'node' ({_size(need // topology.world * topology.nodes)} per rank with "
-               f"{topology.ranks_per_node} ranks per node) or free memory")
+        fix = (
+            f"use weight_replica 'node' ({_size(need // topology.world * topology.nodes)} per rank with "
+            f"{topology.ranks_per_node} ranks per node) or free memory"
+        )
     else:
         what = f"one copy of the model per node, 1/{topology.ranks_per_node} of it on each rank"
         fix = "use more ranks per node or free memory"
-    raise SDP4BitConfigError(f"sdp4bit.weight_replica = {cfg.weight_replica!r}: the weight replicas need {_size(need)} "
-                             f"on every rank ({what}), but the rank with the least free memory has "
-                             f"{_size(free.item())} free on its {torch.device(device).type}; {fix}")
+    raise SDP4BitConfigError(
+        f"sdp4bit.weight_replica = {cfg.weight_replica!r}: the weight replicas need {_size(need)} "
+        f"on every rank ({what}), but the rank with the least free memory has "
+        f"{_size(free.item())} free on its {torch.device(device).type}; {fix}"
+    )

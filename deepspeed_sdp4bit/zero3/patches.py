@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import deepspeed.runtime.zero.stage3 as stage3
 from deepspeed.runtime.zero.partition_parameters import Init
@@ -64,8 +65,9 @@ def patch_partition() -> None:
         return
     unpatched = Init._partition
 
-    def _partition(self: Init, param_list: Any, force: bool = False, has_been_updated: bool = False,
-                   free_data: bool = True) -> Any:
+    def _partition(
+        self: Init, param_list: Any, force: bool = False, has_been_updated: bool = False, free_data: bool = True
+    ) -> Any:
         result = unpatched(self, param_list, force=force, has_been_updated=has_been_updated, free_data=free_data)
         if has_been_updated:
             written: dict[Runtime, list[int]] = {}
@@ -109,8 +111,7 @@ class EnginePatches(PatchSet):
 
         optimizer = self.engine.optimizer
         post_step = self.replace(optimizer, "_post_step", _post_step)
-        avg_scatter = self.replace(optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
-                                   avg_scatter_grads)
+        avg_scatter = self.replace(optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
 
     def _params(self, params: list[Any]) -> None:
         """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed.

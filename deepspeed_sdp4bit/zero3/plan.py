@@ -15,8 +15,9 @@ parameters whose gathers SDP4Bit serves; and the notes logged once (rank 0) at i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import SDP4BitConfig
 from ..core.plan import MIN_SERVED_SHARE, Change, Coverage, Plan, inert_notes, weights_off
@@ -66,48 +67,72 @@ def param_facts(engine: Any) -> list[ParamFacts]:
         if not hasattr(p, "ds_id"):
             continue
         sent = getattr(p, "comm_dtype", p.dtype)
-        facts.append(ParamFacts(key=p.ds_id, name=name, numel=p.ds_numel, dtype=str(p.dtype),
-                                element_size=p.element_size(), sent_dtype=str(sent),
-                                sent_element_size=torch.empty(0, dtype=sent).element_size(), persistent=bool(p.ds_persist),
-                                requires_grad=p.requires_grad, in_optimizer=id(p) in updated))
+        facts.append(
+            ParamFacts(
+                key=p.ds_id,
+                name=name,
+                numel=p.ds_numel,
+                dtype=str(p.dtype),
+                element_size=p.element_size(),
+                sent_dtype=str(sent),
+                sent_element_size=torch.empty(0, dtype=sent).element_size(),
+                persistent=bool(p.ds_persist),
+                requires_grad=p.requires_grad,
+                in_optimizer=id(p) in updated,
+            )
+        )
     return facts
 
 
-def make_plan(block: SDP4BitConfig, topology: Topology, params: Sequence[ParamFacts],
-              persistence_threshold: int) -> Plan:
+def make_plan(
+    block: SDP4BitConfig, topology: Topology, params: Sequence[ParamFacts], persistence_threshold: int
+) -> Plan:
     """Decide what the block does for this engine (pure: the same inputs give the same plan on every rank)."""
     served = tuple(sorted((p for p in params if p.served), key=lambda p: p.key))
-    cover = Coverage(total=sum(p.numel for p in params), served=sum(p.numel for p in served),
-                     persistent=sum(p.numel for p in params if p.persistent),
-                     frozen=sum(p.numel for p in params if not p.persistent and not p.requires_grad))
+    cover = Coverage(
+        total=sum(p.numel for p in params),
+        served=sum(p.numel for p in served),
+        persistent=sum(p.numel for p in params if p.persistent),
+        frozen=sum(p.numel for p in params if not p.persistent and not p.requires_grad),
+    )
     notes = inert_notes(block)
     effective, changes, weight_notes = _weight_settings(block, topology, cover, persistence_threshold)
     notes += weight_notes + _autocast_notes(effective, served)
-    return Plan(block=block, effective=effective, changes=tuple(changes), served=served, coverage=cover,
-                notes=tuple(notes))
+    return Plan(
+        block=block, effective=effective, changes=tuple(changes), served=served, coverage=cover, notes=tuple(notes)
+    )
 
 
-def _weight_settings(block: SDP4BitConfig, topology: Topology, cover: Coverage, threshold: int
-                     ) -> tuple[SDP4BitConfig, list[Change], list[str]]:
+def _weight_settings(
+    block: SDP4BitConfig, topology: Topology, cover: Coverage, threshold: int
+) -> tuple[SDP4BitConfig, list[Change], list[str]]:
     """quantized_weights as it applies here: off where it would serve nothing, with its reason and note."""
     if not block.quantized_weights:
         return block, [], []
-    share = (f"quantized_weights serves {cover.share:.1%} of the model's parameter elements ({cover.served:,} of "
-             f"{cover.total:,}); DeepSpeed gathers the rest in full precision: {cover.persistent:,} in persistent "
-             f"parameters (numel <= stage3_param_persistence_threshold = {threshold:,}) and {cover.frozen:,} in frozen "
-             "ones (requires_grad=False, e.g. the base weights under LoRA). Lower stage3_param_persistence_threshold "
-             "(about 10 x the hidden size keeps only biases and norms persistent) to serve more")
+    share = (
+        f"quantized_weights serves {cover.share:.1%} of the model's parameter elements ({cover.served:,} of "
+        f"{cover.total:,}); DeepSpeed gathers the rest in full precision: {cover.persistent:,} in persistent "
+        f"parameters (numel <= stage3_param_persistence_threshold = {threshold:,}) and {cover.frozen:,} in frozen "
+        "ones (requires_grad=False, e.g. the base weights under LoRA). Lower stage3_param_persistence_threshold "
+        "(about 10 x the hidden size keeps only biases and norms persistent) to serve more"
+    )
     if cover.served == 0:
         reason = f"it {share.split(' ', 1)[1]}"
         return weights_off(block, reason, f"sdp4bit: quantized_weights is off for this engine: {reason}")
     notes = [f"sdp4bit: {share}"] if cover.share < MIN_SERVED_SHARE else []
     if block.weight_quantization == "difference" and block.weight_replica == "node" and topology.nodes == 1:
-        reason = (f"weight_replica = 'node' on a single node ({topology.describe()}) holds only each rank's own shards "
-                  "and sends no weight bytes across nodes, so 4-bit weight differences would add quantization error "
-                  "and save nothing; DeepSpeed gathers the weights in full precision")
-        return weights_off(block, reason, f"sdp4bit: quantized_weights is off for this run: {reason}. Set "
-                                           "weight_replica to 'rank' to quantize the weight traffic inside one node "
-                                           "(one more copy of the model per rank), or run on several nodes")
+        reason = (
+            f"weight_replica = 'node' on a single node ({topology.describe()}) holds only each rank's own shards "
+            "and sends no weight bytes across nodes, so 4-bit weight differences would add quantization error "
+            "and save nothing; DeepSpeed gathers the weights in full precision"
+        )
+        return weights_off(
+            block,
+            reason,
+            f"sdp4bit: quantized_weights is off for this run: {reason}. Set "
+            "weight_replica to 'rank' to quantize the weight traffic inside one node "
+            "(one more copy of the model per rank), or run on several nodes",
+        )
     return block, [], notes
 
 
@@ -117,8 +142,10 @@ def _autocast_notes(effective: SDP4BitConfig, served: Sequence[ParamFacts]) -> l
     if not narrower or not effective.quantized_weights:
         return []
     share = sum(p.numel for p in narrower) / sum(p.numel for p in served)
-    return [f"sdp4bit: torch_autocast is on: the parameters stay {narrower[0].dtype}, and so do their replicas and "
-            f"the node-mode gathers, while DeepSpeed would gather {share:.1%} of the served elements in "
-            f"{narrower[0].sent_dtype}; logical bytes are counted in the dtype DeepSpeed would send, so weight_gather "
-            "passes more bytes than its logical count and weight_refresh's ratio is taken against the 16-bit gather. "
-            "Train with 16-bit parameters (the \"bf16\" block) instead of torch_autocast for the smallest traffic"]
+    return [
+        f"sdp4bit: torch_autocast is on: the parameters stay {narrower[0].dtype}, and so do their replicas and "
+        f"the node-mode gathers, while DeepSpeed would gather {share:.1%} of the served elements in "
+        f"{narrower[0].sent_dtype}; logical bytes are counted in the dtype DeepSpeed would send, so weight_gather "
+        "passes more bytes than its logical count and weight_refresh's ratio is taken against the 16-bit gather. "
+        'Train with 16-bit parameters (the "bf16" block) instead of torch_autocast for the smallest traffic'
+    ]

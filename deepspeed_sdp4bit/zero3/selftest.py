@@ -14,7 +14,8 @@ A mismatch raises SDP4BitCompatError naming what differed, on every rank at once
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,14 @@ def _difference(what: str, got: torch.Tensor, expected: torch.Tensor) -> str | N
     """None when got equals expected bit for bit, else one line naming the first differing element."""
     if got.dtype != expected.dtype or got.shape != expected.shape:
         return f"{what}: got {got.dtype} {tuple(got.shape)}, expected {expected.dtype} {tuple(expected.shape)}"
-    differs = (got.reshape(-1).view(torch.uint8) != expected.reshape(-1).view(torch.uint8))
+    differs = got.reshape(-1).view(torch.uint8) != expected.reshape(-1).view(torch.uint8)
     if not bool(differs.any()):
         return None
     index = int(differs.nonzero()[0]) // got.element_size()
-    return (f"{what}: {int(differs.sum())} differing bytes, first at element {index}: got "
-            f"{got.reshape(-1)[index].item()!r}, expected {expected.reshape(-1)[index].item()!r}")
+    return (
+        f"{what}: {int(differs.sum())} differing bytes, first at element {index}: got "
+        f"{got.reshape(-1)[index].item()!r}, expected {expected.reshape(-1)[index].item()!r}"
+    )
 
 
 def _smallest(runtime: Runtime) -> tuple[int, torch.nn.Parameter]:
@@ -76,7 +79,7 @@ def _replica_weights(runtime: Runtime, key: int, param: torch.nn.Parameter) -> t
     shard = runtime.store.own_shard(key).contiguous()
     full = torch.empty(shard.numel() * runtime.topology.world, dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(full, shard)
-    return full[:param.ds_numel].view(param.ds_shape)
+    return full[: param.ds_numel].view(param.ds_shape)
 
 
 def _check_gather(runtime: Runtime, key: int, param: torch.nn.Parameter) -> str | None:
@@ -119,10 +122,10 @@ def _check_reduction(runtime: Runtime, key: int, param: torch.nn.Parameter) -> s
     saved = [s.state_dict() for s in streams]
     grad = _test_gradient(param, runtime.topology.rank)
     got = _reduced_by_deepspeed(runtime, param, grad)
-    for stream, state in zip(streams, saved):
+    for stream, state in zip(streams, saved, strict=True):
         stream.load_state_dict(state)
     expected = _reduced_directly(runtime, grad)
-    for stream, state in zip(streams, saved):
+    for stream, state in zip(streams, saved, strict=True):
         stream.load_state_dict(state)
     return _difference(f"the gradient reduction of {runtime.name(key)}", got, expected)
 
@@ -153,6 +156,8 @@ def run(runtime: Runtime, serving: Zero3Serving) -> list[str]:
     if not _agreed(problems, runtime):
         raise adapter.SDP4BitCompatError(
             f"deepspeed_sdp4bit: the self-test on deepspeed {adapter.installed_version()} (newer than the tested range "
-            f"{adapter.SUPPORTED}) failed on rank {runtime.topology.rank}: " + ("; ".join(problems) or
-            "another rank differed") + f". Install one of {', '.join(adapter.TESTED)}")
+            f"{adapter.SUPPORTED}) failed on rank {runtime.topology.rank}: "
+            + ("; ".join(problems) or "another rank differed")
+            + f". Install one of {', '.join(adapter.TESTED)}"
+        )
     return checked

@@ -7,7 +7,8 @@ One gather, in three hops: `patches.EnginePatches._params`' `all_gather_coalesce
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,20 +35,46 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
         for note in plan.notes:
             logger.warning(note)
     by_id = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
-    units = Zero3Units({f.key: by_id[f.key] for f in plan.served}, {f.key: f.name for f in plan.served},
-                       topology.world, torch.device(engine.device).type)
+    units = Zero3Units(
+        {f.key: by_id[f.key] for f in plan.served},
+        {f.key: f.name for f in plan.served},
+        topology.world,
+        torch.device(engine.device).type,
+    )
     config = plan.effective
-    weights = (_store(config, topology, stats, units, plan.served) if config.weight_differences else
-               _direct(config, topology, stats, plan.served) if config.weights_direct else None)
+    weights = (
+        _store(config, topology, stats, units, plan.served)
+        if config.weight_differences
+        else _direct(config, topology, stats, plan.served)
+        if config.weights_direct
+        else None
+    )
     reducer = TLqReducer(topology, **gradient_settings(config), stats=stats) if config.quantized_gradients else None
-    tuner = _tuner(engine, config, topology, units, (weights is not None and config.weight_differences,
-                                                     reducer is not None)) if config.auto and (weights or reducer) else None
-    return Runtime(engine, plan, topology, units, stats, stage=3, weights=weights, reducer=reducer, tuner=tuner,
-                   save_weights=True, created=created)
+    tuner = (
+        _tuner(
+            engine, config, topology, units, (weights is not None and config.weight_differences, reducer is not None)
+        )
+        if config.auto and (weights or reducer)
+        else None
+    )
+    return Runtime(
+        engine,
+        plan,
+        topology,
+        units,
+        stats,
+        stage=3,
+        weights=weights,
+        reducer=reducer,
+        tuner=tuner,
+        save_weights=True,
+        created=created,
+    )
 
 
-def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero3Units,
-           served: Sequence[ParamFacts]) -> Any:
+def _store(
+    cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero3Units, served: Sequence[ParamFacts]
+) -> Any:
     """The qWD replicas of the served parameters, checked to fit in memory before they are allocated."""
     first = units.tensor(units.keys()[0])
     store = weight_store(cfg, topology, stats, first.dtype, first.device, cfg.weight_replica)
@@ -66,18 +93,25 @@ def _direct(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, served: Se
     return direct
 
 
-def _tuner(engine: Any, cfg: SDP4BitConfig, topology: Topology, units: Zero3Units,
-           candidates: tuple[bool, bool]) -> auto.AutoTuner:
+def _tuner(
+    engine: Any, cfg: SDP4BitConfig, topology: Topology, units: Zero3Units, candidates: tuple[bool, bool]
+) -> auto.AutoTuner:
     """The auto block's tuner: it measures the links and the codec now (collective) and decides later."""
     zero = engine._config.zero_config
     params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
     device = units.tensor(units.keys()[0]).device
-    facts = auto.JobFacts(tensors=tuple(p.ds_numel for p in params), dtype_bytes=params[0].ds_tensor.element_size(),
-                          comm_bytes=torch.empty(0, dtype=engine.communication_data_type).element_size(),
-                          grad_accum=engine.gradient_accumulation_steps(), stage=3,
-                          reduce_bucket=zero.reduce_bucket_size, overlap_comm=bool(zero.overlap_comm),
-                          device_type=device.type, persistence_threshold=zero.param_persistence_threshold,
-                          live_parameters=min(zero.max_live_parameters, zero.max_reuse_distance))
+    facts = auto.JobFacts(
+        tensors=tuple(p.ds_numel for p in params),
+        dtype_bytes=params[0].ds_tensor.element_size(),
+        comm_bytes=torch.empty(0, dtype=engine.communication_data_type).element_size(),
+        grad_accum=engine.gradient_accumulation_steps(),
+        stage=3,
+        reduce_bucket=zero.reduce_bucket_size,
+        overlap_comm=bool(zero.overlap_comm),
+        device_type=device.type,
+        persistence_threshold=zero.param_persistence_threshold,
+        live_parameters=min(zero.max_live_parameters, zero.max_reuse_distance),
+    )
     return auto.AutoTuner(auto.job_model(facts, cfg, topology, candidates), topology, device, cfg.start_step)
 
 
@@ -97,8 +131,9 @@ class Zero3Serving:
     def manages(self, param: torch.nn.Parameter) -> bool:
         """Whether this parameter's gathers are served by SDP4Bit."""
         runtime = self.runtime
-        return (self.units.serves(param) and not runtime.measuring()
-                and (runtime.store is not None or self.direct_active()))
+        return (
+            self.units.serves(param) and not runtime.measuring() and (runtime.store is not None or self.direct_active())
+        )
 
     def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
         """Start the gather of parameters this runtime manages (collective over the same params on all ranks)."""
@@ -113,10 +148,12 @@ class Zero3Serving:
             return
         self._warned_mixed_fetch = True
         foreign = sorted(p.ds_id for p in params if not self.units.serves(p))
-        logger.warning(f"sdp4bit: a ZeRO-3 fetch on rank {self.runtime.topology.rank} mixes parameters of this engine "
-                       f"with parameters of another model or engine (ds_ids {foreign[:8]}), e.g. through "
-                       "deepspeed.zero.register_external_parameter; such fetches are gathered by DeepSpeed in full "
-                       "precision from ds_tensor on every rank")
+        logger.warning(
+            f"sdp4bit: a ZeRO-3 fetch on rank {self.runtime.topology.rank} mixes parameters of this engine "
+            f"with parameters of another model or engine (ds_ids {foreign[:8]}), e.g. through "
+            "deepspeed.zero.register_external_parameter; such fetches are gathered by DeepSpeed in full "
+            "precision from ds_tensor on every rank"
+        )
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor] | None:
         """TLq reduce-scatter, or None when DeepSpeed's own should run (before the start step)."""

@@ -3,7 +3,7 @@ of it is its partition `ds_tensor` (ceil(n / W) elements, the last ranks' partly
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -17,8 +17,9 @@ class Zero3Units:
     noun = "ds_tensor"
     expression = "param.ds_tensor"
 
-    def __init__(self, params: dict[int, torch.nn.Parameter], names: dict[int, str], world: int,
-                 device_type: str) -> None:
+    def __init__(
+        self, params: dict[int, torch.nn.Parameter], names: dict[int, str], world: int, device_type: str
+    ) -> None:
         self.params = params
         self._names = names
         self._world = world
@@ -39,12 +40,18 @@ class Zero3Units:
 
     def unusable(self, key: int) -> str | None:
         tensor, shard = self.tensor(key), shard_numel(self.params[key].ds_numel, self._world)
-        if (tensor.numel() == shard and tensor.dtype in FLOAT_DTYPES and tensor.is_contiguous()
-                and tensor.device.type == self._device_type):
+        if (
+            tensor.numel() == shard
+            and tensor.dtype in FLOAT_DTYPES
+            and tensor.is_contiguous()
+            and tensor.device.type == self._device_type
+        ):
             return None
-        return (f"{tensor.numel()} elements of {tensor.dtype} on {tensor.device} (contiguous: "
-                f"{tensor.is_contiguous()}), where this rank's shard is {shard} contiguous elements of a float dtype "
-                f"on {self._device_type}")
+        return (
+            f"{tensor.numel()} elements of {tensor.dtype} on {tensor.device} (contiguous: "
+            f"{tensor.is_contiguous()}), where this rank's shard is {shard} contiguous elements of a float dtype "
+            f"on {self._device_type}"
+        )
 
     def serves(self, param: torch.nn.Parameter) -> bool:
         """Whether `param` is one of these units."""

@@ -42,9 +42,13 @@ def host_sources(out_dir: Path) -> list[Path]:
         raise AssertionError("binding.cpp's device check changed: update the host rewrite in emulated_op.py")
     kernels = (cuda / "codec_cuda.cu").read_text().replace("<<<", " % emu::Launch{").replace(">>>(", "}(")
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [_write_if_changed(out_dir / "binding_host.cpp", binding.replace(".is_cuda()", ".is_cpu()")),
-            _write_if_changed(out_dir / "codec_cuda_host.cpp",
-                              '#include "emu.h"\n' + kernels + "\n" + (HERE / "emu_internals.cpp").read_text())]
+    return [
+        _write_if_changed(out_dir / "binding_host.cpp", binding.replace(".is_cuda()", ".is_cpu()")),
+        _write_if_changed(
+            out_dir / "codec_cuda_host.cpp",
+            '#include "emu.h"\n' + kernels + "\n" + (HERE / "emu_internals.cpp").read_text(),
+        ),
+    ]
 
 
 def build(root: Path) -> ModuleType:
@@ -63,9 +67,15 @@ def build(root: Path) -> ModuleType:
     build_dir = root / NAME
     build_dir.mkdir(parents=True, exist_ok=True)
     with pinned_ninja():
-        return cpp_extension.load(name=NAME, sources=[str(s) for s in sources], extra_cflags=flags,
-                                  extra_include_paths=[str(i) for i in includes], extra_ldflags=["-pthread"],
-                                  build_directory=str(build_dir), verbose=False)
+        return cpp_extension.load(
+            name=NAME,
+            sources=[str(s) for s in sources],
+            extra_cflags=flags,
+            extra_include_paths=[str(i) for i in includes],
+            extra_ldflags=["-pthread"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 class Internals:
