@@ -29,7 +29,7 @@ import numpy
 
 from sdp4bit_cost import paper
 from sdp4bit_cost.shapes import gpt
-from sdp4bit_cost.traffic import SDP4BIT_KINDS, Layout, Scheme, StepBytes, zero3_step, zero12_step
+from sdp4bit_cost.traffic import SDP4BIT_KINDS, RankGrid, Scheme, StepBytes, zero3_step, zero12_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # the CPU configs (configs/cpu/): ZeRO-3 with a 500k-element reduce bucket and a 1280-element persistence threshold;
@@ -64,7 +64,7 @@ def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
     gradient accumulation and auto decision)."""
     settings = summary["settings"]
     shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"], settings["seq_len"])
-    layout = Layout(2, summary["world_size"] // 2)
+    layout = RankGrid(2, summary["world_size"] // 2)
     scheme = scheme_of(variant, summary.get("sdp4bit_auto"))
     if scheme.stage == 3:
         step = zero3_step(shape.tensors(), scheme, layout, DTYPE_BYTES[dtype], backend="gloo")

@@ -63,6 +63,7 @@ RUNTIME = "deepspeed_sdp4bit/core/runtime.py"
 BUILD = "deepspeed_sdp4bit/core/build.py"
 SERVING3 = "deepspeed_sdp4bit/zero3/serving.py"
 OWNER = "deepspeed_sdp4bit/collectives/owner_reduce.py"
+LEVELS = "deepspeed_sdp4bit/collectives/levels.py"
 SERVING12 = "deepspeed_sdp4bit/zero12/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
 TIMING = "sdp4bit_cost/timing.py"
@@ -104,6 +105,11 @@ TARGETS = {
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
     "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4 or merge")),
+    "levels": Target(
+        "levels",
+        LEVELS,
+        ("tests/test_grad_reduce.py", "tests/test_owner_reduce.py", "-k", "world1 or world4 or world6 or merge"),
+    ),
     "zero12_serving": Target(
         "zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k", "rpn2 or unstarted or comms")
     ),
@@ -358,7 +364,7 @@ MUTANTS = [
     ),
     Mutant(
         "G12",
-        GRAD,
+        LEVELS,
         "            pieces=self.topo.ranks_per_node,",
         "            pieces=self.topo.nodes,",
         "requantization sums `nodes` pieces instead of ranks per node",
@@ -443,8 +449,8 @@ MUTANTS = [
     Mutant(
         "W01",
         STORE,
-        "        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)",
-        "        position = mix32((cols * 0 + 0x9E3779B9) & _M32)",
+        "        position = mix32((cols - first[block] + 0x9E3779B9) & MASK32)",
+        "        position = mix32((cols * 0 + 0x9E3779B9) & MASK32)",
         "checksum blind to element positions",
     ),
     Mutant(
@@ -527,14 +533,8 @@ MUTANTS = [
     Mutant(
         "W13",
         STORE,
-        (
-            "                self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits, group_size=se"
-            "lf._group_size"
-        ),
-        (
-            "                self._run(self._own_slot, bucket), codes, scales, bits=self._bits, group_size=self._gro"
-            "up_size"
-        ),
+        "                self._bucket_view(self._slot_of(source), bucket),\n                codes,",
+        "                self._bucket_view(self._own_slot, bucket),\n                codes,",
         "every received delta applied to the own slot",
     ),
     Mutant(
@@ -654,16 +654,8 @@ MUTANTS = [
     Mutant(
         "Z07",
         BUILD,
-        (
-            "        pipeline=cfg.gradient_alltoall_pipeline,\n"
-            "        stochastic=cfg.stochastic_rounding,\n"
-            "        seed=cfg.seed,"
-        ),
-        (
-            "        pipeline=cfg.gradient_alltoall_pipeline,\n"
-            "        stochastic=cfg.stochastic_rounding,\n"
-            "        seed=0,"
-        ),
+        "        hadamard=cfg.hadamard_transform,\n        stochastic=cfg.stochastic_rounding,\n        seed=cfg.seed,",
+        "        hadamard=cfg.hadamard_transform,\n        stochastic=cfg.stochastic_rounding,\n        seed=0,",
         "gradient seed ignored",
     ),
     Mutant(
@@ -730,8 +722,8 @@ MUTANTS = [
     Mutant(
         "W25",
         STORE,
-        "        if self._snapshots is None:\n            return self._run(self._own_slot, bucket)",
-        "        if True:\n            return self._run(self._own_slot, bucket)",
+        "        if self._snapshots is None:\n            return self._bucket_view(self._own_slot, bucket)",
+        "        if True:\n            return self._bucket_view(self._own_slot, bucket)",
         "attached store: differences taken against the new weights themselves",
     ),
     # collectives/owner_reduce.py
@@ -752,13 +744,13 @@ MUTANTS = [
     Mutant(
         "O03",
         OWNER,
-        "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline",
-        "        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)",
+        "        return self.group * self.pipeline",
+        "        return self.group",
         "pieces not padded to whole groups per pipeline slice",
     ),
     Mutant(
         "O04",
-        OWNER,
+        LEVELS,
         "        seed, offset = self.requant_stream.take(numel)",
         "        seed, offset = self.requant_stream.take(0)",
         "requantization counter never advances",

@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from .codec.spec import MAX_GROUP, MIN_GROUP
+from .codec.spec import MASK64, MAX_GROUP, MIN_GROUP, valid_group_size
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
 
 CONFIG_KEY = "sdp4bit"
-_U64_MAX = (1 << 64) - 1
 AUTO_START_STEP = 5  # under auto: plain steps 0-4, step 0 left out of the timing (warm-up), decided after step 4
 AUTO_MIN_START_STEP = 3  # two timed plain steps at least
 
@@ -48,7 +47,7 @@ _SWITCHED_KEYS = {
 
 def _group_size(key: str, value: int) -> int:
     """A quantization group size: a multiple of MIN_GROUP within the codec's range (ValueError naming the key)."""
-    if value % MIN_GROUP or not MIN_GROUP <= value <= MAX_GROUP:
+    if not valid_group_size(value):
         raise ValueError(f"{key} must be a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}]")
     return value
 
@@ -188,7 +187,7 @@ class SDP4BitConfig(BaseModel):
         description=("stochastic rounding (reproducible: a counter-based hash, no RNG state) or round-to-nearest"),
         json_schema_extra={"flag_note": "the original always rounds stochastically"},
     )
-    seed: int = Field(0, ge=0, le=_U64_MAX, description="seed of the stochastic rounding, 0 to 2^64-1")
+    seed: int = Field(0, ge=0, le=MASK64, description="seed of the stochastic rounding, 0 to 2^64-1")
     verify_interval: int = Field(
         0,
         ge=0,

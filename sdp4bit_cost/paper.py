@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from .hardware import NVLINK_EFFICIENCY
 from .shapes import CARDS, ModelShape
 from .timing import Job, Rates, StepTime, megatron_seconds, sequential_seconds
-from .traffic import Layout, Scheme, zero12_step
+from .traffic import RankGrid, Scheme, zero12_step
 
 SPEEDUP_BOUND = 0.20
 TFLOPS_BOUND = 0.25
@@ -115,7 +115,7 @@ def rows() -> list[Row]:
     return out
 
 
-def job(row: Row) -> tuple[Job, Layout]:
+def job(row: Row) -> tuple[Job, RankGrid]:
     """The paper's run of a row: its parallel layout, the vocabulary padded to 128 x tensor parallelism."""
     tp, pp = PARALLEL[row.cluster.name][row.model]
     base = CARDS[row.model]
@@ -123,7 +123,7 @@ def job(row: Row) -> tuple[Job, Layout]:
     shape: ModelShape = replace(base, vocab=-(-50257 // multiple) * multiple)
     per_node = row.cluster.gpus_per_node // tp
     dp = row.nodes * row.cluster.gpus_per_node // (tp * pp)
-    return Job(shape, tp=tp, pp=pp, comm_bytes=4, overlap=False), Layout(dp // per_node, per_node)
+    return Job(shape, tp=tp, pp=pp, comm_bytes=4, overlap=False), RankGrid(dp // per_node, per_node)
 
 
 def predict(row: Row, link_efficiency: float, peak_fraction: float) -> StepTime:

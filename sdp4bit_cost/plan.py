@@ -32,7 +32,7 @@ from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
 from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
 from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
-from .traffic import STAGES, Layout, Scheme, partition, zero12_step
+from .traffic import STAGES, RankGrid, Scheme, partition, zero12_step
 
 GAIN_WORTH_IT = sensitivity.GAIN_WORTH_IT  # below this projected gain the recommendation is to leave SDP4Bit off
 RANK_REPLICA_MEMORY_SHARE = 0.10  # the rank replica is recommended only if its model copy fits in this share
@@ -48,7 +48,7 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Scenario:
     """Everything a projection needs: the job, the cluster, the system and the SDP4Bit block's settings."""
 
     job: Job
@@ -58,10 +58,10 @@ class Plan:
     measured: dict[str, Any] | None = None  # what sdp4bit-measure wrote, where the inputs come from it
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> RankGrid:
         per_node = self.cluster.gpus_per_node // self.job.tp
         replicas = self.cluster.world // (self.job.tp * self.job.pp)  # data-parallel ranks
-        return Layout(replicas // per_node, per_node)
+        return RankGrid(replicas // per_node, per_node)
 
     @property
     def stage(self) -> int | None:
@@ -164,16 +164,19 @@ class Row:
         }
 
 
-def project(plan: Plan) -> list[Row]:
+def project(scenario: Scenario) -> list[Row]:
     """Every variant's step, with its speed-up over the baseline (the first variant)."""
-    steps = {name: plan.step(scheme, name) for name, scheme in plan.variants().items()}
+    steps = {name: scenario.step(scheme, name) for name, scheme in scenario.variants().items()}
     base = next(iter(steps.values())).step_s
-    return [Row(name, step, base / step.step_s, plan.replica_bytes(name), plan.stage) for name, step in steps.items()]
+    return [
+        Row(name, step, base / step.step_s, scenario.replica_bytes(name), scenario.stage)
+        for name, step in steps.items()
+    ]
 
 
-def candidates(plan: Plan, rows: Sequence[Row]) -> list[Row]:
+def candidates(scenario: Scenario, rows: Sequence[Row]) -> list[Row]:
     """The rows the recommendation chooses from: SDP4Bit's variants whose replica fits the GPU's memory."""
-    memory = plan.cluster.gpu.memory_gb * 1e9
+    memory = scenario.cluster.gpu.memory_gb * 1e9
     return [
         r
         for r in rows[1:]
@@ -181,41 +184,41 @@ def candidates(plan: Plan, rows: Sequence[Row]) -> list[Row]:
     ]
 
 
-def uncertainty(plan: Plan) -> sensitivity.Sensitivity:
+def uncertainty(scenario: Scenario) -> sensitivity.Sensitivity:
     """The best candidate's speed-up across the plausible achieved compute and link efficiency, and the values of
     each at which the recommendation flips."""
-    peak = plan.cluster.gpu.peak_tflops
+    peak = scenario.cluster.gpu.peak_tflops
 
     def speedup(fraction: float, efficiency: float) -> float:
-        point = replace(plan, cluster=replace(plan.cluster, tflops=fraction * peak, link_efficiency=efficiency))
+        point = replace(scenario, cluster=replace(scenario.cluster, tflops=fraction * peak, link_efficiency=efficiency))
         return max(r.speedup for r in candidates(point, project(point)))
 
-    return sensitivity.analyse(speedup, plan.cluster.flops_s / 1e12 / peak, plan.cluster.link_efficiency)
+    return sensitivity.analyse(speedup, scenario.cluster.flops_s / 1e12 / peak, scenario.cluster.link_efficiency)
 
 
-def recommend(plan: Plan, rows: Sequence[Row]) -> str:
+def recommend(scenario: Scenario, rows: Sequence[Row]) -> str:
     """One line: what to switch on, and why."""
     base = rows[0]
-    fits = candidates(plan, rows)
+    fits = candidates(scenario, rows)
     best = max(fits, key=lambda r: r.speedup)
     exposed = base.step.exposed_s / base.step.step_s
     if best.speedup < 1 + GAIN_WORTH_IT:
         return (
             f"communication hides behind compute here ({exposed:.0%} of the {base.variant} step is exposed "
             f"communication): SDP4Bit gains under {GAIN_WORTH_IT:.0%} ({best.speedup:.2f}x at best); leave it off"
-            f"{_round_robin_hint(plan, rows)}"
+            f"{_round_robin_hint(scenario, rows)}"
         )
     leaner = [r for r in fits if r.speedup >= best.speedup / (1 + GAIN_WORTH_IT / 2)]
-    choice = min(leaner, key=lambda r: (len(_block(plan, r.variant)), -r.speedup))
+    choice = min(leaner, key=lambda r: (len(_block(scenario, r.variant)), -r.speedup))
     return (
         f"use {choice.variant}: {choice.speedup:.2f}x over {base.variant} ({exposed:.0%} of its step is exposed "
-        f'communication); "sdp4bit": {json.dumps(_block(plan, choice.variant))}{_round_robin_hint(plan, rows)}'
+        f'communication); "sdp4bit": {json.dumps(_block(scenario, choice.variant))}{_round_robin_hint(scenario, rows)}'
     )
 
 
-def _round_robin_hint(plan: Plan, rows: Sequence[Row]) -> str:
+def _round_robin_hint(scenario: Scenario, rows: Sequence[Row]) -> str:
     """A clause for the recommendation where round_robin_gradients would make SDP4Bit faster than every row, or ''."""
-    spread = round_robin_projection(plan, rows)
+    spread = round_robin_projection(scenario, rows)
     if spread is None or spread[1] <= max(r.speedup for r in rows):
         return ""
     return (
@@ -224,13 +227,13 @@ def _round_robin_hint(plan: Plan, rows: Sequence[Row]) -> str:
     )
 
 
-def _block(plan: Plan, variant: str) -> dict[str, Any]:
+def _block(scenario: Scenario, variant: str) -> dict[str, Any]:
     """The sdp4bit block that turns a variant on."""
-    s = plan.variants()[variant]
+    s = scenario.variants()[variant]
     block: dict[str, Any] = {}
     if s.quantized_weights:
         block.update(quantized_weights=True, weight_quantization_bits=s.weight_bits, wq_group_size=s.weight_group)
-        if s.replica != "node" and plan.stage == 3:
+        if s.replica != "node" and scenario.stage == 3:
             block["weight_replica"] = s.replica
     if s.quantized_gradients:
         block.update(
@@ -244,21 +247,21 @@ def _block(plan: Plan, variant: str) -> dict[str, Any]:
     return block
 
 
-def table(plan: Plan, rows: Sequence[Row]) -> str:
+def table(scenario: Scenario, rows: Sequence[Row]) -> str:
     """The projection as a markdown table."""
-    where = plan.cluster.describe()
-    if plan.measured:
+    where = scenario.cluster.describe()
+    if scenario.measured:
         where = (
-            f"{plan.cluster.nodes} x {plan.cluster.gpus_per_node} {plan.measured['device_name']} ranks as "
-            f"measured, {plan.cluster.inter_node_gbps:g} Gbit/s per node"
+            f"{scenario.cluster.nodes} x {scenario.cluster.gpus_per_node} {scenario.measured['device_name']} ranks as "
+            f"measured, {scenario.cluster.inter_node_gbps:g} Gbit/s per node"
         )
     lines = [
-        f"{where} ({plan.cluster.flops_s / 1e12:,.3g} TFLOP/s achieved per GPU, links at "
-        f"{plan.cluster.link_efficiency:.0%} of line rate), {plan.job.shape.numel() / 1e9:.2f}B parameters, "
-        f"{plan.job.micro_batch} x {plan.job.seq} tokens per GPU and micro-batch, {plan.job.grad_accum} "
-        f"micro-batch(es) per step, TP {plan.job.tp}"
-        f"{f', PP {plan.job.pp}' if plan.job.pp > 1 else ''}, {plan.describe()}"
-        f"{'' if plan.job.overlap or plan.system == 'megatron' else ', no overlap'}",
+        f"{where} ({scenario.cluster.flops_s / 1e12:,.3g} TFLOP/s achieved per GPU, links at "
+        f"{scenario.cluster.link_efficiency:.0%} of line rate), {scenario.job.shape.numel() / 1e9:.2f}B parameters, "
+        f"{scenario.job.micro_batch} x {scenario.job.seq} tokens per GPU and micro-batch, {scenario.job.grad_accum} "
+        f"micro-batch(es) per step, TP {scenario.job.tp}"
+        f"{f', PP {scenario.job.pp}' if scenario.job.pp > 1 else ''}, {scenario.describe()}"
+        f"{'' if scenario.job.overlap or scenario.system == 'megatron' else ', no overlap'}",
         "",
         "| variant | step s | tokens/s | exposed comm s | cross-node GB/step | replica GB/GPU | speed-up |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -268,51 +271,51 @@ def table(plan: Plan, rows: Sequence[Row]) -> str:
             f"| {r.variant} | {r.step.step_s:.3f} | {r.step.tokens_per_s:,.0f} | {r.step.exposed_s:.3f} | "
             f"{r.step.cross_node_bytes / 1e9:.2f} | {r.replica_bytes / 1e9:.2f} | {r.speedup:.2f}x |"
         )
-    if plan.stage in (1, 2):
+    if scenario.stage in (1, 2):
         lines += [
             "",
-            _gradient_note(plan, rows),
-            *_owner_load_note(plan, rows),
+            _gradient_note(scenario, rows),
+            *_owner_load_note(scenario, rows),
             "ZeRO++ exists on ZeRO-3 only: not compared on stages 1 and 2.",
         ]
     return "\n".join(lines)
 
 
-def owner_load(plan: Plan, scheme: Scheme) -> float:
+def owner_load(scenario: Scenario, scheme: Scheme) -> float:
     """How many times the mean node's share of TLq's inter-node gradient bytes the busiest node of each bucket sends or
     receives (0 on one node), which says how far the exchange to a bucket's owners concentrates on few nodes."""
-    work = plan.job.workload(plan.rates)
-    step = zero12_step(work.tensors, scheme, plan.layout, work.dtype_bytes, work.comm_bytes)
+    work = scenario.job.workload(scenario.rates)
+    step = zero12_step(work.tensors, scheme, scenario.layout, work.dtype_bytes, work.comm_bytes)
     inter = [t for t in step.transfers if t.kind == "grad_inter"]
-    mean = sum(t.cross for t in inter) / plan.layout.nodes
+    mean = sum(t.cross for t in inter) / scenario.layout.nodes
     return sum(t.peak_cross or 0.0 for t in inter) / mean if mean else 0.0
 
 
-def round_robin_projection(plan: Plan, rows: Sequence[Row]) -> tuple[float, float] | None:
+def round_robin_projection(scenario: Scenario, rows: Sequence[Row]) -> tuple[float, float] | None:
     """Where SDP4Bit's exchange concentrates on few nodes on stage 1 or 2 without round_robin_gradients: its owner
     load and its speed-up over the baseline with round_robin_gradients on (one more projection), else None."""
-    scheme = plan.variants()["SDP4Bit"]
-    if plan.stage not in (1, 2) or scheme.round_robin or owner_load(plan, scheme) < OWNER_LOAD_NOTE:
+    scheme = scenario.variants()["SDP4Bit"]
+    if scenario.stage not in (1, 2) or scheme.round_robin or owner_load(scenario, scheme) < OWNER_LOAD_NOTE:
         return None
     spread = replace(scheme, round_robin=True)
-    return owner_load(plan, spread), rows[0].step.step_s / plan.step(spread, "SDP4Bit").step_s
+    return owner_load(scenario, spread), rows[0].step.step_s / scenario.step(spread, "SDP4Bit").step_s
 
 
-def _owner_load_note(plan: Plan, rows: Sequence[Row]) -> list[str]:
+def _owner_load_note(scenario: Scenario, rows: Sequence[Row]) -> list[str]:
     """A line where TLq's exchange to each bucket's owners loads their nodes' links far above the mean (buckets that
     span few partitions), with what round_robin_gradients would give where it is off, or none."""
-    scheme = plan.variants()["SDP4Bit"]
-    ratio = owner_load(plan, scheme)
+    scheme = scenario.variants()["SDP4Bit"]
+    ratio = owner_load(scenario, scheme)
     if ratio < OWNER_LOAD_NOTE:
         return []
-    own = partition(plan.job.workload(plan.rates).tensors, plan.layout.world)
+    own = partition(scenario.job.workload(scenario.rates).tensors, scenario.layout.world)
     layout = " in round_robin_gradients' layout" if scheme.round_robin else ""
     line = (
         f"SDP4Bit's gradients go to each bucket's owners: with reduce_bucket_size {scheme.reduce_bucket:,} over "
         f"partitions of {own:,} elements{layout}, a bucket's busiest node sends or receives {ratio:.1f}x the mean "
         "node's share of its inter-node bytes; a larger reduce_bucket_size spreads each bucket over more owners"
     )
-    spread = round_robin_projection(plan, rows)
+    spread = round_robin_projection(scenario, rows)
     if spread is not None:
         sdp4bit = next(r.speedup for r in rows if r.variant == "SDP4Bit")
         line += (
@@ -323,22 +326,22 @@ def _owner_load_note(plan: Plan, rows: Sequence[Row]) -> list[str]:
     return [line]
 
 
-def _gradient_note(plan: Plan, rows: Sequence[Row]) -> str:
+def _gradient_note(scenario: Scenario, rows: Sequence[Row]) -> str:
     """ZeRO-1/2's gradient bytes both ways (its all-reduce, and the reduce-scatter that would do its job) against
     SDP4Bit's, so that neither ratio is read alone."""
     base = rows[0].step
     sdp4bit = next(r.step for r in rows if r.variant == "SDP4Bit").grad_cross_node_bytes
     sent, halved = base.grad_cross_node_bytes, base.grad_cross_node_bytes_as_reduce_scatter
     if not sdp4bit:
-        return f"gradients: no bytes cross nodes on one node ({plan.baseline} all-reduces them inside it)"
+        return f"gradients: no bytes cross nodes on one node ({scenario.baseline} all-reduces them inside it)"
     return (
-        f"gradients across nodes per step: {plan.baseline} all-reduces {sent / 1e9:.2f} GB, a reduce-scatter "
+        f"gradients across nodes per step: {scenario.baseline} all-reduces {sent / 1e9:.2f} GB, a reduce-scatter "
         f"would send {halved / 1e9:.2f} GB, SDP4Bit sends {sdp4bit / 1e9:.2f} GB ({sent / sdp4bit:.1f}x below the "
         f"all-reduce, {halved / sdp4bit:.1f}x below a reduce-scatter)"
     )
 
 
-def plot(plan: Plan, path: Path) -> None:
+def plot(scenario: Scenario, path: Path) -> None:
     """Speed-up over the baseline against inter-node bandwidth, one line per variant."""
     try:
         import matplotlib
@@ -351,7 +354,7 @@ def plot(plan: Plan, path: Path) -> None:
     rates = [low * (high / low) ** (i / 60) for i in range(61)]
     curves: dict[str, list[float]] = {}
     for gbps in rates:
-        point = replace(plan, cluster=replace(plan.cluster, inter_node_gbps=gbps))
+        point = replace(scenario, cluster=replace(scenario.cluster, inter_node_gbps=gbps))
         for row in project(point):
             curves.setdefault(row.variant, []).append(row.speedup)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -360,10 +363,10 @@ def plot(plan: Plan, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("inter-node bandwidth per node, Gbit/s")
     ax.set_ylabel(f"speed-up over {next(iter(curves))}")
-    ax.axvline(plan.cluster.inter_node_gbps, color="grey", linestyle=":", label="this cluster")
+    ax.axvline(scenario.cluster.inter_node_gbps, color="grey", linestyle=":", label="this cluster")
     ax.set_title(
-        f"{plan.job.shape.numel() / 1e9:.2f}B on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
-        f"{plan.cluster.gpu.name.upper()} ({plan.describe()})",
+        f"{scenario.job.shape.numel() / 1e9:.2f}B on {scenario.cluster.nodes} x {scenario.cluster.gpus_per_node} "
+        f"{scenario.cluster.gpu.name.upper()} ({scenario.describe()})",
         fontsize=10,
     )
     ax.grid(True, which="both", alpha=0.3)
@@ -696,8 +699,8 @@ def _pipeline(args: argparse.Namespace, stage: int, cluster: Cluster) -> None:
         )
 
 
-def build(args: argparse.Namespace) -> Plan:
-    """The plan the flags describe (PlanError naming the flag for bad input)."""
+def build(args: argparse.Namespace) -> Scenario:
+    """The scenario the flags describe (PlanError naming the flag for bad input)."""
     for flag in ("tp", "pp", "seq", "micro_batch", "grad_accum"):
         _at_least_one(f"--{flag.replace('_', '-')}", getattr(args, flag))
     measured = _measured(args.measured)
@@ -731,7 +734,7 @@ def build(args: argparse.Namespace) -> Plan:
         live_parameters=live,
         overlap=not (args.no_overlap or megatron or overlap_comm is False or (measured or {}).get("device") == "cpu"),
     )
-    return Plan(
+    return Scenario(
         job,
         cluster,
         args.system,
@@ -743,23 +746,23 @@ def build(args: argparse.Namespace) -> Plan:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        plan = build(args)
-        rows = project(plan)
+        scenario = build(args)
+        rows = project(scenario)
         if args.plot:
-            plot(plan, args.plot)
+            plot(scenario, args.plot)
     except (PlanError, ShapeError, HardwareError) as exc:
         print(f"sdp4bit-plan: {exc}", file=sys.stderr)
         return 2
     try:
-        _print(args, plan, rows)
+        _print(args, scenario, rows)
     except BrokenPipeError:  # `sdp4bit-plan --json | head`: the reader has gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
-def _measured_line(plan: Plan) -> str:
+def _measured_line(scenario: Scenario) -> str:
     """Which inputs came from the measurement file, with their values."""
-    m, c = plan.measured, plan.cluster
+    m, c = scenario.measured, scenario.cluster
     tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model"
     return (
         f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
@@ -768,22 +771,22 @@ def _measured_line(plan: Plan) -> str:
     )
 
 
-def _print(args: argparse.Namespace, plan: Plan, rows: Sequence[Row]) -> None:
+def _print(args: argparse.Namespace, scenario: Scenario, rows: Sequence[Row]) -> None:
     """The rows as JSON, or the table and the recommendation."""
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1), flush=True)
         return
-    print(table(plan, rows))
+    print(table(scenario, rows))
     print()
-    print(recommend(plan, rows))
+    print(recommend(scenario, rows))
     print()
-    if plan.measured:
-        print(_measured_line(plan))
+    if scenario.measured:
+        print(_measured_line(scenario))
     else:
-        found = uncertainty(plan)
-        print(sensitivity.table(found, plan.cluster.gpu.peak_tflops, plan.baseline))
+        found = uncertainty(scenario)
+        print(sensitivity.table(found, scenario.cluster.gpu.peak_tflops, scenario.baseline))
         print()
-        print(sensitivity.describe_flips(found, plan.cluster.gpu.peak_tflops, plan.cluster.inter_node_gbps))
+        print(sensitivity.describe_flips(found, scenario.cluster.gpu.peak_tflops, scenario.cluster.inter_node_gbps))
     if args.plot:
         print(f"plot: {args.plot}")
     sys.stdout.flush()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .shapes import ModelShape
-from .traffic import Layout, Scheme, StepBytes, Transfer, megatron_step, zero3_step, zero12_step
+from .traffic import RankGrid, Scheme, StepBytes, Transfer, megatron_step, zero3_step, zero12_step
 
 DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters and stage3_max_reuse_distance defaults
 
@@ -137,7 +137,7 @@ class StepTime:
         return self.tokens_per_step / self.step_s
 
 
-def _seconds(transfer: Transfer, layout: Layout, tp: int, rates: Rates) -> tuple[float, float]:
+def _seconds(transfer: Transfer, layout: RankGrid, tp: int, rates: Rates) -> tuple[float, float]:
     """(inter-node, intra-node) seconds of one transfer: a node sends `tp` data-parallel groups' share of the
     cross-node bytes (or the busiest node's bytes, where the load is uneven); each GPU its own intra-node bytes (or
     the busiest GPU's)."""
@@ -148,7 +148,7 @@ def _seconds(transfer: Transfer, layout: Layout, tp: int, rates: Rates) -> tuple
     return inter, intra
 
 
-def phase_comm(transfers: list[Transfer], layout: Layout, tp: int, rates: Rates) -> float:
+def phase_comm(transfers: list[Transfer], layout: RankGrid, tp: int, rates: Rates) -> float:
     """Seconds of a phase's collectives, one after the other: a ring keeps both links busy at once (unless they share
     the cores that move the bytes); the two levels of a quantized reduction run in sequence, overlapping slice by
     slice when pipelined."""
@@ -165,7 +165,7 @@ def phase_comm(transfers: list[Transfer], layout: Layout, tp: int, rates: Rates)
     return ring + intra_level + inter_level - overlapped
 
 
-def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates) -> dict[str, float]:
+def _parts(step: StepBytes, layout: RankGrid, tp: int, rates: Rates) -> dict[str, float]:
     """Seconds per kind of one optimizer step's transfers, for reports."""
     out: dict[str, float] = {}
     for t in step.transfers:
@@ -174,7 +174,7 @@ def _parts(step: StepBytes, layout: Layout, tp: int, rates: Rates) -> dict[str, 
 
 
 def deepspeed_step(
-    work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "", backend: str = "nccl"
+    work: Workload, layout: RankGrid, scheme: Scheme, rates: Rates, variant: str = "", backend: str = "nccl"
 ) -> StepTime:
     """One optimizer step of DeepSpeed ZeRO-3 (with or without SDP4Bit, or ZeRO++), or of ZeRO-1/2 (with or without
     SDP4Bit) where `scheme.stage` says so, on `layout` data-parallel ranks."""
@@ -208,7 +208,7 @@ def deepspeed_step(
     )
 
 
-def _boundary_s(step: StepBytes, work: Workload, layout: Layout, rates: Rates) -> float:
+def _boundary_s(step: StepBytes, work: Workload, layout: RankGrid, rates: Rates) -> float:
     """Seconds ZeRO-1's once-per-step gradient reduction adds to the last micro-batch's backward, which it overlaps
     with `overlap` (its codec kernels on the compute side)."""
     once = [t for t in step.transfers if t.phase == "boundary"]
@@ -220,14 +220,14 @@ def _boundary_s(step: StepBytes, work: Workload, layout: Layout, rates: Rates) -
     return max(backward + codec, comm) - backward if work.overlap else codec + comm
 
 
-def megatron_seconds(work: Workload, layout: Layout, scheme: Scheme, rates: Rates, variant: str = "") -> StepTime:
+def megatron_seconds(work: Workload, layout: RankGrid, scheme: Scheme, rates: Rates, variant: str = "") -> StepTime:
     """One step of Megatron-LM's distributed optimizer (or the paper's fork with SDP4Bit), everything in sequence:
     the pipeline's micro-batches (idling (p - 1) stage times), then the data-parallel collectives and the codec."""
     step = megatron_step(list(work.tensors), scheme, layout, work.dtype_bytes, work.comm_bytes or 4)
     return sequential_seconds(work, layout, step, rates, variant)
 
 
-def sequential_seconds(work: Workload, layout: Layout, step: StepBytes, rates: Rates, variant: str = "") -> StepTime:
+def sequential_seconds(work: Workload, layout: RankGrid, step: StepBytes, rates: Rates, variant: str = "") -> StepTime:
     """One step with everything in sequence and each of `step`'s transfers once (Megatron-LM as the paper ran it, or
     DeepSpeed ZeRO-1 in the same setting): the pipeline's micro-batches (idling (p - 1) stage times), then the
     data-parallel collectives and the codec."""
@@ -248,6 +248,6 @@ def sequential_seconds(work: Workload, layout: Layout, step: StepBytes, rates: R
     )
 
 
-def _tokens(work: Workload, layout: Layout) -> float:
+def _tokens(work: Workload, layout: RankGrid) -> float:
     """Tokens per optimizer step over the whole job (one model copy per data-parallel rank)."""
     return layout.world * work.tokens_per_micro_batch * work.grad_accum

@@ -65,7 +65,7 @@ class Scheme:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankGrid:
     """Data-parallel ranks numbered node by node: `nodes` x `per_node` (GPUs per node / tensor parallelism)."""
 
     nodes: int
@@ -172,7 +172,7 @@ def codes_and_scales(numel: float, bits: int, group: int) -> float:
     return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)
 
 
-def ring_cross(wire: float, layout: Layout, members_per_node: int | None = None) -> float:
+def ring_cross(wire: float, layout: RankGrid, members_per_node: int | None = None) -> float:
     """Cross-node bytes of a ring all-gather with `wire` bytes per rank over the world (or over `members_per_node`
     ranks of each node: one ring per local index)."""
     if layout.nodes == 1:
@@ -182,7 +182,7 @@ def ring_cross(wire: float, layout: Layout, members_per_node: int | None = None)
     return rings * layout.nodes * (group - 1) * wire
 
 
-def reduce_scatter_cross(wire: float, layout: Layout, backend: str) -> float:
+def reduce_scatter_cross(wire: float, layout: RankGrid, backend: str) -> float:
     """Cross-node bytes of a reduce-scatter of `wire` bytes per rank over the world."""
     if layout.nodes == 1:
         return 0.0
@@ -210,7 +210,7 @@ def tlq_part(bucket: Sequence[int], world: int, s: Scheme) -> int:
 def zero3_step(
     tensors: Sequence[int],
     scheme: Scheme,
-    layout: Layout,
+    layout: RankGrid,
     dtype_bytes: int,
     comm_bytes: int | None = None,
     second_pass: float = 0.0,
@@ -244,25 +244,13 @@ def zero3_step(
                 _ring_intra(own * dtype_bytes, layout),
                 second_pass,
             )
-        if scheme.quantized_gradients:
-            _grads_tlq(out, tensors, dtype_bytes, scheme, layout)
-        else:
-            wire = sum(tensors) * comm_bytes
-            out.add(
-                Transfer(
-                    "grad_reduce_scatter",
-                    "backward",
-                    wire,
-                    reduce_scatter_cross(wire, layout, backend),
-                    intra=_ring_intra(wire / w, layout),
-                )
-            )
+        _gradients(out, tensors, dtype_bytes if scheme.quantized_gradients else comm_bytes, scheme, layout, backend)
     wire = sum(shard(n, w) for n in persistent) * dtype_bytes
     out.add(Transfer("persistent_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
     return out
 
 
-def _ring_intra(per_rank: float, layout: Layout) -> float:
+def _ring_intra(per_rank: float, layout: RankGrid) -> float:
     """Bytes a rank receives over its node's links in a ring over the world passing `per_rank` bytes from each rank
     (every rank but the first of each node has its ring neighbour in its node)."""
     return (layout.world - 1) * per_rank if layout.per_node > 1 else 0.0
@@ -281,7 +269,7 @@ def _weights_qwd(
     dtype_bytes: int,
     second_pass: float,
     s: Scheme,
-    layout: Layout,
+    layout: RankGrid,
     codes: float | None = None,
 ) -> None:
     """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters, or `codes` bytes where
@@ -306,7 +294,7 @@ def _weights_qwd(
         _gathers(out, "weight_gather", per_rank, 0.0, (d - 1) * per_rank, second_pass)
 
 
-def _tlq_codec(part: int, layout: Layout, grad_bytes: int, intra: float, inter: float) -> float:
+def _tlq_codec(part: int, layout: RankGrid, grad_bytes: int, intra: float, inter: float) -> float:
     """Bytes one rank's TLq kernels read and write for one bucket: quantize every part (Hadamard fused), the
     intra-node dequantize-reduce-requantize of its N parts from D peers, and the final dequantize-reduce."""
     w, n, d = layout.world, layout.nodes, layout.per_node
@@ -316,7 +304,20 @@ def _tlq_codec(part: int, layout: Layout, grad_bytes: int, intra: float, inter: 
     return w * part * grad_bytes + w * first + middle + last
 
 
-def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Scheme, layout: Layout) -> None:
+def _gradients(
+    out: StepBytes, tensors: Sequence[int], element_bytes: int, scheme: Scheme, layout: RankGrid, backend: str
+) -> None:
+    """The gradients' reduce-scatter of `element_bytes` per element: TLq's two levels with
+    `scheme.quantized_gradients`, else one reduce-scatter over all ranks on `backend`."""
+    if scheme.quantized_gradients:
+        _grads_tlq(out, tensors, element_bytes, scheme, layout)
+        return
+    wire = sum(tensors) * element_bytes
+    cross = reduce_scatter_cross(wire, layout, backend)
+    out.add(Transfer("grad_reduce_scatter", "backward", wire, cross, intra=_ring_intra(wire / layout.world, layout)))
+
+
+def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Scheme, layout: RankGrid) -> None:
     """TLq per gradient bucket: the intra-node all-to-all of all W parts, then the inter-node one of N parts (one
     node: intra only; one rank per node: inter only, over all W parts)."""
     w, n, d = layout.world, layout.nodes, layout.per_node
@@ -347,7 +348,7 @@ def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Schem
             )
 
 
-def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: Layout) -> None:
+def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: RankGrid) -> None:
     """ZeRO++: qwZ gathers 8-bit weights (groups of 2048) over the world in the forward and keeps the node's part as
     hpZ's secondary partition, from which the backward gathers inside the node in 16 bits; qgZ reduces gradients
     with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out)."""
@@ -454,7 +455,7 @@ def _add_overlaps(lengths: list[int], start: int, numel: int, own: int) -> None:
 def zero12_step(
     tensors: Sequence[int],
     scheme: Scheme,
-    layout: Layout,
+    layout: RankGrid,
     dtype_bytes: int,
     comm_bytes: int | None = None,
     rank: int | None = None,
@@ -502,7 +503,7 @@ def zero12_step(
     return out
 
 
-def all_reduce_cross(wire: float, layout: Layout) -> float:
+def all_reduce_cross(wire: float, layout: RankGrid) -> float:
     """Cross-node bytes of a ring all-reduce of `wire` bytes per rank over the world: a reduce-scatter's and an
     all-gather's, 2 (W - 1) / W of the input per rank."""
     return 2 * reduce_scatter_cross(wire, layout, "nccl")
@@ -524,7 +525,7 @@ def _owner_pieces(lengths: Sequence[int], s: Scheme) -> list[int]:
 
 
 def _grads_to_owners(
-    out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: Layout, phase: str, rank: int | None
+    out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: RankGrid, phase: str, rank: int | None
 ) -> None:
     """TLq on ZeRO-1/2 for one bucket: the intra-node all-to-all of every rank's pieces, then the inter-node one of
     the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces)."""
@@ -567,7 +568,7 @@ def _grads_to_owners(
         )
 
 
-def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme, layout: Layout) -> float:
+def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme, layout: RankGrid) -> float:
     """Bytes one rank's TLq kernels read and write for one bucket on ZeRO-1/2: quantize its `total` elements of
     pieces, dequantize-reduce-requantize its column's pieces from D peers, and dequantize-reduce its own piece."""
     n, d = layout.nodes, layout.per_node
@@ -587,7 +588,7 @@ def _inter_codes(numel: int, s: Scheme) -> float:
     return codes_and_scales(numel, s.bits_inter, s.group_inter)
 
 
-def _per_rank(layout: Layout, rank: int | None, value: Callable[[int, int], float]) -> float:
+def _per_rank(layout: RankGrid, rank: int | None, value: Callable[[int, int], float]) -> float:
     """`value(node, local index)` of `rank`, or its mean over the ranks (numbered node by node)."""
     if rank is not None:
         return value(*divmod(rank, layout.per_node))
@@ -595,7 +596,7 @@ def _per_rank(layout: Layout, rank: int | None, value: Callable[[int, int], floa
 
 
 def megatron_step(
-    tensors: Sequence[int], scheme: Scheme, layout: Layout, dtype_bytes: int = 2, grad_bytes: int = 4
+    tensors: Sequence[int], scheme: Scheme, layout: RankGrid, dtype_bytes: int = 2, grad_bytes: int = 4
 ) -> StepBytes:
     """The transfers of one step of Megatron-LM's distributed optimizer as the paper ran it: gradients reduce-scattered
     once per step (fp32 main gradients, or the fork's TLq), the updated 16-bit weights all-gathered once after the
@@ -619,17 +620,5 @@ def megatron_step(
     else:
         wire = own * dtype_bytes
         out.add(Transfer("param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
-    if scheme.quantized_gradients:
-        _grads_tlq(out, tensors, grad_bytes, scheme, layout)
-    else:
-        wire = sum(tensors) * grad_bytes
-        out.add(
-            Transfer(
-                "grad_reduce_scatter",
-                "backward",
-                wire,
-                reduce_scatter_cross(wire, layout, "nccl"),
-                intra=_ring_intra(wire / w, layout),
-            )
-        )
+    _gradients(out, tensors, grad_bytes, scheme, layout, "nccl")
     return out

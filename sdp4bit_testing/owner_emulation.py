@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from deepspeed_sdp4bit.codec import reference
+from deepspeed_sdp4bit.codec.spec import MASK64
 from deepspeed_sdp4bit.collectives.rounding import STAGE_QUANTIZE, STAGE_REQUANTIZE, derive_seed
 from sdp4bit_testing import tlq_emulation
 
 RunTuple = tuple[int, int, int]  # (owner, start, numel)
-_M64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class _Emulator:
             group_size=group,
             stochastic=s.stochastic,
             seed=derive_seed(s.seed, src, STAGE_QUANTIZE),
-            offset=offset & _M64,
+            offset=offset & MASK64,
             hadamard=s.hadamard,
         )
 
@@ -127,7 +127,7 @@ class _Emulator:
             out_group=s.group_inter,
             stochastic=s.stochastic,
             seed=derive_seed(s.seed, mid, STAGE_REQUANTIZE),
-            offset=offset & _M64,
+            offset=offset & MASK64,
         )
 
     def slice_result(self, dest: int, y: int) -> torch.Tensor:
@@ -163,7 +163,7 @@ class _Emulator:
         out = []
         for rank, (quantize, requantize) in enumerate(self.counters):
             column = sum(self.padded[n * s.ranks_per_node + rank % s.ranks_per_node] for n in range(s.nodes))
-            out.append(((quantize + sum(self.padded)) & _M64, (requantize + (column if s.two_level else 0)) & _M64))
+            out.append(((quantize + sum(self.padded)) & MASK64, (requantize + (column if s.two_level else 0)) & MASK64))
         return out
 
 

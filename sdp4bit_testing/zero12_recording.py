@@ -23,14 +23,12 @@ import torch
 
 from deepspeed_sdp4bit import adapter
 from deepspeed_sdp4bit.codec import reference
-from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
+from deepspeed_sdp4bit.codec.spec import MASK64, codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.rounding import derive_seed
 from deepspeed_sdp4bit.config import parse_config
 from sdp4bit_testing.owner_emulation import Settings, emulate_owner_reduce, merged, piece_lengths
 from sdp4bit_testing.zero3_recording import STAGES, RunExpectations, difference, raw_bits, refresh_schedule
 from sdp4bit_testing.zero12_harness import flats
-
-_M64 = (1 << 64) - 1
 
 
 def record(engine: Any, step: int) -> dict[str, Any]:
@@ -273,7 +271,7 @@ def _counters_after(
     out = []
     for rank, (quantize, requantize) in enumerate(counters):
         column = sum(padded[n * s.ranks_per_node + rank % s.ranks_per_node] for n in range(s.nodes))
-        out.append(((quantize + sum(padded)) & _M64, (requantize + (column if two_level else 0)) & _M64))
+        out.append(((quantize + sum(padded)) & MASK64, (requantize + (column if two_level else 0)) & MASK64))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,6 +136,28 @@ def train_steps(engine: Any, first: int, last: int) -> list[float]:
             total += loss.item()
         losses.append(total / engine.gradient_accumulation_steps())
     return losses
+
+
+def train_with_burst(
+    engine: Any, value: float, snapshot: Callable[[Any], list[torch.Tensor]] | None = None
+) -> tuple[list[float], int | None]:
+    """Steps 0-4 on the fixed data where, at step 2, rank 1's loss is multiplied by `value` before its backward, so
+    the reduced gradients of every rank hold it (a non-finite `value`: the burst every rank's overflow check must
+    see). Returns the losses and, with `snapshot` (the tensors to watch), how many of their elements the burst's
+    step changed, bit for bit."""
+    rank = torch.distributed.get_rank()
+    losses, changed = [], None
+    for step in range(5):
+        ids = batch(step, rank, 0)
+        loss = engine(input_ids=ids, labels=ids).loss
+        loss = loss * value if step == 2 and rank == 1 else loss
+        losses.append(loss.item())
+        engine.backward(loss)
+        before = snapshot(engine) if snapshot is not None and step == 2 else None
+        engine.step()
+        if before is not None:
+            changed = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(before, snapshot(engine), strict=True))
+    return losses, changed
 
 
 def fetch(param: torch.nn.Parameter) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from deepspeed_sdp4bit.config import AUTO_START_STEP, SDP4BitConfigError, parse_config
 from deepspeed_sdp4bit.core import auto
 from sdp4bit_cost.shapes import gpt
-from sdp4bit_cost.traffic import Layout, Scheme
+from sdp4bit_cost.traffic import RankGrid, Scheme
 from sdp4bit_testing import zero3_harness as H
 from sdp4bit_testing import zero12_harness as H12
 from sdp4bit_testing.dist_harness import run_distributed
@@ -33,7 +33,7 @@ def _model(overlap: bool = False, candidates: tuple[bool, bool] = (True, True)) 
     """The cost model's view of a 2 x 2-rank fp32 job on a small GPT."""
     tensors = tuple(gpt(4, 256, 4, vocab=8192, positions=256).tensors())
     scheme = Scheme(persistence_threshold=1280, reduce_bucket=500_000)
-    return auto.JobModel(tensors, Layout(2, 2), scheme, 1, 4, 4, 0.0, overlap, "gloo", candidates)
+    return auto.JobModel(tensors, RankGrid(2, 2), scheme, 1, 4, 4, 0.0, overlap, "gloo", candidates)
 
 
 def _measured(inter_bytes_s: float, step_s: float = 0.5) -> auto.Measurements:

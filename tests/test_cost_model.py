@@ -12,7 +12,7 @@ import pytest
 
 from sdp4bit_benchmarks import cost_model
 from sdp4bit_cost import paper, plan, sensitivity, shapes, timing, traffic
-from sdp4bit_cost.traffic import Layout, Scheme
+from sdp4bit_cost.traffic import RankGrid, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 # two ranks per node, and one (where each rank accumulates two micro-batches per optimizer step); ZeRO-2 on two
@@ -58,7 +58,7 @@ def _sweep_step(run: dict) -> traffic.StepBytes:
     trained with; on ZeRO-2 the example's two param groups (matrices, vectors) are two flat buffers."""
     ds = json.loads((ROOT / "configs/cpu/tiny_sdp4bit.json").read_text())
     scheme = replace(plan._block_scheme(ds), **_variant(run))
-    dtype_bytes, layout = {"fp32": 4, "bf16": 2}[run["dtype"]], Layout(2, run["world"] // 2)
+    dtype_bytes, layout = {"fp32": 4, "bf16": 2}[run["dtype"]], RankGrid(2, run["world"] // 2)
     if scheme.stage == 2:
         groups = [0 if matrix else 1 for matrix in TINY.matrices()]
         step = traffic.zero12_step(TINY.tensors(), scheme, layout, dtype_bytes, groups=groups)
@@ -154,7 +154,7 @@ def test_without_the_paper_fp32_gradients_the_check_fails() -> None:
     fp32), the A100 speed-ups come out far below the reported ones."""
     original = paper.job
 
-    def bf16_gradients(row: paper.Row) -> tuple[timing.Job, Layout]:
+    def bf16_gradients(row: paper.Row) -> tuple[timing.Job, RankGrid]:
         run, layout = original(row)
         return replace(run, comm_bytes=2), layout
 
@@ -175,7 +175,7 @@ def test_overlap_hides_communication_up_to_the_compute() -> None:
     job = timing.Job(shapes.CARDS["1.3b"])
     rates = _rates(3200)
     work = job.workload(rates)
-    layout = Layout(4, 8)
+    layout = RankGrid(4, 8)
     fast = timing.deepspeed_step(work, layout, Scheme(), rates)
     serial = timing.deepspeed_step(replace(work, overlap=False), layout, Scheme(), rates)
     assert fast.step_s == pytest.approx(fast.compute_s, rel=1e-3)  # only the small persistent gather shows
@@ -188,7 +188,7 @@ def test_gradient_accumulation_repeats_zero3_communication_but_not_megatrons() -
     """ZeRO-3 gathers and reduces every micro-batch; the refresh and Megatron's collectives run once per step."""
     rates = _rates(100)
     one, four = (timing.Job(shapes.CARDS["1.3b"], grad_accum=m) for m in (1, 4))
-    layout = Layout(4, 8)
+    layout = RankGrid(4, 8)
     deepspeed = [timing.deepspeed_step(j.workload(rates), layout, Scheme(), rates) for j in (one, four)]
     assert deepspeed[1].cross_node_bytes == pytest.approx(4 * deepspeed[0].cross_node_bytes, rel=1e-3)
     megatron = [timing.megatron_seconds(j.workload(rates), layout, Scheme(), rates) for j in (one, four)]
@@ -201,7 +201,7 @@ def test_gradient_accumulation_repeats_zero3_communication_but_not_megatrons() -
 def test_comm_to_compute_ratio_does_not_depend_on_the_model_size() -> None:
     """Per node and micro-step ZeRO-3 moves ~6N bytes against 6N x tokens FLOPs: the exposed share of the step is
     about the same for every model on one cluster."""
-    rates, layout = _rates(100), Layout(16, 8)
+    rates, layout = _rates(100), RankGrid(16, 8)
     shares = []
     for name in ("1.3b", "6.7b", "18b"):
         work = timing.Job(shapes.CARDS[name], overlap=False).workload(rates)
@@ -215,7 +215,7 @@ def test_links_moved_by_the_same_cores_add_their_times() -> None:
     longer of the two."""
     rates = _rates(10)
     transfer = traffic.Transfer("param_gather", "forward", 1e6, cross=4e6, intra=3e6)
-    layout = Layout(2, 2)
+    layout = RankGrid(2, 2)
     inter, intra = 4e6 / 2 / rates.inter_bytes_s, 3e6 / rates.intra_bytes_s
     assert timing.phase_comm([transfer], layout, 1, rates) == pytest.approx(max(inter, intra))
     shared = replace(rates, shared_links=True)
@@ -323,7 +323,7 @@ def test_zero12_round_robin_halves_the_busiest_nodes_load_by_hand() -> None:
     also drops from 160 to 128 elements)."""
     scheme = replace(SMALL_TLQ, reduce_bucket=110)
     rows = [
-        [(t.wire, t.cross, t.peak_cross) for t in traffic.zero12_step(SIX, s, Layout(2, 1), 2).transfers[:2]]
+        [(t.wire, t.cross, t.peak_cross) for t in traffic.zero12_step(SIX, s, RankGrid(2, 1), 2).transfers[:2]]
         for s in (scheme, replace(scheme, round_robin=True))
     ]
     assert rows == [[(100, 100, 80), (80, 80, 80)], [(80, 80, 40), (80, 80, 40)]]
@@ -364,7 +364,7 @@ def test_zero12_tlq_two_level_bytes_by_hand() -> None:
     """2 nodes x 2 ranks: grad_intra sends every piece at 8 bits, grad_inter the pieces of the rank's column (ranks 0
     and 2, or 1 and 3) at 4 bits; each rank receives its column's pieces from its one node peer; cross-node bytes
     are (N - 1) x all pieces; a bucket's busiest node sends or receives more than the mean."""
-    layout = Layout(2, 2)
+    layout = RankGrid(2, 2)
     expected = {
         0: [
             ("grad_intra", 72, 0, 36, None, 36),
@@ -392,31 +392,31 @@ def test_zero12_tlq_two_level_bytes_by_hand() -> None:
 def test_zero12_tlq_on_one_node_and_one_rank_per_node() -> None:
     """One node: grad_intra only, each rank receiving its own pieces from 3 peers (an owner of nothing receives
     nothing). One rank per node: grad_inter only, all pieces at 4 bits, each rank sending all but its own."""
-    one_node = [_rows(traffic.zero12_step(SMALL, SMALL_TLQ, Layout(1, 4), 2, rank=r)) for r in (0, 3)]
+    one_node = [_rows(traffic.zero12_step(SMALL, SMALL_TLQ, RankGrid(1, 4), 2, rank=r)) for r in (0, 3)]
     assert one_node[0][:2] == [("grad_intra", 72, 0, 0, None, 108), ("grad_intra", 180, 0, 216, None, 216)]
     assert one_node[1][:2] == [("grad_intra", 72, 0, 108, None, 108), ("grad_intra", 180, 0, 0, None, 216)]
-    per_node = _rows(traffic.zero12_step(SMALL, SMALL_TLQ, Layout(4, 1), 2, rank=0))
+    per_node = _rows(traffic.zero12_step(SMALL, SMALL_TLQ, RankGrid(4, 1), 2, rank=0))
     assert per_node[:2] == [("grad_inter", 40, 120, 0, 60, None), ("grad_inter", 100, 300, 0, 120, None)]
 
 
 def test_zero12_plain_all_reduce_and_all_gather_by_hand() -> None:
     """Plain ZeRO-2 on 2 x 2 ranks: a ring all-reduce of the 138 gradients (twice a reduce-scatter's cross-node
     bytes), the 16-bit all-gather of the padded partitions of 36."""
-    step = traffic.zero12_step(SMALL, Scheme(stage=2), Layout(2, 2), 2)
+    step = traffic.zero12_step(SMALL, Scheme(stage=2), RankGrid(2, 2), 2)
     assert _rows(step) == [
         ("grad_all_reduce", 276, 2 * 2 * 3 / 4 * 276, 2 * 3 * 276 / 4, None, None),
         ("param_gather", 72, 2 * 3 * 72, 3 * 72, None, None),
     ]
     assert step.grad_cross == 828 and step.grad_cross_as_reduce_scatter == 414
-    tlq = traffic.zero12_step(SMALL, SMALL_TLQ, Layout(2, 2), 2)
+    tlq = traffic.zero12_step(SMALL, SMALL_TLQ, RankGrid(2, 2), 2)
     assert tlq.grad_cross == tlq.grad_cross_as_reduce_scatter == 140
 
 
 def test_zero12_stage1_reduces_once_per_step_and_stage2_per_micro_batch() -> None:
     """With 4 micro-batches per step stage 2 sends 4 x the gradient bytes of stage 1; the weights once in both."""
     for scheme in (Scheme(), SMALL_TLQ):
-        stage2 = traffic.zero12_step(SMALL, replace(scheme, stage=2), Layout(2, 2), 2).per_optimizer_step(4)
-        stage1 = traffic.zero12_step(SMALL, replace(scheme, stage=1), Layout(2, 2), 2).per_optimizer_step(4)
+        stage2 = traffic.zero12_step(SMALL, replace(scheme, stage=2), RankGrid(2, 2), 2).per_optimizer_step(4)
+        stage1 = traffic.zero12_step(SMALL, replace(scheme, stage=1), RankGrid(2, 2), 2).per_optimizer_step(4)
         assert stage2.grad_cross == 4 * stage1.grad_cross > 0
         grads = [k for k in stage1.wire if k.startswith("grad_")]
         assert all(stage2.wire[k] == 4 * stage1.wire[k] for k in grads)
@@ -432,9 +432,9 @@ def test_zero12_weight_refresh_is_below_the_all_gather_by_the_code_ratio() -> No
     ratio = 16 / (4 + 32 / 2048)
     tensors = [8 * 3 * 8192]  # partitions of 3 refresh units of 8192 elements on 8 ranks
     qwd = Scheme(quantized_weights=True, stage=1, refresh_bucket=8 * 8192)
-    one_node = [traffic.zero12_step(tensors, s, Layout(1, 8), 2) for s in (Scheme(stage=1), qwd)]
+    one_node = [traffic.zero12_step(tensors, s, RankGrid(1, 8), 2) for s in (Scheme(stage=1), qwd)]
     assert one_node[0].transfers[-1].intra / one_node[1].transfers[-1].intra == pytest.approx(ratio, rel=1e-12)
-    layout = Layout(4, 2)
+    layout = RankGrid(4, 2)
     qwd = replace(qwd, refresh_bucket=layout.world * 8192)
     base, ours = (traffic.zero12_step(tensors, s, layout, 2) for s in (Scheme(stage=1), qwd))
     assert base.cross["param_gather"] / ours.cross["weight_refresh"] == pytest.approx(7 / (2 * 3) * ratio, rel=1e-12)
@@ -446,7 +446,7 @@ def test_zero12_refresh_units_each_carry_their_scales() -> None:
     of 8 (5 bytes of codes + 2 scales, then 1 byte + 1 scale)."""
     scheme = Scheme(quantized_weights=True, weight_group=8, refresh_bucket=40, stage=2)
     assert traffic.refresh_codes(42, scheme, 4) == 4 * (5 + 8) + (1 + 4)
-    step = traffic.zero12_step([161], scheme, Layout(2, 2), 2)
+    step = traffic.zero12_step([161], scheme, RankGrid(2, 2), 2)
     assert [(t.kind, t.wire, t.cross, t.intra) for t in step.transfers][1:] == [
         ("weight_refresh", 57, 2 * 2 * 1 * 57, 0),
         ("weight_refresh", 2 * 57, 0, 2 * 57),
@@ -461,7 +461,7 @@ def test_scheme_stage_is_validated() -> None:
     with pytest.raises(ValueError, match=r"ZeRO\+\+ with ZeRO stage 2"):
         Scheme(zeropp=True, stage=2)
     with pytest.raises(ValueError, match="allowed: 1, 2"):
-        traffic.zero12_step(SMALL, Scheme(), Layout(2, 2), 2)
+        traffic.zero12_step(SMALL, Scheme(), RankGrid(2, 2), 2)
     with pytest.raises(ValueError, match=r"round_robin \(zero_optimization.round_robin_gradients\) with ZeRO stage 3"):
         Scheme(round_robin=True)
 
@@ -469,7 +469,7 @@ def test_scheme_stage_is_validated() -> None:
 def test_zero12_timing_stage1_reduces_in_the_last_backward_only() -> None:
     """Without overlap, stage 2 spends (m - 1) gradient reductions more than stage 1 over m micro-batches; with it,
     stage 1's reduction hides behind the last backward up to its length."""
-    rates, layout = _rates(100), Layout(4, 8)
+    rates, layout = _rates(100), RankGrid(4, 8)
     work = timing.Job(shapes.CARDS["1.3b"], grad_accum=4, overlap=False).workload(rates)
     stage1, stage2 = (timing.deepspeed_step(work, layout, Scheme(stage=s), rates) for s in (1, 2))
     reduce = traffic.zero12_step(work.tensors, Scheme(stage=2), layout, 2).transfers[0]
@@ -482,7 +482,7 @@ def test_zero12_timing_stage1_reduces_in_the_last_backward_only() -> None:
 
 def test_an_uneven_exchange_takes_the_busiest_nodes_time() -> None:
     """A transfer with peaks is timed by the busiest node's and GPU's bytes, not the mean."""
-    rates, layout = _rates(10), Layout(4, 2)
+    rates, layout = _rates(10), RankGrid(4, 2)
     even = traffic.Transfer("grad_inter", "backward", 1e6, cross=4e6, intra=1e6)
     uneven = replace(even, peak_cross=3e6, peak_intra=2e6)
     assert timing.phase_comm([even], layout, 1, rates) == pytest.approx(1e6 / rates.inter_bytes_s)
@@ -514,7 +514,7 @@ def test_zero12_param_groups_each_have_their_flat_buffer_by_hand() -> None:
     assert traffic.group_layouts(tensors, 2, groups=groups) == ([0, 0, 100, 4], [100, 4])
     assert traffic.zero12_owned(tensors, 1000, 2, groups=groups) == [[104, 104]]
     assert traffic.zero12_owned(tensors, 1000, 2) == [[104, 104]]  # one buffer of 208: partitions of 104
-    one, two = (traffic.zero12_step(tensors, Scheme(stage=2), Layout(2, 1), 2, groups=g) for g in (None, groups))
+    one, two = (traffic.zero12_step(tensors, Scheme(stage=2), RankGrid(2, 1), 2, groups=g) for g in (None, groups))
     assert [t.wire for t in one.transfers if t.kind == "param_gather"] == [104 * 2]
     assert [t.wire for t in two.transfers if t.kind == "param_gather"] == [(100 + 4) * 2]
 

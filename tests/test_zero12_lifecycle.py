@@ -158,22 +158,10 @@ def _destroyed() -> dict[str, Any]:
 def _burst(stage: int, dtype: torch.dtype, value: float) -> dict[str, Any]:
     """Plain ZeRO-1/2 and SDP4Bit, 5 steps each; at step 2 rank 1's loss is multiplied by `value` before its backward,
     so the reduced gradients of every rank hold it."""
-    rank, result = torch.distributed.get_rank(), {}
+    result: dict[str, Any] = {}
     for name, block in (("plain", None), ("sdp4bit", BLOCK)):
         engine = H.make_engine(H12.ds_config(stage, dtype, sdp4bit=block))
-        losses, changed = [], None
-        for step in range(5):
-            ids = H.batch(step, rank, 0)
-            loss = engine(input_ids=ids, labels=ids).loss
-            loss = loss * value if step == 2 and rank == 1 else loss
-            losses.append(loss.item())
-            engine.backward(loss)
-            before = H12.flats(engine) if step == 2 else None
-            engine.step()
-            if before is not None:
-                changed = sum(
-                    int((H.bits(a) != H.bits(b)).sum()) for a, b in zip(before, H12.flats(engine), strict=True)
-                )
+        losses, changed = H.train_with_burst(engine, value, H12.flats)
         result[name] = {
             "losses": losses,
             "skipped": engine.skipped_steps,

@@ -231,7 +231,7 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
     """sdp4bit_cost's ZeRO-1/2 byte count of this run (its layout, buckets and block, per rank) equals what each
     rank's runtime counted, per kind: the buckets follow the hooks' order, which for this model is the reverse of
     its parameters' order, and the refresh sends one run per rank and bucket."""
-    from sdp4bit_cost.traffic import Layout, Scheme, zero12_step
+    from sdp4bit_cost.traffic import RankGrid, Scheme, zero12_step
 
     stage, accum = CASES[2][name].stage, CASES[2][name].accum
     for rank, result in enumerate(r[name] for r in _results(2)):
@@ -251,7 +251,7 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
             stage=stage,
             refresh_bucket=block.refresh_bucket_size,
         )
-        step = zero12_step(tensors, scheme, Layout(2, 2), 4, rank=rank).per_optimizer_step(accum)
+        step = zero12_step(tensors, scheme, RankGrid(2, 2), 4, rank=rank).per_optimizer_step(accum)
         model = {
             kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS
             for kind in ("grad_intra", "grad_inter", "weight_refresh")

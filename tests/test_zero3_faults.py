@@ -92,22 +92,12 @@ def _replicas(engine: Any) -> list[torch.Tensor]:
 def _burst(value: float) -> dict[str, Any]:
     """Plain ZeRO-3 and SDP4Bit (the paper's setting), fp32, 5 steps each; at step 2 rank 1's loss is multiplied by
     `value` before its backward, so the reduced gradients of every rank hold it."""
-    rank, result = torch.distributed.get_rank(), {}
+    result: dict[str, Any] = {}
     for name, block in (("baseline", None), ("sdp4bit", H.PAPER)):
         engine = H.make_engine(H.ds_config(torch.float32, sdp4bit=block))
-        losses = []
-        for step in range(5):
-            ids = H.batch(step, rank, 0)
-            loss = engine(input_ids=ids, labels=ids).loss
-            loss = loss * value if step == 2 and rank == 1 else loss
-            losses.append(loss.item())
-            engine.backward(loss)
-            before = _replicas(engine) if block is not None and step == 2 else None
-            engine.step()
-            if before is not None:
-                result["replica_elements_changed"] = sum(
-                    int((a != b).sum()) for a, b in zip(before, _replicas(engine), strict=True)
-                )
+        losses, changed = H.train_with_burst(engine, value, _replicas if block is not None else None)
+        if block is not None:
+            result["replica_elements_changed"] = changed
         result[name] = {"losses": losses, "skipped": engine.skipped_steps}
         if block is not None:
             result["checksum_mismatches"] = engine.sdp4bit.store.checksum().mismatches

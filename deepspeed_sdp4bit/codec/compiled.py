@@ -12,6 +12,7 @@ import torch
 from .spec import (
     FLOAT_DTYPES,
     HADAMARD_BLOCK,
+    MASK64,
     CodecOp,
     Codes,
     check_codes,
@@ -26,13 +27,11 @@ from .spec import (
     seed_key,
 )
 
-_I64 = 1 << 63
-
 
 def _signed64(value: int) -> int:
     """A uint64 as the int64 with the same bits (pybind passes int64_t)."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= _I64 else value
+    value &= MASK64
+    return value - (MASK64 + 1) if value > MASK64 >> 1 else value
 
 
 def _outputs(x: torch.Tensor, numel: int, bits: int, group_size: int, out: Codes | None) -> Codes:

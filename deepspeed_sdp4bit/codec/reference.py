@@ -12,6 +12,7 @@ import torch
 from .spec import (
     FLOAT_DTYPES,
     HADAMARD_BLOCK,
+    MASK32,
     Codes,
     check_codes,
     check_group_args,
@@ -27,7 +28,6 @@ from .spec import (
     split_counter,
 )
 
-_M32 = 0xFFFFFFFF
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
 
@@ -38,8 +38,8 @@ def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cp
     lo0, hi0 = split_counter(offset)
     lo = counters + lo0
     hi = (lo >> 32) + hi0
-    lo = lo & _M32
-    hi = hi & _M32
+    lo = lo & MASK32
+    hi = hi & MASK32
     inner = mix32(hi ^ key)
     h = mix32(lo ^ inner)
     return (h >> 8).to(torch.float32) * (2.0**-24)

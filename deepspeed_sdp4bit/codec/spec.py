@@ -17,8 +17,8 @@ MAX_GROUP = 8192
 BITS = (4, 8)
 FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 Codes = tuple[torch.Tensor, torch.Tensor]  # (uint8 packed codes, fp32 scales)
-_M32 = 0xFFFFFFFF
-_M64 = (1 << 64) - 1
+MASK32 = 0xFFFFFFFF  # the 32- and 64-bit wrap-around of the counter-based hash and of the rounding counters
+MASK64 = (1 << 64) - 1
 
 
 def qmax_for(bits: int) -> int:
@@ -38,12 +38,23 @@ def codes_nbytes(numel: int, bits: int) -> int:
     return numel if bits == 8 else (numel + 1) // 2
 
 
-def check_group_size(group_size: int) -> None:
+def valid_group_size(group_size: object) -> bool:
     """Group sizes are multiples of 32 from 32 to 8192, so Hadamard blocks and nibble pairs never straddle groups."""
-    if not isinstance(group_size, int) or group_size % MIN_GROUP or not MIN_GROUP <= group_size <= MAX_GROUP:
+    return isinstance(group_size, int) and not group_size % MIN_GROUP and MIN_GROUP <= group_size <= MAX_GROUP
+
+
+def check_group_size(group_size: int) -> None:
+    """A ValueError unless `group_size` is valid (`valid_group_size`)."""
+    if not valid_group_size(group_size):
         raise ValueError(
             f"group_size must be a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}], got {group_size}"
         )
+
+
+def check_quantizer(bits: int, group_size: int) -> None:
+    """A ValueError unless `bits` is 4 or 8 and `group_size` is valid: the settings every quantizing call takes."""
+    qmax_for(bits)
+    check_group_size(group_size)
 
 
 def check_group_args(x: torch.Tensor, bits: int, group_size: int, valid: int | None, hadamard: bool) -> None:
@@ -52,8 +63,7 @@ def check_group_args(x: torch.Tensor, bits: int, group_size: int, valid: int | N
         raise TypeError(f"input dtype {x.dtype} is not one of float32, bfloat16, float16")
     if not x.is_contiguous():
         raise ValueError("input must be contiguous")
-    qmax_for(bits)
-    check_group_size(group_size)
+    check_quantizer(bits, group_size)
     if valid is not None and not 0 <= valid <= x.numel():
         raise ValueError(f"valid must be in [0, {x.numel()}], got {valid}")
     if hadamard and x.numel() % HADAMARD_BLOCK:
@@ -92,8 +102,7 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int
         raise TypeError(f"codes must be uint8 and scales float32, got {codes.dtype} and {scales.dtype}")
     if not (codes.is_contiguous() and scales.is_contiguous()):
         raise ValueError("codes and scales must be contiguous")
-    qmax_for(bits)
-    check_group_size(group_size)
+    check_quantizer(bits, group_size)
     if codes.numel() != codes_nbytes(numel, bits) or scales.numel() != num_groups(numel, group_size):
         raise ValueError(
             f"{codes.numel()} code bytes / {scales.numel()} scales do not fit {numel} elements at "
@@ -125,8 +134,7 @@ def check_out_values(
 
 def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> int:
     """Elements per piece of a buffer holding `pieces` equal pieces, each a whole number of groups."""
-    qmax_for(bits)
-    check_group_size(group_size)
+    check_quantizer(bits, group_size)
     numel = codes.numel() * 8 // bits
     if pieces < 1 or numel % pieces or (numel // pieces) % group_size:
         raise ValueError(f"{numel} elements do not split into {pieces} pieces of whole {group_size}-groups")
@@ -136,19 +144,19 @@ def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: i
 
 def mix32_int(x: int) -> int:
     """Wellons' lowbias32 hash on a Python int (the scalar twin of mix32)."""
-    x &= _M32
+    x &= MASK32
     x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * 0x7FEB352D) & MASK32
     x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
+    x = (x * 0x846CA68B) & MASK32
     return x ^ (x >> 16)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2^32 for uint32 values held in int64, without overflowing int64."""
-    lo = (x * (c & 0xFFFF)) & _M32
+    lo = (x * (c & 0xFFFF)) & MASK32
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
+    return (lo + hi) & MASK32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -162,14 +170,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def seed_key(seed: int) -> int:
     """The 32-bit per-call key that stochastic rounding derives from a 64-bit seed."""
-    seed &= _M64
-    return mix32_int(mix32_int((seed & _M32) ^ 0x9E3779B9) ^ (seed >> 32))
+    seed &= MASK64
+    return mix32_int(mix32_int((seed & MASK32) ^ 0x9E3779B9) ^ (seed >> 32))
 
 
 def split_counter(offset: int) -> tuple[int, int]:
     """A 64-bit counter offset as (low 32 bits, high 32 bits)."""
-    offset &= _M64
-    return offset & _M32, offset >> 32
+    offset &= MASK64
+    return offset & MASK32, offset >> 32
 
 
 @runtime_checkable

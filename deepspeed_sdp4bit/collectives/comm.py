@@ -102,3 +102,17 @@ def all_reduce(
 ) -> None:
     """A small all-reduce for checks (not part of any kind's bytes)."""
     ds_comm.all_reduce(tensor, op=op, group=group, log_name=log_name)
+
+
+def max_over_ranks(
+    values: Sequence[int],
+    group: ProcessGroup | None,
+    log_name: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.int32,
+) -> list[int]:
+    """The elementwise maximum over `group`'s ranks of a few integers (flags, status codes): the one small all-reduce
+    by which every rank reaches the same answer before acting on it."""
+    tensor = torch.tensor(list(values), dtype=dtype, device=device)
+    all_reduce(tensor, group, ds_comm.ReduceOp.MAX, log_name)
+    return [int(v) for v in tensor.tolist()]

@@ -28,7 +28,6 @@ its own worker threads, so the same issue order overlaps there too.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,17 +36,14 @@ import torch.distributed as dist
 
 from .. import codec
 from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK
-from ..topology import Topology
-from .accounting import CommStats
 from .levels import Exchange as _Exchange
-from .levels import Level, check_level, check_pipeline
+from .levels import Level, TwoLevelReducer
 from .levels import codes_slice as _slice
-from .rounding import TwoLevelRounding
 from .sharding import shard_numel, valid_numel
 
 
 @dataclass(frozen=True)
-class Layout:
+class ChunkLayout:
     """Where each tensor's partitions live in the rank-major buffer of `world` parts of `part` elements."""
 
     world: int
@@ -78,7 +74,7 @@ class Layout:
         return valid_numel(self.numels[index], self.world, rank)
 
 
-def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> Layout:
+def chunk_layout(numels: Sequence[int], world: int, group: int, slices: int) -> ChunkLayout:
     """Chunk sizes ceil(n/W), their offsets in a rank's part, and the part padded up to whole `group` x `slices`
     units (`group`: a multiple of 32 and of both levels' group sizes).
 
@@ -91,7 +87,7 @@ def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> L
     offsets = tuple(lead + sum(chunks[:i]) for i in range(len(chunks)))
     unit = group * slices
     part = max(1, -(-(lead + used) // unit)) * unit
-    return Layout(
+    return ChunkLayout(
         world=world,
         numels=tuple(numels),
         chunks=chunks,
@@ -103,7 +99,7 @@ def plan_layout(numels: Sequence[int], world: int, group: int, slices: int) -> L
     )
 
 
-def rank_major(tensors: Sequence[torch.Tensor], layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+def rank_major(tensors: Sequence[torch.Tensor], layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
     """The flat buffer [rank][part] holding every tensor's rank chunks, zero elsewhere (views are read as-is)."""
     buf = torch.zeros(layout.world, layout.part, dtype=dtype, device=tensors[0].device)
     for tensor, chunk, offset in zip(tensors, layout.chunks, layout.offsets, strict=True):
@@ -118,7 +114,7 @@ def rank_major(tensors: Sequence[torch.Tensor], layout: Layout, dtype: torch.dty
     return buf.view(-1)
 
 
-def partitions(part: torch.Tensor, layout: Layout, rank: int) -> list[torch.Tensor]:
+def partitions(part: torch.Tensor, layout: ChunkLayout, rank: int) -> list[torch.Tensor]:
     """Views of this rank's reduced part, one per tensor, trimmed to its real partition length."""
     return [part.narrow(0, offset, layout.length(i, rank)) for i, offset in enumerate(layout.offsets)]
 
@@ -154,33 +150,8 @@ def _check_group(group: object, world: int) -> None:
         )
 
 
-class TLqReducer(TwoLevelRounding):
+class TLqReducer(TwoLevelReducer):
     """Quantized mean reduce-scatter over the world group on `topo`'s nodes, with exact-resume rounding streams."""
-
-    def __init__(
-        self,
-        topo: Topology,
-        *,
-        bits_intra: int,
-        group_intra: int,
-        bits_inter: int,
-        group_inter: int,
-        hadamard: bool,
-        pipeline: int,
-        stochastic: bool,
-        seed: int,
-        stats: CommStats,
-    ) -> None:
-        """Validate the settings and derive the padding unit and the two rounding streams."""
-        self.topo = topo
-        self.intra = check_level("TLqReducer", "intra", bits_intra, group_intra)
-        self.inter = check_level("TLqReducer", "inter", bits_inter, group_inter)
-        self.hadamard = bool(hadamard)
-        self.pipeline = check_pipeline("TLqReducer", pipeline)
-        self.stochastic = bool(stochastic)
-        self.stats = stats
-        self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
-        TwoLevelRounding.__init__(self, seed, topo.rank)
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
@@ -192,11 +163,11 @@ class TLqReducer(TwoLevelRounding):
         dtype = _check_tensors(tensors)
         if self.topo.world == 1:
             return [t.reshape(-1).clone() for t in tensors]
-        layout = plan_layout([t.numel() for t in tensors], self.topo.world, self.group, self.pipeline)
+        layout = chunk_layout([t.numel() for t in tensors], self.topo.world, self.group, self.pipeline)
         part = self._reduce(rank_major(tensors, layout, dtype), layout, dtype)
         return partitions(part, layout, self.topo.rank)
 
-    def _reduce(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
         """This rank's reduced part (layout.part elements) of the rank-major buffer `flat`."""
         topo = self.topo
         if topo.nodes > 1 and topo.ranks_per_node > 1:
@@ -210,12 +181,12 @@ class TLqReducer(TwoLevelRounding):
             slices = self._one_level(flat, layout, dtype, self.inter, topo.inter, "grad_inter")
         return slices[0] if len(slices) == 1 else torch.cat(slices)
 
-    def _account(self, layout: Layout, elem_size: int, *exchanges: tuple[str, int]) -> None:
+    def _account(self, layout: ChunkLayout, elem_size: int, *exchanges: tuple[str, int]) -> None:
         """Logical bytes: each exchange unquantized, `dests` partitions of the real (unpadded) chunks."""
         for kind, dests in exchanges:
             self.stats.add_logical(kind, dests * layout.used * elem_size)
 
-    def _quantize(self, flat: torch.Tensor, level: Level, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, flat: torch.Tensor, level: Level, layout: ChunkLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 1: the whole buffer, swizzled so each slice's exchange sends every peer one contiguous run."""
         seed, offset = self.quant_stream.take(flat.numel())
         return codec.swizzle_quantize(
@@ -230,22 +201,6 @@ class TLqReducer(TwoLevelRounding):
             offset=offset,
             valid=layout.valid,
             hadamard=self.hadamard,
-        )
-
-    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 3: sum the D intra-node pieces in fp32 and quantize the `numel`-element sum at the inter level."""
-        seed, offset = self.requant_stream.take(numel)
-        return codec.dequantize_reduce_quantize(
-            codes,
-            scales,
-            pieces=self.topo.ranks_per_node,
-            in_bits=self.intra.bits,
-            in_group=self.intra.group,
-            out_bits=self.inter.bits,
-            out_group=self.inter.group,
-            stochastic=self.stochastic,
-            seed=seed,
-            offset=offset,
         )
 
     def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype, valid: int) -> torch.Tensor:
@@ -265,7 +220,13 @@ class TLqReducer(TwoLevelRounding):
         )
 
     def _one_level(
-        self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype, level: Level, group: dist.ProcessGroup, kind: str
+        self,
+        flat: torch.Tensor,
+        layout: ChunkLayout,
+        dtype: torch.dtype,
+        level: Level,
+        group: dist.ProcessGroup,
+        kind: str,
     ) -> list[torch.Tensor]:
         """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""
         codes, scales = self._quantize(flat, level, layout)
@@ -282,7 +243,7 @@ class TLqReducer(TwoLevelRounding):
             pending = following
         return out
 
-    def _two_level(self, flat: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _two_level(self, flat: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
         """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
         codes, scales = self._quantize(flat, self.intra, layout)
         run = layout.world * layout.slice_len

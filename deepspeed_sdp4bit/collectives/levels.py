@@ -8,15 +8,19 @@ follow from its element count alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..codec.spec import check_group_size, codes_nbytes, num_groups, qmax_for
+from .. import codec
+from ..codec.spec import HADAMARD_BLOCK, check_quantizer, codes_nbytes, num_groups
+from ..topology import Topology
 from . import comm
 from .accounting import CommStats
+from .rounding import TwoLevelRounding
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,7 @@ def check_level(owner: str, name: str, bits: int, group: int) -> Level:
     """Validate one level's constructor arguments (`bits_<name>`, `group_<name>` of `owner`), naming them in the
     error."""
     try:
-        qmax_for(bits)
-        check_group_size(group)
+        check_quantizer(bits, group)
     except ValueError as exc:
         raise ValueError(f"{owner}: bits_{name} = {bits}, group_{name} = {group}: {exc}") from None
     return Level(bits, group)
@@ -43,6 +46,57 @@ def check_pipeline(owner: str, pipeline: object) -> int:
     if type(pipeline) is not int or pipeline < 1:
         raise ValueError(f"{owner}: pipeline must be an integer >= 1, got {pipeline!r}")
     return pipeline
+
+
+class TwoLevelReducer(TwoLevelRounding):
+    """The settings both two-level gradient reducers (`TLqReducer`, `OwnerReducer`) take, validated with errors naming
+    the reducer: the node layout, each level's bits and group size, Hadamard, the all-to-all pipeline depth, the
+    rounding mode with its two counters, and the byte counters. `group` is the padding unit of one pipeline slice:
+    whole groups of both levels and whole Hadamard blocks."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        bits_intra: int,
+        group_intra: int,
+        bits_inter: int,
+        group_inter: int,
+        hadamard: bool,
+        pipeline: int,
+        stochastic: bool,
+        seed: int,
+        stats: CommStats,
+    ) -> None:
+        name = type(self).__name__
+        self.topo = topo
+        self.intra = check_level(name, "intra", bits_intra, group_intra)
+        self.inter = check_level(name, "inter", bits_inter, group_inter)
+        self.hadamard = bool(hadamard)
+        self.pipeline = check_pipeline(name, pipeline)
+        self.stochastic = bool(stochastic)
+        self.stats = stats
+        self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
+        TwoLevelRounding.__init__(self, seed, topo.rank)
+
+    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """TLq's step 3: sum the D intra-node pieces of `numel` elements in fp32 and quantize the sum at the inter
+        level (nothing arrived when `numel` is 0: the empty codes and scales pass through)."""
+        seed, offset = self.requant_stream.take(numel)
+        if not numel:
+            return codes, scales
+        return codec.dequantize_reduce_quantize(
+            codes,
+            scales,
+            pieces=self.topo.ranks_per_node,
+            in_bits=self.intra.bits,
+            in_group=self.intra.group,
+            out_bits=self.inter.bits,
+            out_group=self.inter.group,
+            stochastic=self.stochastic,
+            seed=seed,
+            offset=offset,
+        )
 
 
 def codes_slice(
@@ -96,27 +150,12 @@ class Exchange:
             self.scales = scales.new_empty(sum(scale_splits[0]))
         self._works = [
             comm.all_to_all_single(
-                self.codes,
-                codes,
-                group,
-                stats,
-                kind,
-                "codes",
-                async_op=True,
-                output_split_sizes=code_splits[0],
-                input_split_sizes=code_splits[1],
-            ),
-            comm.all_to_all_single(
-                self.scales,
-                scales,
-                group,
-                stats,
-                kind,
-                "scales",
-                async_op=True,
-                output_split_sizes=scale_splits[0],
-                input_split_sizes=scale_splits[1],
-            ),
+                received, sent, group, stats, kind, part, True, output_split_sizes=recv, input_split_sizes=send
+            )
+            for received, sent, part, (recv, send) in (
+                (self.codes, codes, "codes", code_splits),
+                (self.scales, scales, "scales", scale_splits),
+            )
         ]
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,21 +35,17 @@ index's pieces), so when that number is zero every member knows it and all of th
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from deepspeed.comm import ReduceOp
 
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK
+from ..codec.spec import FLOAT_DTYPES
 from ..topology import Topology
 from . import comm
-from .accounting import CommStats
-from .levels import Exchange, Level, Splits, check_level, check_pipeline, codes_slice
-from .rounding import TwoLevelRounding
+from .levels import Exchange, Level, Splits, TwoLevelReducer, codes_slice
 
 _SHOWN_RUNS = 8  # runs listed in a layout summary
 
@@ -147,7 +143,7 @@ def merge_runs(runs: Sequence[Run]) -> tuple[Run, ...]:
     return tuple(merged)
 
 
-def plan_bucket(numel: int, runs: Sequence[Run], topo: Topology, unit: int, slices: int) -> BucketLayout:
+def bucket_layout(numel: int, runs: Sequence[Run], topo: Topology, unit: int, slices: int) -> BucketLayout:
     """Check and merge the runs, then size every rank's piece: its owned elements padded to whole `unit`s."""
     runs = tuple(runs)
     _check_runs(runs, numel, topo.world)
@@ -227,34 +223,14 @@ class _Idle:
         return self.codes, self.scales
 
 
-class OwnerReducer(TwoLevelRounding):
+class OwnerReducer(TwoLevelReducer):
     """Quantized sum of a ZeRO-1/2 gradient bucket onto the owners of its runs, over the world group on `topo`'s
     nodes, with exact-resume rounding streams."""
 
-    def __init__(
-        self,
-        topo: Topology,
-        *,
-        bits_intra: int,
-        group_intra: int,
-        bits_inter: int,
-        group_inter: int,
-        hadamard: bool,
-        pipeline: int,
-        stochastic: bool,
-        seed: int,
-        stats: CommStats,
-    ) -> None:
-        """Validate the settings and derive the padding unit and the two rounding streams."""
-        self.topo = topo
-        self.intra = check_level("OwnerReducer", "intra", bits_intra, group_intra)
-        self.inter = check_level("OwnerReducer", "inter", bits_inter, group_inter)
-        self.hadamard = bool(hadamard)
-        self.pipeline = check_pipeline("OwnerReducer", pipeline)
-        self.stochastic = bool(stochastic)
-        self.stats = stats
-        self.unit = math.lcm(group_intra, group_inter, HADAMARD_BLOCK) * self.pipeline
-        TwoLevelRounding.__init__(self, seed, topo.rank)
+    @property
+    def unit(self) -> int:
+        """Every owner's piece is padded to a multiple of this: whole groups and Hadamard blocks in each slice."""
+        return self.group * self.pipeline
 
     def reduce(
         self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
@@ -264,7 +240,7 @@ class OwnerReducer(TwoLevelRounding):
         but the layout check. Logical bytes are counted at `logical_element_size` bytes per element (default: the
         bucket's dtype), the dtype the unquantized exchange would send (DeepSpeed's communication_data_type)."""
         dtype = _check_bucket(bucket)
-        layout = plan_bucket(bucket.numel(), runs, self.topo, self.unit, self.pipeline)
+        layout = bucket_layout(bucket.numel(), runs, self.topo, self.unit, self.pipeline)
         rank = self.topo.rank
         if self.topo.world == 1:
             owned = [bucket.narrow(0, run.start, run.numel) for run in layout.owned(rank)]
@@ -282,9 +258,9 @@ class OwnerReducer(TwoLevelRounding):
         would wait forever: one all-reduce (MAX) of (fingerprint, -fingerprint) gives its maximum and minimum."""
         fingerprint = layout.fingerprint(dtype)
         device = torch.device("cpu") if self.topo.flags is not None else device
-        extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-        comm.all_reduce(extremes, self.topo.flags, ReduceOp.MAX, "sdp4bit_owner_layout")
-        highest, negated_lowest = extremes.tolist()
+        highest, negated_lowest = comm.max_over_ranks(
+            [fingerprint, -fingerprint], self.topo.flags, "sdp4bit_owner_layout", device, torch.int64
+        )
         if highest != -negated_lowest:
             raise RuntimeError(
                 f"OwnerReducer.reduce: the ranks passed different bucket layouts (the exchanges "
@@ -322,25 +298,6 @@ class OwnerReducer(TwoLevelRounding):
             seed=seed,
             offset=offset,
             hadamard=self.hadamard,
-        )
-
-    def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the D intra-node runs of `numel` elements in fp32 and quantize the sum at the inter level (nothing
-        arrived when `numel` is 0: the empty codes and scales pass through)."""
-        seed, offset = self.requant_stream.take(numel)
-        if not numel:
-            return codes, scales
-        return codec.dequantize_reduce_quantize(
-            codes,
-            scales,
-            pieces=self.topo.ranks_per_node,
-            in_bits=self.intra.bits,
-            in_group=self.intra.group,
-            out_bits=self.inter.bits,
-            out_group=self.inter.group,
-            stochastic=self.stochastic,
-            seed=seed,
-            offset=offset,
         )
 
     def _exchange(

@@ -18,21 +18,19 @@ reduces its gradients with one of them (its ZeRO stage decides which).
 
 from __future__ import annotations
 
-from ..codec.spec import mix32_int
+from ..codec.spec import MASK32, MASK64, mix32_int
 
 STAGE_WEIGHT_REFRESH = 0x5157
 STAGE_WEIGHT_DIRECT = 0x5157_0001
 STAGE_QUANTIZE = 0x6752_0001
 STAGE_REQUANTIZE = 0x6752_0002
 
-_M64 = (1 << 64) - 1
-
 
 def derive_seed(base_seed: int, rank: int, stage: int) -> int:
     """A 64-bit seed for (base seed, rank, stage), mixing each part so nearby inputs give unrelated seeds."""
-    lo = mix32_int(mix32_int(base_seed & 0xFFFFFFFF) ^ mix32_int(rank + 0x632BE5AB))
+    lo = mix32_int(mix32_int(base_seed & MASK32) ^ mix32_int(rank + 0x632BE5AB))
     hi = mix32_int(mix32_int((base_seed >> 32) ^ 0x85EBCA6B) ^ mix32_int(stage + 0x27D4EB2F))
-    return ((hi << 32) | lo) & _M64
+    return ((hi << 32) | lo) & MASK64
 
 
 class RoundingStream:
@@ -45,7 +43,7 @@ class RoundingStream:
     def take(self, numel: int) -> tuple[int, int]:
         """(seed, offset) for the next `numel` elements."""
         offset = self.counter
-        self.counter = (self.counter + int(numel)) & _M64
+        self.counter = (self.counter + int(numel)) & MASK64
         return self.seed, offset
 
     def state_dict(self) -> dict[str, int]:

@@ -6,16 +6,20 @@ A parameter of n elements is split into W shards of shard_numel = ceil(n / W) el
 
 from __future__ import annotations
 
+import torch
+
+from ..codec.spec import FLOAT_DTYPES
+
 
 def shard_numel(numel: int, world: int) -> int:
-    """ZeRO-3's shard size ps = ceil(n / W)."""
+    """ZeRO-3's shard size: ceil(n / W) elements."""
     return -(-numel // world)
 
 
 def valid_numel(numel: int, world: int, rank: int) -> int:
-    """Valid elements of shard `rank`: clamp(n - rank*ps, 0, ps); the rest of the shard is padding."""
-    ps = shard_numel(numel, world)
-    return max(0, min(ps, numel - rank * ps))
+    """Valid elements of shard `rank`: clamp(n - rank*s, 0, s) with s = shard_numel(n, W); the rest is padding."""
+    shard_len = shard_numel(numel, world)
+    return max(0, min(shard_len, numel - rank * shard_len))
 
 
 def check_registration(key: int, numel: object, logical_element_size: object) -> None:
@@ -25,3 +29,13 @@ def check_registration(key: int, numel: object, logical_element_size: object) ->
         raise ValueError(f"add(key={key}): numel must be an integer >= 1, got {numel!r}")
     if logical_element_size is not None and (not isinstance(logical_element_size, int) or logical_element_size < 1):
         raise ValueError(f"add(key={key}): logical_element_size must be an integer >= 1, got {logical_element_size!r}")
+
+
+def check_shard(tensor: torch.Tensor, expected: int, what: str) -> None:
+    """What a weight collective accepts as a unit's shard: a contiguous float tensor of `expected` elements; a
+    ValueError starting with `what` (the call and the key) otherwise."""
+    if tensor.numel() != expected or not tensor.is_contiguous() or tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{what} must be a contiguous float tensor of shard_numel = {expected} elements, got {tensor.numel()} "
+            f"elements of {tensor.dtype} (contiguous={tensor.is_contiguous()})"
+        )

@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, codes_nbytes, num_groups
+from ..codec.spec import MASK64, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .contract import Shards
 from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
-from .sharding import check_registration, shard_numel, valid_numel
+from .sharding import check_registration, check_shard, shard_numel, valid_numel
 from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
 
 
@@ -81,7 +81,7 @@ class DirectQuantGather:
         return {}
 
     def gather(self, shards: Shards) -> GatherHandle:
-        """Start gathering the parameters whose own shards are `shards` (key -> ps = ceil(n/W) elements)."""
+        """Start gathering the parameters whose own shards are `shards` (key -> ceil(n/W) elements)."""
         keys = sorted(shards)
         for key in keys:
             self._check_shard(key, shards[key])
@@ -112,13 +112,8 @@ class DirectQuantGather:
         """A registered parameter's own shard: contiguous float, ceil(n/W) elements."""
         if key not in self._numels:
             raise KeyError(f"gather: parameter key {key} is not registered")
-        n, world = self._numels[key], self._topo.world
-        ps = shard_numel(n, world)
-        if shard.numel() != ps or not shard.is_contiguous() or shard.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"gather: shard of key {key} (a {n}-element parameter) must be a contiguous float tensor "
-                f"of ceil({n}/{world}) = {ps} elements, got {shard.numel()} of {shard.dtype}"
-            )
+        n = self._numels[key]
+        check_shard(shard, shard_numel(n, self._topo.world), f"gather: shard of key {key} (a {n}-element parameter)")
 
     def _codes(self, key: int, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's codes and scales of this rank's shard of `key`, quantized at its first gather in the step.
@@ -127,9 +122,9 @@ class DirectQuantGather:
         """
         if key not in self._encoded:
             n, world, rank = self._numels[key], self._topo.world, self._topo.rank
-            ps = shard_numel(n, world)
-            codes = torch.zeros(codes_nbytes(ps, self._bits), dtype=torch.uint8, device=shard.device)
-            scales = torch.zeros(num_groups(ps, self._group_size), dtype=torch.float32, device=shard.device)
+            shard_len = shard_numel(n, world)
+            codes = torch.zeros(codes_nbytes(shard_len, self._bits), dtype=torch.uint8, device=shard.device)
+            scales = torch.zeros(num_groups(shard_len, self._group_size), dtype=torch.float32, device=shard.device)
             valid = valid_numel(n, world, rank)
             if valid:
                 c, s = codec.quantize(
@@ -138,7 +133,7 @@ class DirectQuantGather:
                     group_size=self._group_size,
                     stochastic=self._stochastic,
                     seed=self._stream.seed,
-                    offset=(self._stream.counter + self._offsets[key]) % (1 << 64),
+                    offset=(self._stream.counter + self._offsets[key]) & MASK64,
                     valid=valid,
                 )
                 codes.copy_(c)
@@ -152,25 +147,25 @@ class DirectQuantGather:
         """Rebuild each full parameter (n elements, the shard dtype) from every rank's [world, buffer] row."""
         world = self._topo.world
         result = []
-        co = so = 0
+        codes_at = scales_at = 0
         for key, dtype in zip(keys, dtypes, strict=True):
             n = self._numels[key]
-            ps = shard_numel(n, world)
-            full = torch.empty(world * ps, dtype=dtype, device=all_codes.device)
+            shard_len = shard_numel(n, world)
+            full = torch.empty(world * shard_len, dtype=dtype, device=all_codes.device)
             for src in range(world):
                 valid = valid_numel(n, world, src)
                 if valid:
-                    full[src * ps : src * ps + valid] = codec.dequantize(
-                        all_codes[src, co : co + codes_nbytes(valid, self._bits)],
-                        all_scales[src, so : so + num_groups(valid, self._group_size)],
+                    full[src * shard_len : src * shard_len + valid] = codec.dequantize(
+                        all_codes[src, codes_at : codes_at + codes_nbytes(valid, self._bits)],
+                        all_scales[src, scales_at : scales_at + num_groups(valid, self._group_size)],
                         numel=valid,
                         bits=self._bits,
                         group_size=self._group_size,
                         dtype=dtype,
                     )
             result.append(full[:n])
-            co += codes_nbytes(ps, self._bits)
-            so += num_groups(ps, self._group_size)
+            codes_at += codes_nbytes(shard_len, self._bits)
+            scales_at += num_groups(shard_len, self._group_size)
         return result
 
     def state_dict(self) -> dict:

@@ -30,28 +30,26 @@ import torch
 from deepspeed.comm import ReduceOp
 
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, check_group_size, mix32, qmax_for
+from ..codec.spec import FLOAT_DTYPES, MASK32, check_quantizer, mix32
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .contract import Shards
 from .rounding import STAGE_WEIGHT_REFRESH, RoundingStream
-from .sharding import check_registration, shard_numel, valid_numel
+from .sharding import check_registration, check_shard, shard_numel, valid_numel
 
 REFRESH_KIND = "weight_refresh"
 RESYNC_KIND = "weight_resync"
 GATHER_KIND = "weight_gather"
-_M32 = 0xFFFFFFFF
 _HASH_CHUNK = 1 << 22
 
-Rows = list[tuple[int, list[torch.Tensor]]]
+SourceBlocks = list[tuple[int, list[torch.Tensor]]]
 
 
 def check_quant_args(bits: int, group_size: int, dtype: torch.dtype | None = None) -> None:
     """Validate the quantizer settings (and the weight dtype) with errors naming the argument."""
     try:
-        qmax_for(bits)
-        check_group_size(group_size)
+        check_quantizer(bits, group_size)
     except ValueError as exc:
         raise ValueError(f"weight quantizer: {exc}") from None
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -154,14 +152,14 @@ def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HA
     depend on `chunk`.
     """
     rows, total = storage.shape
-    as_int, mask = (torch.int32, _M32) if storage.element_size() == 4 else (torch.int16, 0xFFFF)
+    as_int, mask = (torch.int32, MASK32) if storage.element_size() == 4 else (torch.int16, 0xFFFF)
     first = torch.tensor(starts, dtype=torch.int64, device=storage.device)
     out = torch.zeros(len(starts), rows, 2, dtype=torch.int64, device=storage.device)
     width = max(1, chunk // max(rows, 1))
     for lo in range(0, total, width):
         cols = torch.arange(lo, min(lo + width, total), dtype=torch.int64, device=storage.device)
         block = torch.searchsorted(first, cols, right=True) - 1
-        position = mix32((cols - first[block] + 0x9E3779B9) & _M32)
+        position = mix32((cols - first[block] + 0x9E3779B9) & MASK32)
         bits = storage[:, lo : lo + cols.numel()].view(as_int).to(torch.int64) & mask
         out.index_add_(0, block, torch.stack((bits, mix32(bits ^ position)), dim=-1).transpose(0, 1))
     return out
@@ -294,7 +292,7 @@ class WeightStore:
         assert self._storages is not None
         return self._storages[p.segment][:, p.offset : p.offset + p.shard_numel]
 
-    def _run(self, slot: int, bucket: _Bucket) -> torch.Tensor:
+    def _bucket_view(self, slot: int, bucket: _Bucket) -> torch.Tensor:
         """The contiguous view of `bucket`'s columns in `slot`."""
         assert self._storages is not None
         return self._storages[bucket.segment][slot, bucket.start : bucket.stop]
@@ -303,7 +301,7 @@ class WeightStore:
         """w~ of this rank's own slot over `bucket`: the own slot itself, or its snapshot where the caller writes the
         own slot (`attach`)."""
         if self._snapshots is None:
-            return self._run(self._own_slot, bucket)
+            return self._bucket_view(self._own_slot, bucket)
         return self._snapshots[bucket.segment][bucket.start : bucket.stop]
 
     def _slot_of(self, rank: int) -> int:
@@ -365,11 +363,7 @@ class WeightStore:
         params = sorted((self._param(k) for k in tensors), key=lambda p: p.index)
         for p in params:
             t = tensors[p.key]
-            if t.numel() != p.shard_numel or not t.is_contiguous() or t.dtype not in FLOAT_DTYPES:
-                raise ValueError(
-                    f"{what}: tensor for key {p.key} must be a contiguous float tensor of shard_numel = "
-                    f"{p.shard_numel} elements, got {t.numel()} elements of {t.dtype} (contiguous={t.is_contiguous()})"
-                )
+            check_shard(t, p.shard_numel, f"{what}: tensor for key {p.key}")
             if t.device.type != self._device.type:
                 raise ValueError(f"{what}: tensor for key {p.key} is on {t.device}, the store on {self._device}")
         return params
@@ -398,7 +392,7 @@ class WeightStore:
         kind: str,
         names: tuple[str, ...],
         encode: Callable[[_Bucket], list[torch.Tensor]],
-        apply: Callable[[_Bucket, Rows], None],
+        apply: Callable[[_Bucket, SourceBlocks], None],
     ) -> None:
         """Encode, all-gather and apply bucket by bucket; bucket k+1 is encoded while bucket k is in flight."""
         pending: _InFlight | None = None
@@ -427,7 +421,7 @@ class WeightStore:
         ]
         return _InFlight(bucket, kind, names, parts, outs, works)
 
-    def _finish(self, inflight: _InFlight, apply: Callable[[_Bucket, Rows], None]) -> None:
+    def _finish(self, inflight: _InFlight, apply: Callable[[_Bucket, SourceBlocks], None]) -> None:
         """Complete a bucket: wait, route inside the node ("rank" mode), apply every received run."""
         outs = inflight.wait()
         topo = self._topo
@@ -478,16 +472,20 @@ class WeightStore:
         )
         return [codes, scales]
 
-    def _apply_deltas(self, bucket: _Bucket, rows: Rows) -> None:
+    def _apply_deltas(self, bucket: _Bucket, rows: SourceBlocks) -> None:
         """w~ += dequant(delta) over the bucket's run of every received slot (the owner's own slot included: from
         its snapshot where the caller wrote the new weights there)."""
         for source, (codes, scales) in rows:
-            target = self._run(self._slot_of(source), bucket)
+            target = self._bucket_view(self._slot_of(source), bucket)
             own = self._snapshots is not None and source == self._topo.rank
             if own:
                 target.copy_(self._reference(bucket))
             codec.dequantize_add_(
-                self._run(self._slot_of(source), bucket), codes, scales, bits=self._bits, group_size=self._group_size
+                self._bucket_view(self._slot_of(source), bucket),
+                codes,
+                scales,
+                bits=self._bits,
+                group_size=self._group_size,
             )
             if own:
                 self._reference(bucket).copy_(target)
@@ -496,10 +494,10 @@ class WeightStore:
         """This rank's own shards of `bucket` in the weight dtype, padding zeroed: [values]."""
         return [self._own_values(bucket, new).to(self._dtype)]
 
-    def _apply_values(self, bucket: _Bucket, rows: Rows) -> None:
+    def _apply_values(self, bucket: _Bucket, rows: SourceBlocks) -> None:
         """Overwrite the bucket's run of every received slot with the owner's exact values (padding zero again)."""
         for source, (values,) in rows:
-            self._run(self._slot_of(source), bucket).copy_(values)
+            self._bucket_view(self._slot_of(source), bucket).copy_(values)
             if self._snapshots is not None and source == self._topo.rank:
                 self._reference(bucket).copy_(values)
 

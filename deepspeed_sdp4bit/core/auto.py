@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from sdp4bit_cost.timing import Rates, Workload, deepspeed_step, second_pass
-from sdp4bit_cost.traffic import Layout, Scheme
+from sdp4bit_cost.traffic import RankGrid, Scheme
 
 from .. import codec
 from ..collectives import probe
 from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
+from .build import level_settings
 
 TOLERANCE = 0.01  # a part is switched on only if it makes the predicted step more than 1% faster
 CODEC_PROBE_NUMEL = 1 << 20
@@ -95,7 +96,7 @@ class JobModel:
     """This engine's job in the cost model's terms: its tensors, layout and settings, the candidate parts."""
 
     tensors: tuple[int, ...]
-    layout: Layout
+    layout: RankGrid
     scheme: Scheme
     grad_accum: int
     dtype_bytes: int
@@ -182,11 +183,7 @@ def job_model(facts: JobFacts, cfg: SDP4BitConfig, topology: Topology, candidate
     scheme = Scheme(
         weight_bits=cfg.weight_quantization_bits,
         weight_group=cfg.wq_group_size,
-        bits_intra=cfg.gradient_quantization_bits_intra,
-        group_intra=cfg.gq_group_size_intra,
-        bits_inter=cfg.gradient_quantization_bits_inter,
-        group_inter=cfg.gq_group_size_inter,
-        pipeline=cfg.gradient_alltoall_pipeline,
+        **level_settings(cfg),
         replica=cfg.weight_replica if facts.stage == 3 else "rank",
         persistence_threshold=facts.persistence_threshold,
         reduce_bucket=facts.reduce_bucket,
@@ -198,7 +195,7 @@ def job_model(facts: JobFacts, cfg: SDP4BitConfig, topology: Topology, candidate
     passes = second_pass(sum(facts.tensors), facts.live_parameters) if facts.stage == 3 else 0.0
     return JobModel(
         facts.tensors,
-        Layout(topology.nodes, topology.ranks_per_node),
+        RankGrid(topology.nodes, topology.ranks_per_node),
         scheme,
         facts.grad_accum,
         facts.dtype_bytes,

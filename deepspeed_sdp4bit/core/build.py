@@ -13,15 +13,23 @@ from ..config import SDP4BitConfig
 from ..topology import Topology
 
 
-def gradient_settings(cfg: SDP4BitConfig) -> dict[str, Any]:
-    """The keyword arguments of either TLq reducer (`TLqReducer`, `OwnerReducer`) from the block."""
+def level_settings(cfg: SDP4BitConfig) -> dict[str, int]:
+    """The two levels' bits and group sizes and the all-to-all pipeline depth from the block: what the TLq reducers
+    and the cost model's `Scheme` both take, under the same names."""
     return dict(
         bits_intra=cfg.gradient_quantization_bits_intra,
         group_intra=cfg.gq_group_size_intra,
         bits_inter=cfg.gradient_quantization_bits_inter,
         group_inter=cfg.gq_group_size_inter,
-        hadamard=cfg.hadamard_transform,
         pipeline=cfg.gradient_alltoall_pipeline,
+    )
+
+
+def gradient_settings(cfg: SDP4BitConfig) -> dict[str, Any]:
+    """The keyword arguments of either TLq reducer (`TLqReducer`, `OwnerReducer`) from the block."""
+    return dict(
+        **level_settings(cfg),
+        hadamard=cfg.hadamard_transform,
         stochastic=cfg.stochastic_rounding,
         seed=cfg.seed,
     )

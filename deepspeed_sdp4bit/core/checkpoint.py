@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm import ReduceOp
 
 from ..collectives import comm
 from ..log import logger
@@ -109,10 +108,9 @@ def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
     """
     rank = topology.rank
     problem = "no sdp4bit state" if saved is None else why_unusable(saved)
-    found = torch.zeros(topology.world, dtype=torch.int32, device=get_accelerator().current_device_name())
+    found = [0] * topology.world
     found[rank] = _INTACT if problem is None else (_MISSING if saved is None else _DAMAGED)
-    comm.all_reduce(found, None, ReduceOp.MAX, "sdp4bit_checkpoint_state")
-    status = found.tolist()
+    status = comm.max_over_ranks(found, None, "sdp4bit_checkpoint_state", get_accelerator().current_device_name())
     if not any(status):
         return True
     damaged = [r for r, what in enumerate(status) if what == _DAMAGED]

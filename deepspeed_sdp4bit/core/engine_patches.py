@@ -4,6 +4,13 @@ Process-wide (installed once, inert for engines without an enabled "sdp4bit" blo
 - `deepspeed.initialize` -> activates SDP4Bit when the config has an enabled block (`patch_initialize`);
 - `DeepSpeedEngine.__init__` -> refuses a model whose parameters a live SDP4Bit engine still serves, and warns when
   an engine with an enabled block was built without SDP4Bit (`patch_engine_init`).
+Unlike every other patch, these two are installed by `import deepspeed_sdp4bit`, before any check: they are what
+makes a plain `deepspeed.initialize` honour the block, and importing the package must not fail on a DeepSpeed it
+cannot serve (`sdp4bit_report` imports it to say why). Both take any arguments and pass them on unchanged to the
+original; what they read (the config among initialize's arguments, the model among the engine's) is looked up by
+name through the original's own signature. The first engine built with an enabled block runs
+`adapter.check_deepspeed()`, which checks the release and these two symbols with all the others, before SDP4Bit
+changes anything else.
 Per engine, `PatchSet` (instance attributes and hooks of this engine and its objects, so other engines in the process
 are untouched; `undo()` reverts them newest first, `engine.destroy()` calls `release()`):
 - a forward pre-hook on the engine's model, first among its hooks: finds writes to the served weights made since
@@ -16,10 +23,11 @@ Each stage's integration adds its seams to a `PatchSet` subclass (`zero3/patches
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import deepspeed
@@ -74,13 +82,21 @@ def original_initialize() -> Callable:
     return getattr(deepspeed.initialize, _MARK, deepspeed.initialize)
 
 
+@contextlib.contextmanager
+def bound(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """While inside, `var` holds `value` (in this thread or task only): how a process-wide patch learns which
+    runtime, if any, the call it intercepts belongs to."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def activating(unpatched: Callable, args: tuple, kwargs: dict) -> Any:
     """unpatched(*args, **kwargs) with the engine it builds marked as built by SDP4Bit's activation."""
-    token = _ACTIVATING.set(True)
-    try:
+    with bound(_ACTIVATING, True):
         return unpatched(*args, **kwargs)
-    finally:
-        _ACTIVATING.reset(token)
 
 
 def patch_engine_init(before: Callable[[Any], None], after: Callable[[Any, bool], None]) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm import ReduceOp
 
 from ..collectives import comm
 from ..collectives.accounting import CommStats
@@ -134,7 +133,7 @@ class Runtime:
         self._record(keys)
         self._mark_weights_written()
 
-    def begin(self) -> None:
+    def initial_sync(self) -> None:
         """The start-up sync: replicas from every rank's tensors in full precision (collective; under auto at the
         decision instead); the per-step byte counts (last_step_bytes) start after it, the cumulative ones (stats())
         include it."""
@@ -156,9 +155,8 @@ class Runtime:
             self.direct.resync(self.shards(keys))
         if self.store is not None and keys and not self.measuring():
             written = any(not self._holds_w(k) for k in keys)
-            flag = torch.tensor([int(written)], dtype=torch.int32, device=self.units.tensor(keys[0]).device)
-            comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_weight_written")
-            if flag.item():
+            device = self.units.tensor(keys[0]).device
+            if comm.max_over_ranks([int(written)], None, "sdp4bit_weight_written", device)[0]:
                 self.resync(keys)
         self._record(keys)
 
@@ -247,11 +245,10 @@ class Runtime:
         """Whether every rank's tensors equal its w~ (one all-reduce); if not, the differing units are named and
         resynced from their tensors in full precision (a write no version counter sees, e.g. through `.data`)."""
         keys = self.units.keys()
-        local = torch.tensor(
-            [int(not self._holds_w(k)) for k in keys], dtype=torch.int32, device=get_accelerator().current_device_name()
-        )
-        comm.all_reduce(local, None, ReduceOp.MAX, "sdp4bit_weight_checksum")
-        differing = [key for key, flag in zip(keys, local.tolist(), strict=True) if flag]
+        local = [int(not self._holds_w(k)) for k in keys]
+        device = get_accelerator().current_device_name()
+        flags = comm.max_over_ranks(local, None, "sdp4bit_weight_checksum", device)
+        differing = [key for key, flag in zip(keys, flags, strict=True) if flag]
         if not differing:
             return True
         self.checksum_mismatches += 1

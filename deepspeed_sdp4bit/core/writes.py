@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm import ReduceOp
 
 from ..collectives import comm
 from ..log import logger
@@ -80,9 +79,10 @@ class WriteWatch:
         keys = sorted(self._fingerprints)
         found = {key: self._local(key) for key in keys}
         device = "cpu" if self.topology.flags is not None else get_accelerator().current_device_name()
-        flags = torch.tensor([found[key][0] for key in keys], dtype=torch.int32, device=device)
-        comm.all_reduce(flags, self.topology.flags, ReduceOp.MAX, "sdp4bit_weight_written")
-        agreed = dict(zip(keys, flags.tolist(), strict=True))
+        flags = comm.max_over_ranks(
+            [found[key][0] for key in keys], self.topology.flags, "sdp4bit_weight_written", device
+        )
+        agreed = dict(zip(keys, flags, strict=True))
         self._warn({key: how for key, (_, how) in found.items() if how})
         unusable = [key for key in keys if agreed[key] == UNUSABLE]
         if unusable:

@@ -38,7 +38,7 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
         )
     runtime = build_runtime(engine, cfg, topology, created)
     patches.EnginePatches(engine, runtime).install()
-    runtime.begin()
+    runtime.initial_sync()
     return runtime
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
-from ..core.engine_patches import PatchSet, is_patched, wrap
+from ..core.engine_patches import PatchSet, bound, is_patched, wrap
 from ..core.runtime import Runtime
 from .serving import Zero12Serving
 
@@ -33,14 +32,9 @@ _GATHERING: contextvars.ContextVar[tuple[Zero12Serving, str] | None] = contextva
 )
 
 
-@contextlib.contextmanager
-def _gathering(serving: Zero12Serving, where: str) -> Iterator[None]:
+def _gathering(serving: Zero12Serving, where: str) -> contextlib.AbstractContextManager[None]:
     """While inside, the ZeRO-1/2 weight all-gather belongs to `serving`, called from the optimizer's `where`."""
-    token = _GATHERING.set((serving, where))
-    try:
-        yield
-    finally:
-        _GATHERING.reset(token)
+    return bound(_GATHERING, (serving, where))
 
 
 def patch_all_gather() -> None:

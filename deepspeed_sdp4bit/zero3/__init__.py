@@ -34,7 +34,7 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
     runtime = build_runtime(engine, cfg, topology, created)
     engine_patches = patches.EnginePatches(engine, runtime)
     engine_patches.install()
-    runtime.begin()
+    runtime.initial_sync()
     if adapter.support() is adapter.Support.NEWER:
         _self_test(runtime, engine_patches)
     return runtime

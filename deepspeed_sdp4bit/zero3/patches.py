@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import deepspeed.runtime.zero.stage3 as stage3
 from deepspeed.runtime.zero.partition_parameters import Init
 
 from ..adapter import MultipleHandles, check_param_gather
-from ..core.engine_patches import PatchSet, is_patched, owner, wrap
+from ..core.engine_patches import PatchSet, bound, is_patched, owner, wrap
 from ..core.runtime import Runtime
 from .serving import Zero3Serving
 
@@ -32,15 +32,10 @@ _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("sdp4bit_active", 
 _ORIGINAL_GATHER = "_sdp4bit_original_all_gather_coalesced"
 
 
-@contextlib.contextmanager
-def reducing_with(reducer: Any) -> Iterator[None]:
+def reducing_with(reducer: Any) -> contextlib.AbstractContextManager[None]:
     """While inside, ZeRO-3's reduce-scatter goes to `reducer.reduce_scatter(tensors, group)` (a runtime's serving,
     or the self-test's stand-in), as inside an SDP4Bit optimizer's __avg_scatter_grads."""
-    token = _ACTIVE.set(reducer)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return bound(_ACTIVE, reducer)
 
 
 # ----- process-wide patches

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm import ReduceOp
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from .. import adapter
@@ -132,9 +131,8 @@ def _check_reduction(runtime: Runtime, key: int, param: torch.nn.Parameter) -> s
 
 def _agreed(problems: list[str], runtime: Runtime) -> bool:
     """Whether every rank passed (one all-reduce, so that all ranks stop together)."""
-    flag = torch.tensor([int(bool(problems))], dtype=torch.int32, device=get_accelerator().current_device_name())
-    comm.all_reduce(flag, None, ReduceOp.MAX, "sdp4bit_self_test")
-    return not int(flag.item())
+    device = get_accelerator().current_device_name()
+    return not comm.max_over_ranks([int(bool(problems))], None, "sdp4bit_self_test", device)[0]
 
 
 def run(runtime: Runtime, serving: Zero3Serving) -> list[str]:
