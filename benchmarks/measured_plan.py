@@ -23,7 +23,7 @@ from pathlib import Path
 
 from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_benchmarks.speed_sweep import DATA, SDP4BIT, VARIANTS, measure, positive
-from sdp4bit_benchmarks.two_nodes import Link, TwoNodes, TwoNodesError, invoker, run_job, signals_raise
+from sdp4bit_benchmarks.two_nodes import Link, Nodes, NodesError, invoker, run_job, signals_raise
 from sdp4bit_cost import plan
 from sdp4bit_examples.gpt_models import CARDS, gpt2_config
 
@@ -43,7 +43,7 @@ def write_model_config(out: Path, vocab: int) -> Path:
     return path
 
 
-def measure_nodes(nodes: TwoNodes, config: Path, dtype: str, rate: str, out: Path) -> dict:
+def measure_nodes(nodes: Nodes, config: Path, dtype: str, rate: str, out: Path) -> dict:
     """`sdp4bit-measure` on both nodes at one shaped rate; what it wrote."""
     card = CARDS[MODEL]
     target = out / f"measured-{rate}.json"
@@ -62,7 +62,7 @@ def measure_nodes(nodes: TwoNodes, config: Path, dtype: str, rate: str, out: Pat
     ]
     job = run_job(nodes, "--module", args, out / "logs" / f"measure-{rate}", timeout=900)
     if any(job["exit_codes"]) or not target.exists():
-        raise TwoNodesError(f"sdp4bit-measure failed at {rate} Mbit/s; see {out}/logs/measure-{rate}")
+        raise NodesError(f"sdp4bit-measure failed at {rate} Mbit/s; see {out}/logs/measure-{rate}")
     return json.loads(target.read_text())
 
 
@@ -89,14 +89,14 @@ def projected(measured_file: Path, config: Path, dtype: str) -> dict[str, float]
     return {r.variant: r.step.step_s for r in rows}
 
 
-def run_rate(nodes: TwoNodes, rate: str, args: argparse.Namespace) -> dict:
+def run_rate(nodes: Nodes, rate: str, args: argparse.Namespace) -> dict:
     """One rate: the plain run (whose summary gives the vocabulary), the measurement, SDP4Bit's run, the
     projection."""
     nodes.shape(Link(float(rate)))
     runs = {name: measure(nodes, VARIANTS[name], args.dtype, rate, 0, args.steps, args.out) for name in VARIANT_ROWS}
     failed = [r["error"] for r in runs.values() if "error" in r]
     if failed:
-        raise TwoNodesError("; ".join(failed))
+        raise NodesError("; ".join(failed))
     summary = json.loads((args.out / "logs" / f"zero3-{args.dtype}-{rate}-0" / "summary.json").read_text())
     with nodes.user.files():
         config = write_model_config(args.out, summary["vocab_size"])
@@ -158,9 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         user = invoker()
         with user.files():
             args.out.mkdir(parents=True, exist_ok=True)
-        with signals_raise(), TwoNodes(ranks_per_node=2, user=user) as nodes:
+        with signals_raise(), Nodes(ranks_per_node=2, user=user) as nodes:
             rows = [run_rate(nodes, rate, args) for rate in args.rates]
-    except TwoNodesError as err:
+    except NodesError as err:
         print(f"measured_plan: cannot run: {err}", file=sys.stderr)
         return 1
     user.become()

@@ -45,8 +45,8 @@ from sdp4bit_benchmarks.two_nodes import (
     LINK,
     Invoker,
     Link,
-    TwoNodes,
-    TwoNodesError,
+    Nodes,
+    NodesError,
     check_topology,
     invoker,
     run_job,
@@ -173,7 +173,7 @@ def train_args(variant: Variant, dtype: str, steps: int, out: Path) -> list[str]
     return args
 
 
-def measure(nodes: TwoNodes, variant: Variant, dtype: str, rate: str, repeat: int, steps: int, out: Path) -> dict:
+def measure(nodes: Nodes, variant: Variant, dtype: str, rate: str, repeat: int, steps: int, out: Path) -> dict:
     """One run on the shaped link; the record written to runs.jsonl."""
     nodes.shape(Link(parse_rate(rate)))
     run_dir = out / "logs" / f"{variant.name}-{dtype}-{rate}-{repeat}"
@@ -296,12 +296,12 @@ def spread_points(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Var
 
 def sweep(args: argparse.Namespace, user: Invoker) -> None:
     """Run every planned point not yet in runs.jsonl, then one more repeat of the points that spread too much."""
-    with signals_raise(), TwoNodes(ranks_per_node=args.ranks_per_node, user=user) as nodes:
+    with signals_raise(), Nodes(ranks_per_node=args.ranks_per_node, user=user) as nodes:
         run_points(args, nodes, pending(args, plan(args)), "planned")
         run_points(args, nodes, pending(args, spread_points(args)), "spread")
 
 
-def run_points(args: argparse.Namespace, nodes: TwoNodes, todo: list[tuple], label: str) -> None:
+def run_points(args: argparse.Namespace, nodes: Nodes, todo: list[tuple], label: str) -> None:
     """Measure each point of `todo`, appending its record to runs.jsonl (as the invoking user) as soon as it ends."""
     print(f"speed_sweep: {len(todo)} {label} runs to do -> {args.out / 'runs.jsonl'}", flush=True)
     for index, (repeat, rate, dtype, variant) in enumerate(todo):
@@ -579,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         user = invoker()
-    except TwoNodesError as err:
+    except NodesError as err:
         print(f"speed_sweep: cannot run: {err}", file=sys.stderr)
         return 1
     with user.files():
@@ -594,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report:
         try:
             sweep(args, user)
-        except TwoNodesError as err:
+        except NodesError as err:
             print(f"speed_sweep: cannot run: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

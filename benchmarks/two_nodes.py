@@ -1,24 +1,29 @@
-"""Two nodes on one machine: network namespaces with their own hostnames, joined by a shaped link.
+"""Nodes on one machine (two unless told otherwise): network namespaces with their own hostnames, each joined to a
+switch by a link shaped on its own.
 
 Each node is a Linux network namespace (its own interfaces, addresses and routes) whose processes also get a UTS
-namespace of their own (their own hostname), so DeepSpeed and SDP4Bit see two hosts. The nodes are joined by one
-veth pair, named the same on both sides (like eth0 on a cluster), and shaped on both ends by tc's token bucket
-filter; an optional delay needs the kernel's netem qdisc. One `deepspeed` launcher per node starts that node's
-ranks, as on a real cluster without ssh: a hostfile of both hosts, --no_ssh, --node_rank, --master_addr = node 0's
-address, GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link.
+namespace of their own (their own hostname), so DeepSpeed and SDP4Bit see that many hosts. Each node's link is a
+veth pair from the node (the same interface name on every node, like eth0 on a cluster) to a port of a bridge in a
+switch namespace of its own, shaped in both directions by tc's token bucket filter (the node's end shapes what it
+sends, the switch port what it receives); an optional delay needs the kernel's netem qdisc. One `deepspeed`
+launcher per node starts that node's ranks, as on a real cluster without ssh: a hostfile of every host, --no_ssh,
+--node_rank, --master_addr = node 0's address, GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link. A node's
+link can be cut (its switch port set down: no FIN reaches anyone, as when a switch port or a node's power fails).
 
     sudo .venv/bin/python benchmarks/two_nodes.py --check       # can it run here? (exit 1 with the reasons if not)
     sudo .venv/bin/python benchmarks/two_nodes.py --rate_mbit 50 -- examples/train_gpt.py --model tiny \\
         --deepspeed_config configs/cpu/tiny_sdp4bit.json --ds_set sdp4bit.ranks_per_node=auto --out runs/two_nodes
+    sudo .venv/bin/python benchmarks/two_nodes.py --nodes 3 --ranks_per_node 1 --rate_mbit 50 -- \\
+        examples/train_gpt.py ...                                # three nodes, one rank each
 
 Needs root (network and UTS namespaces), iproute2 (`ip`, `tc`) and util-linux (`unshare`, `setpriv`). Root is used
 for the namespaces, the link and the hostnames only: started with sudo, the runner starts the launchers (and so the
 training) as the user who ran sudo (SUDO_UID and SUDO_GID, with that user's groups, home and name) and creates
 its log folder, hostfile and logs as that user, so everything a run leaves behind belongs to that user. Run as root
 without sudo, everything runs as root. Everything it makes in the network is named sdp4bit-<pid>-*, lives only
-inside its own two namespaces (it never touches another interface) and is removed on every exit path: normal end,
-error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the runner itself. It prints the topology
-SDP4Bit detected on each node and the bytes that crossed the link.
+inside its own namespaces, the nodes' and the switch's (it never touches another interface), and is removed on
+every exit path: normal end, error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the runner itself.
+It prints the topology SDP4Bit detected on each node and the bytes that left the nodes.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 
 PREFIX = "sdp4bit"
 LINK = "sdplink"
-HOSTS = ("sdp4bit-node0", "sdp4bit-node1")
+BRIDGE = "sdpswitch"
 SUBNET = "10.213.0"
 MASTER_PORT = 29500
 TCP_OVERHEAD = 66  # Ethernet 14 + IPv4 20 + TCP with timestamps 32 bytes per packet the link counters count
@@ -54,8 +59,13 @@ def tcp_payload(link_bytes: float, packets: float) -> float:
     return link_bytes - TCP_OVERHEAD * packets
 
 
-class TwoNodesError(RuntimeError):
-    """The two nodes cannot be set up here; the message says why."""
+class NodesError(RuntimeError):
+    """The nodes cannot be set up here; the message says why."""
+
+
+def host(node: int) -> str:
+    """Node `node`'s hostname."""
+    return f"{PREFIX}-node{node}"
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,7 @@ class Invoker:
 def invoker() -> Invoker:
     """The user who ran sudo when this process is root with SUDO_UID set, else this process's user.
 
-    TwoNodesError naming the variable when SUDO_UID or SUDO_GID is not a number or SUDO_UID has no account."""
+    NodesError naming the variable when SUDO_UID or SUDO_GID is not a number or SUDO_UID has no account."""
     if os.geteuid() != 0 or "SUDO_UID" not in os.environ:
         return Invoker(
             os.geteuid(), os.getegid(), tuple(os.getgroups()), os.environ.get("USER", ""), os.environ.get("HOME", "")
@@ -146,14 +156,14 @@ def invoker() -> Invoker:
     try:
         uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID", ""))
     except ValueError:
-        raise TwoNodesError(
+        raise NodesError(
             f"SUDO_UID={os.environ.get('SUDO_UID')!r} and SUDO_GID={os.environ.get('SUDO_GID')!r} "
             "must both be numeric ids (sudo sets them)"
         ) from None
     try:
         account = pwd.getpwuid(uid)
     except KeyError:
-        raise TwoNodesError(
+        raise NodesError(
             f"SUDO_UID={uid} has no account on this machine: no name, home or groups to run the jobs with"
         ) from None
     return Invoker(uid, gid, tuple(os.getgrouplist(account.pw_name, gid)), account.pw_name, account.pw_dir)
@@ -162,7 +172,7 @@ def invoker() -> Invoker:
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if check and done.returncode != 0:
-        raise TwoNodesError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
+        raise NodesError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
     return done
 
 
@@ -216,7 +226,7 @@ def remove_stale() -> list[str]:
     """Remove namespaces left by runners that were killed before their guard could clean up; returns their names."""
     stale = []
     for name in _namespaces():
-        match = re.fullmatch(rf"{PREFIX}-(\d+)-node\d", name)
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-(node\d+|switch)", name)
         if match and not _pid_alive(int(match.group(1))):
             remove_namespace(name)
             stale.append(name)
@@ -232,26 +242,48 @@ def _guard(names: Sequence[str]) -> None:
             remove_namespace(name)
 
 
-class TwoNodes:
-    """Two namespaced nodes joined by one shaped link; a context manager that removes everything it made."""
+def _shape(namespace: str, device: str, link: Link) -> None:
+    """Shape what `device` in `namespace` sends (replacing any earlier shaping)."""
+    _run("tc", "-n", namespace, "qdisc", "del", "dev", device, "root", check=False)
+    parent = ["root"]
+    if link.delay_ms:
+        netem = ["handle", "1:", "netem", "delay", f"{link.delay_ms}ms", "limit", "100000"]
+        done = _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *netem, check=False)
+        if done.returncode != 0:
+            raise NodesError(f"a delay needs the netem qdisc, which this kernel lacks: {done.stderr.strip()}")
+        parent = ["parent", "1:1", "handle", "10:"]
+    if link.rate_mbit is not None:
+        burst = max(64 * 1024, int(link.rate_mbit * 1e6 / 8 * 0.004))
+        tbf = ["tbf", "rate", f"{link.rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", device, *parent, *tbf)
 
-    def __init__(self, ranks_per_node: int = 2, user: Invoker | None = None) -> None:
+
+class Nodes:
+    """`count` namespaced nodes, each joined to one switch by a link shaped on its own; a context manager that
+    removes everything it made."""
+
+    def __init__(self, ranks_per_node: int = 2, user: Invoker | None = None, count: int = 2) -> None:
+        if count < 2:
+            raise NodesError(f"count = {count}: the runner joins 2 or more nodes")
+        self.count = count
         self.ranks_per_node = ranks_per_node
         self.user = user if user is not None else invoker()
-        self.names = [f"{PREFIX}-{os.getpid()}-node{i}" for i in range(2)]
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(2)]
+        self.names = [f"{PREFIX}-{os.getpid()}-node{i}" for i in range(count)]
+        self.switch = f"{PREFIX}-{os.getpid()}-switch"
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(count)]
+        self.hosts = [host(i) for i in range(count)]
         self._guard: subprocess.Popen | None = None
         self._procs: list[subprocess.Popen] = []
 
     # ----- set-up and tear-down
-    def __enter__(self) -> TwoNodes:
+    def __enter__(self) -> Nodes:
         found = problems()
         if found:
-            raise TwoNodesError("; ".join(found))
+            raise NodesError("; ".join(found))
         remove_stale()
         # the guard holds none of the runner's output streams, so whoever reads them sees their end with the runner's
         self._guard = subprocess.Popen(
-            [sys.executable, __file__, "--guard", *self.names],
+            [sys.executable, __file__, "--guard", *self.names, self.switch],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -268,33 +300,24 @@ class TwoNodes:
         self.close()
 
     def _create(self) -> None:
-        for name in self.names:
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", BRIDGE, "up")
+        for node, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
+            port = self.port(node)
             _run("ip", "netns", "add", name)
-        _run(
-            "ip",
-            "link",
-            "add",
-            LINK,
-            "netns",
-            self.names[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            LINK,
-            "netns",
-            self.names[1],
-        )
-        for name, address in zip(self.names, self.addresses, strict=True):
+            _run("ip", "link", "add", LINK, "netns", name, "type", "veth", "peer", "name", port, "netns", self.switch)
+            _run("ip", "-n", self.switch, "link", "set", port, "master", BRIDGE)
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
             _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", LINK)
             _run("ip", "-n", name, "link", "set", LINK, "up")
 
     def close(self) -> None:
-        """Stop every process on both nodes and delete the namespaces (idempotent)."""
+        """Stop every process on every node and delete the namespaces (idempotent)."""
         for proc in self._procs:
             _kill_group(proc)
-        for name in self.names:
+        for name in [*self.names, self.switch]:
             if name in _namespaces():
                 remove_namespace(name)
         if self._guard is not None:
@@ -302,56 +325,20 @@ class TwoNodes:
             self._guard.wait(timeout=60)
             self._guard = None
 
-    # ----- the link
-    def shape(self, link: Link) -> None:
-        """Shape both directions of the link (replacing any earlier shaping)."""
-        for name in self.names:
-            _run("tc", "-n", name, "qdisc", "del", "dev", LINK, "root", check=False)
-            parent = ["root"]
-            if link.delay_ms:
-                done = _run(
-                    "tc",
-                    "-n",
-                    name,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    LINK,
-                    "root",
-                    "handle",
-                    "1:",
-                    "netem",
-                    "delay",
-                    f"{link.delay_ms}ms",
-                    "limit",
-                    "100000",
-                    check=False,
-                )
-                if done.returncode != 0:
-                    raise TwoNodesError(
-                        f"a delay needs the netem qdisc, which this kernel lacks: {done.stderr.strip()}"
-                    )
-                parent = ["parent", "1:1", "handle", "10:"]
-            if link.rate_mbit is not None:
-                rate_bytes = link.rate_mbit * 1e6 / 8
-                burst = max(64 * 1024, int(rate_bytes * 0.004))
-                _run(
-                    "tc",
-                    "-n",
-                    name,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    LINK,
-                    *parent,
-                    "tbf",
-                    "rate",
-                    f"{link.rate_mbit}mbit",
-                    "burst",
-                    str(burst),
-                    "latency",
-                    "100ms",
-                )
+    # ----- the links
+    def port(self, node: int) -> str:
+        """The switch's end of node `node`'s link."""
+        return f"port{node}"
+
+    def shape(self, link: Link, node: int | None = None) -> None:
+        """Shape both directions of node `node`'s link, or of every node's (replacing any earlier shaping)."""
+        for i in range(self.count) if node is None else [node]:
+            _shape(self.names[i], LINK, link)
+            _shape(self.switch, self.port(i), link)
+
+    def cut(self, node: int) -> None:
+        """Take node `node`'s link down at the switch: its packets stop without a FIN or a reset either way."""
+        _run("ip", "-n", self.switch, "link", "set", self.port(node), "down")
 
     def counters(self) -> list[Counters]:
         """Transmit counters of each node's end of the link (what left that node)."""
@@ -377,7 +364,7 @@ class TwoNodes:
             "sh",
             "-c",
             'hostname "$0" && exec "$@"',
-            HOSTS[node],
+            self.hosts[node],
             *self.user.command(argv),
         ]
 
@@ -389,8 +376,8 @@ class TwoNodes:
         hostfile = log_dir / "hostfile"
         with self.user.files():
             log_dir.mkdir(parents=True, exist_ok=True)
-            hostfile.write_text("".join(f"{host} slots={self.ranks_per_node}\n" for host in HOSTS))
-            logs = [(log_dir / f"node{node}.log").open("w") for node in range(2)]
+            hostfile.write_text("".join(f"{name} slots={self.ranks_per_node}\n" for name in self.hosts))
+            logs = [(log_dir / f"node{node}.log").open("w") for node in range(self.count)]
         env = {
             **os.environ,
             **self.user.env(),
@@ -427,6 +414,12 @@ class TwoNodes:
                 )
         self._procs.extend(procs)
         return procs
+
+    def kill(self, node: int) -> None:
+        """Kill every process on node `node` at once (SIGKILL), as when a node is lost; its link stays up."""
+        for pid in _run("ip", "netns", "pids", self.names[node], check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float, grace: float = 60.0) -> list[int]:
         """Wait for every launcher; once one fails the others get `grace` seconds; at the timeout all are killed.
@@ -473,32 +466,32 @@ def signals_raise() -> Iterator[None]:
 def detected_topology(log_dir: Path) -> list[str]:
     """The topology line SDP4Bit logged on each node that logged one (node 0 holds rank 0, which logs it)."""
     found = []
-    for node in range(2):
-        log = log_dir / f"node{node}.log"
-        if log.exists():
-            found += [m.group(1) for m in TOPOLOGY_LINE.finditer(log.read_text(errors="replace"))]
+    for log in sorted(log_dir.glob("node*.log"), key=lambda path: int(path.stem[4:])):
+        found += [m.group(1) for m in TOPOLOGY_LINE.finditer(log.read_text(errors="replace"))]
     return found
 
 
-def check_topology(line: str, ranks_per_node: int) -> None:
-    """Raise unless SDP4Bit found 2 nodes of `ranks_per_node` ranks, node i on host HOSTS[i]."""
-    last = 2 * ranks_per_node - 1
-    node0 = f"ranks 0-{ranks_per_node - 1}" if ranks_per_node > 1 else "rank 0"
-    node1 = f"ranks {ranks_per_node}-{last}" if ranks_per_node > 1 else f"rank {last}"
-    want = f"node 0 = {HOSTS[0]} ({node0}), node 1 = {HOSTS[1]} ({node1})"
-    if not line.startswith(f"2 nodes x {ranks_per_node} ranks") or want not in line:
-        raise TwoNodesError(f"SDP4Bit detected '{line}', expected 2 nodes x {ranks_per_node} ranks with {want}")
+def check_topology(line: str, ranks_per_node: int, count: int = 2) -> None:
+    """Raise unless SDP4Bit found `count` nodes of `ranks_per_node` ranks, node i on host `host(i)`."""
+
+    def ranks(node: int) -> str:
+        first, last = node * ranks_per_node, (node + 1) * ranks_per_node - 1
+        return f"ranks {first}-{last}" if ranks_per_node > 1 else f"rank {first}"
+
+    want = ", ".join(f"node {i} = {host(i)} ({ranks(i)})" for i in range(count))
+    if not line.startswith(f"{count} nodes x {ranks_per_node} ranks") or want not in line:
+        raise NodesError(f"SDP4Bit detected '{line}', expected {count} nodes x {ranks_per_node} ranks with {want}")
 
 
 def run_job(
-    nodes: TwoNodes,
+    nodes: Nodes,
     script: str,
     script_args: Sequence[str],
     log_dir: Path,
     timeout: float,
     env: dict[str, str] | None = None,
 ) -> dict:
-    """Launch one job on both nodes and wait; exit codes, wall time and link bytes of the whole job."""
+    """Launch one job on every node and wait; exit codes, wall time and link bytes of the whole job."""
     before = nodes.counters()
     began = time.monotonic()
     codes = nodes.wait(nodes.launch(script, script_args, log_dir, env), timeout)
@@ -519,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--guard", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--rate_mbit", type=float, help="link rate in Mbit/s each way (default: unshaped)")
     parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay in ms (needs netem)")
+    parser.add_argument("--nodes", type=int, default=2, help="how many nodes (2 or more)")
     parser.add_argument("--ranks_per_node", type=int, default=2, help="ranks (slots) per node")
     parser.add_argument("--log_dir", default="runs/two_nodes", help="launcher logs and the hostfile go here")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before the job is killed")
@@ -538,11 +532,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("name the training script to run (and its arguments after --)")
     try:
         result = _run_cli_job(args)
-    except TwoNodesError as err:
+    except NodesError as err:
         print(f"two_nodes: cannot run: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("two_nodes: interrupted; both nodes and their processes were removed", file=sys.stderr)
+        print("two_nodes: interrupted; the nodes and their processes were removed", file=sys.stderr)
         return 130
     for line in result["topology"]:
         print(f"two_nodes: SDP4Bit detected {line}")
@@ -555,13 +549,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_cli_job(args: argparse.Namespace) -> dict:
-    """The command line's one job on a fresh pair of nodes."""
+    """The command line's one job on fresh nodes."""
     link = Link(args.rate_mbit, args.delay_ms)
-    with signals_raise(), TwoNodes(args.ranks_per_node) as nodes:
+    with signals_raise(), Nodes(args.ranks_per_node, count=args.nodes) as nodes:
         nodes.shape(link)
+        named = ", ".join(f"{name} ({address})" for name, address in zip(nodes.hosts, nodes.addresses, strict=True))
         print(
-            f"two_nodes: {HOSTS[0]} ({nodes.addresses[0]}) and {HOSTS[1]} ({nodes.addresses[1]}), "
-            f"{args.ranks_per_node} ranks each, link {link.label()}; logs in {args.log_dir}",
+            f"two_nodes: {named}, {args.ranks_per_node} ranks each, each link {link.label()}; logs in {args.log_dir}",
             flush=True,
         )
         return run_job(nodes, args.script, [a for a in args.script_args if a != "--"], Path(args.log_dir), args.timeout)

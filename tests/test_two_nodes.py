@@ -9,6 +9,7 @@ Needs root, iproute2 and util-linux; where they are missing the tests skip with 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pwd
 import shutil
@@ -35,9 +36,10 @@ def _ours(pid: int) -> list[str]:
     return [name for name in two_nodes._namespaces() if name.startswith(f"{two_nodes.PREFIX}-{pid}-")]
 
 
-@pytest.mark.slow
-def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
-    data = tmp_path / "data" / "tokens"
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small token file of the example's corpus (a 512-token BPE), made once for this file's jobs."""
+    data = tmp_path_factory.mktemp("data") / "tokens"
     subprocess.run(
         [
             sys.executable,
@@ -53,6 +55,12 @@ def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
         capture_output=True,
         timeout=300,
     )
+    return data
+
+
+def _train(tmp_path: Path, data: Path, count: int, ranks_per_node: int) -> tuple[dict, dict, list[str], str]:
+    """Six fp32 steps of the GPT example with the paper's block on `count` nodes of `ranks_per_node` ranks, each
+    link at 200 Mbit/s: the job's result, rank 0's summary, the namespaces the runner made and the logs' tails."""
     out = tmp_path / "run"
     args = [
         "--model",
@@ -80,24 +88,66 @@ def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
-    with two_nodes.TwoNodes(ranks_per_node=2) as nodes:
+    with two_nodes.Nodes(ranks_per_node=ranks_per_node, count=count) as nodes:
         nodes.shape(two_nodes.Link(rate_mbit=200))
         job = two_nodes.run_job(nodes, str(ROOT / "examples" / "train_gpt.py"), args, tmp_path / "logs", timeout=900)
-        names = list(nodes.names)
-    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(2))
-    assert job["exit_codes"] == [0, 0], logs
+        names = [*nodes.names, nodes.switch]
+    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(count))
+    assert job["exit_codes"] == [0] * count, logs
     assert not [n for n in names if n in two_nodes._namespaces()], "the runner left its namespaces behind"
     assert len(job["topology"]) == 1, job["topology"]
-    two_nodes.check_topology(job["topology"][0], 2)
+    two_nodes.check_topology(job["topology"][0], ranks_per_node, count)
     assert "(from LOCAL_SIZE)" in job["topology"][0]
-
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["sdp4bit"] is True and summary["world_size"] == 4
+    assert summary["sdp4bit"] is True and summary["world_size"] == count * ranks_per_node, summary
+    return job, summary, names, logs
+
+
+@pytest.mark.slow
+def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path, tokens: Path) -> None:
+    job, summary, _, _ = _train(tmp_path, tokens, 2, 2)
     payload = summary["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * summary["link_tx_packets_per_step"]
     accounted = cost_model.accounted_cross_node_bytes(summary, "sdp4bit_node", "fp32")
     # what the collectives pass across nodes, plus gloo's own framing of each message (a few hundred bytes)
     assert 0.85 * payload <= accounted <= payload, (accounted, payload)
     assert job["link_payload_bytes"] >= payload * summary["steps"] * 0.9
+
+
+@pytest.mark.slow
+def test_three_nodes_through_the_switch(tmp_path: Path, tokens: Path) -> None:
+    """Three nodes of one rank: SDP4Bit finds them from the hostnames, the job trains, every node sends on its own
+    shaped link, and the runner removes the nodes and the switch."""
+    job, summary, names, logs = _train(tmp_path, tokens, 3, 1)
+    assert len(names) == 4 and names[-1].endswith("-switch"), names
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < summary["initial_loss"], summary
+    assert job["link_payload_bytes"] > 0 and job["link_drops"] >= 0, job
+
+
+LISTEN = "import socket, sys\ns = socket.create_server(('', 29611))\nwhile True:\n    s.accept()[0].close()\n"
+CONNECT = "import socket, sys\nsocket.create_connection((sys.argv[1], 29611), timeout=2).close()\n"
+
+
+def test_a_cut_link_stops_traffic_and_a_killed_node_loses_its_processes() -> None:
+    """`cut(node)` takes the node's switch port down (connections to it time out, the others' still open);
+    `kill(node)` kills every process on the node."""
+    with two_nodes.Nodes(ranks_per_node=1, count=3) as nodes:
+        listeners = [
+            subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", LISTEN]) for name in nodes.names
+        ]
+
+        def reaches(dst: int) -> bool:
+            argv = ["ip", "netns", "exec", nodes.names[0], sys.executable, "-c", CONNECT, nodes.addresses[dst]]
+            return subprocess.run(argv, capture_output=True, timeout=60).returncode == 0
+
+        deadline = time.monotonic() + 30
+        while not reaches(2) and time.monotonic() < deadline:  # until the listener is up
+            time.sleep(0.2)
+        assert reaches(2) and reaches(1)
+        nodes.cut(2)
+        assert not reaches(2) and reaches(1)
+        nodes.kill(1)
+        assert listeners[1].wait(timeout=10) == -signal.SIGKILL
+        assert listeners[2].poll() is None
 
 
 def _ignore_sigint() -> None:
@@ -130,7 +180,7 @@ def _start_runner(tmp_path: Path) -> subprocess.Popen:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not _ranks_running(runner.pid):
         time.sleep(0.2)
-    assert len(_ours(runner.pid)) == 2, "the runner did not create its two namespaces"
+    assert len(_ours(runner.pid)) == 3, "the runner did not create its two nodes and the switch"
     assert _ranks_running(runner.pid), _processes(runner.pid)
     return runner
 
@@ -150,7 +200,7 @@ def _processes(pid: int) -> dict[str, list[str]]:
 
 def _ranks_running(pid: int) -> bool:
     """Both nodes run the job's ranks (not only its launchers, whose command lines also name the script)."""
-    nodes = _processes(pid)
+    nodes = {name: cmds for name, cmds in _processes(pid).items() if not name.endswith("-switch")}
     return len(nodes) == 2 and all(any("wait.py" in c and "--local_rank" in c for c in cmds) for cmds in nodes.values())
 
 
@@ -181,7 +231,7 @@ def test_ctrl_c_stops_the_job_and_removes_both_nodes(tmp_path: Path) -> None:
     runner.send_signal(signal.SIGINT)
     output = _communicate(runner, 120)
     assert runner.returncode == 130, output
-    assert "interrupted; both nodes and their processes were removed" in output
+    assert "interrupted; the nodes and their processes were removed" in output
     assert not _ours(runner.pid)
 
 
@@ -217,7 +267,7 @@ def test_check_and_rate_shaping() -> None:
         timeout=60,
     )
     assert done.returncode == 0 and "can run two namespaced nodes" in done.stdout
-    with two_nodes.TwoNodes() as nodes:
+    with two_nodes.Nodes() as nodes:
         names = list(nodes.names)
         nodes.shape(two_nodes.Link(rate_mbit=50))
         for name in names:
@@ -228,11 +278,11 @@ def test_check_and_rate_shaping() -> None:
 
 def test_a_delay_is_shaped_by_netem() -> None:
     """Skips, saying so, on a kernel without the netem qdisc: there the delay cannot be shaped at all."""
-    with two_nodes.TwoNodes() as nodes:
+    with two_nodes.Nodes() as nodes:
         names = list(nodes.names)
         try:
             nodes.shape(two_nodes.Link(rate_mbit=50, delay_ms=5))
-        except two_nodes.TwoNodesError as err:
+        except two_nodes.NodesError as err:
             if "a delay needs the netem qdisc" not in str(err):
                 raise
             pytest.skip(f"this kernel has no netem qdisc: {err}")
@@ -321,11 +371,11 @@ def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) ->
 def test_sudo_ids_that_name_no_user_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUDO_UID", "abc")
     monkeypatch.setenv("SUDO_GID", "0")
-    with pytest.raises(two_nodes.TwoNodesError, match=r"SUDO_UID='abc' and SUDO_GID='0' must both be numeric ids"):
+    with pytest.raises(two_nodes.NodesError, match=r"SUDO_UID='abc' and SUDO_GID='0' must both be numeric ids"):
         two_nodes.invoker()
     unused = next(uid for uid in range(54321, 60000) if uid not in {p.pw_uid for p in pwd.getpwall()})
     monkeypatch.setenv("SUDO_UID", str(unused))
-    with pytest.raises(two_nodes.TwoNodesError, match=f"SUDO_UID={unused} has no account"):
+    with pytest.raises(two_nodes.NodesError, match=f"SUDO_UID={unused} has no account"):
         two_nodes.invoker()
     monkeypatch.delenv("SUDO_UID")
     assert two_nodes.invoker().is_self() and two_nodes.invoker().command(["true"]) == ["true"]
