@@ -83,6 +83,8 @@ def _train(tmp_path: Path, data: Path, count: int, ranks_per_node: int) -> tuple
         "16",
         "--seq_len",
         "64",
+        "--global_batch",
+        str(8 * count * ranks_per_node),  # 8 sequences per rank, one micro-batch
         "--link_counters",
         two_nodes.LINK,
         "--out",
