@@ -59,12 +59,12 @@ def scheme_of(variant: str, auto: dict | None = None) -> Scheme:
     return Scheme("weights" in on, "gradients" in on, **AUTO_STAGES[variant])
 
 
-def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
-    """The model's bytes for one optimizer step of a run of the CPU sweep (its summary.json gives the shape, layout,
-    gradient accumulation and auto decision)."""
+def sweep_bytes(summary: dict, variant: str, dtype: str, nodes: int = 2) -> StepBytes:
+    """The model's bytes for one optimizer step of a run on `nodes` nodes (its summary.json gives the shape, world
+    size, gradient accumulation and auto decision)."""
     settings = summary["settings"]
     shape = gpt(settings["n_layer"], settings["n_embd"], settings["n_head"], summary["vocab_size"], settings["seq_len"])
-    layout = RankGrid(2, summary["world_size"] // 2)
+    layout = RankGrid(nodes, summary["world_size"] // nodes)
     scheme = scheme_of(variant, summary.get("sdp4bit_auto"))
     if scheme.stage == 3:
         step = zero3_step(shape.tensors(), scheme, layout, DTYPE_BYTES[dtype], backend="gloo")
@@ -74,11 +74,11 @@ def sweep_bytes(summary: dict, variant: str, dtype: str) -> StepBytes:
     return step.per_optimizer_step(settings["grad_accum"])
 
 
-def accounted_cross_node_bytes(summary: dict, variant: str, dtype: str) -> float:
+def accounted_cross_node_bytes(summary: dict, variant: str, dtype: str, nodes: int = 2) -> float:
     """Bytes per step that cross the node boundary by the accounting: SDP4Bit's own count of what its collectives
     send to other nodes (engine.sdp4bit.stats(), summed over ranks), plus the model's count of DeepSpeed's own
     collectives (the SDP4Bit kinds' model bytes are replaced by the measured ones)."""
-    model = sweep_bytes(summary, variant, dtype)
+    model = sweep_bytes(summary, variant, dtype, nodes)
     sdp4bit = summary.get("sdp4bit_bytes_per_step") or {}
     deepspeed_part = sum(v for k, v in model.cross.items() if k not in SDP4BIT_KINDS)
     return deepspeed_part + sdp4bit.get("total_cross", 0.0) * summary["world_size"]

@@ -68,6 +68,7 @@ SERVING12 = "deepspeed_sdp4bit/zero12/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
 TIMING = "sdp4bit_cost/timing.py"
 AUTO = "deepspeed_sdp4bit/core/auto.py"
+FAULTS = "deepspeed_sdp4bit/collectives/faults.py"
 RUNTIME_TESTS = (
     "tests/test_zero3_training.py",
     "-k",
@@ -116,6 +117,7 @@ TARGETS = {
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
+    "faults": Target("faults", FAULTS, ("tests/test_faults.py",)),
 }
 
 MUTANTS = [
@@ -911,6 +913,30 @@ MUTANTS = [
         "        if step + 1 < self.start_step or len(self.step_ends) < 2:",
         "        if step < self.start_step or len(self.step_ends) < 2:",
         "the decision one step late",
+    ),
+    Mutant(
+        "F01",
+        FAULTS,
+        "if r != rank and after[r] == before[r] and r not in failed]",
+        "if r != rank and after[r] == before[r]]",
+        "a rank that failed and exited is named silent",
+    ),
+    Mutant(
+        "F02", FAULTS, "and after[r] == before[r] and", "and after[r] != before[r] and", "beating ranks named silent"
+    ),
+    Mutant(
+        "F03",
+        FAULTS,
+        'isinstance(err, dist.DistError) or "gloo" in str(err)',
+        "isinstance(err, dist.DistError)",
+        "gloo's failures raised by a wait() not taken for a collective's",
+    ),
+    Mutant(
+        "F04",
+        FAULTS,
+        'self.store.add(f"{BEAT_KEY}{self.rank}", 1)',
+        'self.store.add(f"{BEAT_KEY}{self.rank}", 0)',
+        "the heartbeat never advances",
     ),
 ]
 

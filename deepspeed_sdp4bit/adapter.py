@@ -51,6 +51,9 @@ PATCHED_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._get_ckpt_name", ("self", "checkpoints_path", "tag")),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.offload_states", ("self",)),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.forward", ("self",)),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", ("self", "loss")),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.step", ("self",)),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", ("self",)),
     ("deepspeed.comm", "init_distributed", ("dist_backend", "distributed_port", "dist_init_required")),
     (

@@ -8,7 +8,9 @@ must be numbered node by node with equal nodes.
 
 SDP4Bit's groups wait as long as the job's default group does (the timeout DeepSpeed's `init_distributed` was given,
 `DEEPSPEED_TIMEOUT` by default): torch's `new_group` would otherwise give them its own default (30 minutes for gloo,
-10 for NCCL), so a collective of theirs stuck on a lost node would outwait the job's timeout.
+10 for NCCL), so a collective of theirs stuck on a lost node would outwait the job's timeout. Building the topology
+also starts this rank's heartbeat, by which a failed collective names the nodes that stopped answering
+(`collectives/faults.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .collectives import faults
 from .log import logger
 
 ENV_SOURCES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
@@ -199,6 +202,7 @@ def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False)
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
     inter = _my_group([list(range(local, world, per_node)) for local in range(per_node)], rank)
     flags = _my_group([list(range(world))], rank, backend="gloo") if host_flags else None
+    faults.watch(per_node, hosts)
     return Topology(
         world=world,
         rank=rank,

@@ -44,6 +44,7 @@ from tqdm import tqdm
 import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the config's "sdp4bit" block)
 from deepspeed_sdp4bit.config import config_from_ds_config
 from deepspeed_sdp4bit.provenance import write_result
+from deepspeed_sdp4bit.topology import job_timeout
 from sdp4bit_examples.comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
 from sdp4bit_examples.gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from sdp4bit_examples.token_dataset import SampleOrder, Split, TokenFile
@@ -378,7 +379,8 @@ class Trainer:
     Its own reductions (losses, summary) run on a private process group that `close()` destroys before exit:
     a gloo worker thread still releasing the last collective's tensors when the interpreter finalizes aborts the
     process ("terminate called without an active exception"), and only destroying a group joins its threads;
-    DeepSpeed keeps the world group referenced until exit.
+    DeepSpeed keeps the world group referenced until exit. The group waits as long as the job's default group (torch
+    would give a new group its own default, 30 minutes for gloo): a lost node stops the loop at the job's timeout.
     """
 
     def __init__(self, args: argparse.Namespace, settings: Settings, engine, data, world: int, rank: int) -> None:
@@ -389,7 +391,7 @@ class Trainer:
         self.meter = CommMeter(engine, args.link_counters if node_leader else None)
         self.out = Path(args.out)
         self.rows: list[dict[str, Any]] = []
-        self.group = dist.new_group()
+        self.group = dist.new_group(timeout=job_timeout())
 
     def close(self) -> None:
         """Destroy the private group; dropping the last reference joins its worker threads while Python is alive."""
@@ -561,6 +563,15 @@ def set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
+def replicas_verified(engine) -> bool | None:
+    """Whether every copy of the weights SDP4Bit keeps agrees with the weights (collective: `verify()`); None where the
+    engine keeps none (no block, no quantized weights, or auto still measuring)."""
+    runtime = getattr(engine, "sdp4bit", None)
+    if runtime is None or runtime.store is None or runtime.measuring():
+        return None
+    return runtime.verify()
+
+
 def resume_step(engine, load_dir: str | None) -> int:
     """Step to continue from after loading the latest checkpoint in load_dir (0 without one)."""
     if not load_dir:
@@ -621,6 +632,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "ln_vocab": expected_initial_loss(vocab),
         "sdp4bit": hasattr(engine, "sdp4bit"),
         "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
+        "sdp4bit_verified": replicas_verified(engine),
         "startup_s": startup_s,
         "train_s": time.perf_counter() - began,
     }

@@ -13,6 +13,7 @@ and tries more of them where a test does not fix its own count.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +27,28 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100, print_blob=True)
 settings.register_profile("local", deadline=None, max_examples=300)
 settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))
+
+
+@pytest.fixture(scope="session")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small token file of the example's corpus (a 512-token BPE), made once for the namespaced-node jobs."""
+    data = tmp_path_factory.mktemp("data") / "tokens"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "prepare_data.py"),
+            "--output_prefix",
+            str(data),
+            "--bpe_vocab_size",
+            "512",
+            "--num_proc",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return data
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,7 +1,6 @@
-"""Two real nodes on one machine (benchmarks/two_nodes.py): a short SDP4Bit training job across a shaped link, the
-topology SDP4Bit finds from the two hostnames, the bytes on the link against the accounting, clean-up on every
-exit path (normal end, Ctrl-C, SIGKILL of the runner), and under sudo a job that runs as the user who ran sudo and
-leaves only that user's files.
+"""Namespaced nodes on one machine (benchmarks/two_nodes.py): the links shaped, cut and a node's processes killed,
+clean-up on every exit path (normal end, Ctrl-C, SIGKILL of the runner), and under sudo a job that runs as the user
+who ran sudo and leaves only that user's files. Training jobs on these nodes are in test_node_faults.py.
 
 Needs root, iproute2 and util-linux; where they are missing the tests skip with the runner's own reason.
 """
@@ -9,7 +8,6 @@ Needs root, iproute2 and util-linux; where they are missing the tests skip with 
 from __future__ import annotations
 
 import json
-import math
 import os
 import pwd
 import shutil
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp4bit_benchmarks import cost_model, two_nodes
+from sdp4bit_benchmarks import two_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,95 +32,6 @@ pytestmark = pytest.mark.skipif(bool(REASONS), reason="two namespaced nodes cann
 def _ours(pid: int) -> list[str]:
     """Namespaces a runner with this pid created that still exist."""
     return [name for name in two_nodes._namespaces() if name.startswith(f"{two_nodes.PREFIX}-{pid}-")]
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small token file of the example's corpus (a 512-token BPE), made once for this file's jobs."""
-    data = tmp_path_factory.mktemp("data") / "tokens"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "prepare_data.py"),
-            "--output_prefix",
-            str(data),
-            "--bpe_vocab_size",
-            "512",
-            "--num_proc",
-            "1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return data
-
-
-def _train(tmp_path: Path, data: Path, count: int, ranks_per_node: int) -> tuple[dict, dict, list[str], str]:
-    """Six fp32 steps of the GPT example with the paper's block on `count` nodes of `ranks_per_node` ranks, each
-    link at 200 Mbit/s: the job's result, rank 0's summary, the namespaces the runner made and the logs' tails."""
-    out = tmp_path / "run"
-    args = [
-        "--model",
-        "tiny",
-        "--deepspeed_config",
-        str(ROOT / "configs/cpu/tiny_sdp4bit.json"),
-        "--ds_set",
-        "sdp4bit.ranks_per_node=auto",
-        "--precision",
-        "fp32",
-        "--data",
-        str(data),
-        "--train_iters",
-        "6",
-        "--steady_from",
-        "2",
-        "--eval_interval",
-        "100",
-        "--eval_samples",
-        "16",
-        "--seq_len",
-        "64",
-        "--global_batch",
-        str(8 * count * ranks_per_node),  # 8 sequences per rank, one micro-batch
-        "--link_counters",
-        two_nodes.LINK,
-        "--out",
-        str(out),
-    ]
-    with two_nodes.Nodes(ranks_per_node=ranks_per_node, count=count) as nodes:
-        nodes.shape(two_nodes.Link(rate_mbit=200))
-        job = two_nodes.run_job(nodes, str(ROOT / "examples" / "train_gpt.py"), args, tmp_path / "logs", timeout=900)
-        names = [*nodes.names, nodes.switch]
-    logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(count))
-    assert job["exit_codes"] == [0] * count, logs
-    assert not [n for n in names if n in two_nodes._namespaces()], "the runner left its namespaces behind"
-    assert len(job["topology"]) == 1, job["topology"]
-    two_nodes.check_topology(job["topology"][0], ranks_per_node, count)
-    assert "(from LOCAL_SIZE)" in job["topology"][0]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["sdp4bit"] is True and summary["world_size"] == count * ranks_per_node, summary
-    return job, summary, names, logs
-
-
-@pytest.mark.slow
-def test_sdp4bit_job_across_a_shaped_link(tmp_path: Path, tokens: Path) -> None:
-    job, summary, _, _ = _train(tmp_path, tokens, 2, 2)
-    payload = summary["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * summary["link_tx_packets_per_step"]
-    accounted = cost_model.accounted_cross_node_bytes(summary, "sdp4bit_node", "fp32")
-    # what the collectives pass across nodes, plus gloo's own framing of each message (a few hundred bytes)
-    assert 0.85 * payload <= accounted <= payload, (accounted, payload)
-    assert job["link_payload_bytes"] >= payload * summary["steps"] * 0.9
-
-
-@pytest.mark.slow
-def test_three_nodes_through_the_switch(tmp_path: Path, tokens: Path) -> None:
-    """Three nodes of one rank: SDP4Bit finds them from the hostnames, the job trains, every node sends on its own
-    shaped link, and the runner removes the nodes and the switch."""
-    job, summary, names, logs = _train(tmp_path, tokens, 3, 1)
-    assert len(names) == 4 and names[-1].endswith("-switch"), names
-    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < summary["initial_loss"], summary
-    assert job["link_payload_bytes"] > 0 and job["link_drops"] >= 0, job
 
 
 LISTEN = "import socket, sys\ns = socket.create_server(('', 29611))\nwhile True:\n    s.accept()[0].close()\n"

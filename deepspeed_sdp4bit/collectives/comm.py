@@ -1,7 +1,9 @@
 """The collectives this package issues, through deepspeed.comm with distinct log names, with wire accounting.
 
 Log names are `sdp4bit_<kind>_<part>` (part: codes, scales, data), so DeepSpeed's comms logger lists each
-quantized collective separately and its byte counts add up to the wire bytes in `CommStats`.
+quantized collective separately and its byte counts add up to the wire bytes in `CommStats`. A collective that fails,
+when issued or when waited for, raises `faults.CollectiveError` naming it, its ranks and nodes, and who stopped
+answering (`faults.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .accounting import CommStats
+from .faults import Pending, named
+
+# what each kind of collective is, in the words of a failure message
+KIND_NAMES = {
+    "weight_refresh": "weight refresh",
+    "weight_resync": "weight resync",
+    "weight_gather": "weight gather",
+    "grad_intra": "gradient level 1 (intra-node)",
+    "grad_inter": "gradient level 2 (inter-node)",
+}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -57,7 +69,7 @@ def all_to_all_single(
     async_op: bool = False,
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
-) -> dist.Work | None:
+) -> Pending | None:
     """All-to-all of `tensor` into `output` over `group`, in equal splits or in the given split sizes (rows of the
     first dimension per member, in group-rank order); the work handle when async_op."""
     nbytes = _nbytes(tensor)
@@ -66,15 +78,18 @@ def all_to_all_single(
         row = tensor.element_size() * math.prod(tensor.shape[1:])
         splits = [size * row for size in input_split_sizes]
     stats.add_wire(kind, nbytes, cross_node_bytes("all_to_all", nbytes, group, stats.ranks_per_node, splits))
-    return ds_comm.all_to_all_single(
-        output,
-        tensor,
-        output_split_sizes=output_split_sizes,
-        input_split_sizes=input_split_sizes,
-        group=group,
-        async_op=async_op,
-        log_name=f"sdp4bit_{kind}_{part}",
-    )
+    what = f"the {KIND_NAMES[kind]} (all-to-all of {part})"
+    with named(what, group):
+        work = ds_comm.all_to_all_single(
+            output,
+            tensor,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=group,
+            async_op=async_op,
+            log_name=f"sdp4bit_{kind}_{part}",
+        )
+    return Pending(work, what, group) if async_op else None
 
 
 def all_gather_into_tensor(
@@ -85,13 +100,16 @@ def all_gather_into_tensor(
     kind: str,
     part: str,
     async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """All-gather of equal `tensor`s into `output` (rank-major) over `group`; the work handle when async_op."""
     nbytes = _nbytes(tensor)
     stats.add_wire(kind, nbytes, cross_node_bytes("all_gather", nbytes, group, stats.ranks_per_node))
-    return ds_comm.all_gather_into_tensor(
-        output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}"
-    )
+    what = f"the {KIND_NAMES[kind]} (all-gather of {part})"
+    with named(what, group):
+        work = ds_comm.all_gather_into_tensor(
+            output, tensor, group=group, async_op=async_op, log_name=f"sdp4bit_{kind}_{part}"
+        )
+    return Pending(work, what, group) if async_op else None
 
 
 def all_reduce(
@@ -100,8 +118,9 @@ def all_reduce(
     op: ds_comm.ReduceOp = ds_comm.ReduceOp.SUM,
     log_name: str = "sdp4bit_check",
 ) -> None:
-    """A small all-reduce for checks (not part of any kind's bytes)."""
-    ds_comm.all_reduce(tensor, op=op, group=group, log_name=log_name)
+    """A small all-reduce for checks and flags (not part of any kind's bytes)."""
+    with named(f"the flag all-reduce {log_name}", group):
+        ds_comm.all_reduce(tensor, op=op, group=group, log_name=log_name)
 
 
 def max_over_ranks(

@@ -138,7 +138,8 @@ def check_layout(saved: dict[str, Any], world: int, ranks_per_node: int, parts: 
     if layout != (world, ranks_per_node):
         raise RuntimeError(
             f"sdp4bit checkpoint was written with world {layout[0]} and {layout[1]} ranks per node; "
-            f"this run has {world} and {ranks_per_node}"
+            f"this run has {world} and {ranks_per_node}; to resume on another layout, convert it with DeepSpeed's "
+            f'ds_to_universal and load it with "checkpoint": {{"load_universal": true}}'
         )
     for key, (setting, here) in parts.items():
         saved_on = key in saved

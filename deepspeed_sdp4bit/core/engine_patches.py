@@ -15,6 +15,8 @@ Per engine, `PatchSet` (instance attributes and hooks of this engine and its obj
 are untouched; `undo()` reverts them newest first, `engine.destroy()` calls `release()`):
 - a forward pre-hook on the engine's model, first among its hooks: finds writes to the served weights made since
   the last forward and resyncs them;
+- the engine's `forward`, `backward` and `step`: a collective of DeepSpeed's failing inside them names the nodes
+  that stopped answering, as SDP4Bit's own collectives do;
 - the engine's `save_checkpoint` / `load_checkpoint`: carry SDP4Bit's state (`core/checkpoint.py`), resync after
   every load; `offload_states` refused while replicas are kept; `destroy`, which undoes all of it;
 - every served parameter names its runtime (`owner`), so a second engine on the same model is refused.
@@ -34,6 +36,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..collectives import faults
 from . import checkpoint
 from .runtime import Runtime
 
@@ -135,6 +138,7 @@ class PatchSet:
         """Serve the engine's seams, checkpoints and destroy through the runtime."""
         self.install_seams()
         self._forward()
+        self._name_failures()
         self._checkpoints()
         if self.runtime.store is not None:
             self._refuse_offload_states()
@@ -195,6 +199,23 @@ class PatchSet:
             lambda module, args: runtime.resync_foreign_writes(), prepend=True
         )
         self._undo.append(handle.remove)
+
+    def _name_failures(self) -> None:
+        """A collective of DeepSpeed's that fails inside the engine's forward, backward or step names, as SDP4Bit's own
+        do, the nodes that stopped answering (`collectives/faults.py`); any other error passes unchanged."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return _naming_failures("forward", forward_, args, kwargs)
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            return _naming_failures("backward", backward_, args, kwargs)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return _naming_failures("step", step_, args, kwargs)
+
+        forward_ = self.replace(self.engine, "forward", forward)
+        backward_ = self.replace(self.engine, "backward", backward)
+        step_ = self.replace(self.engine, "step", step)
 
     def _saved_state(self) -> Any:
         """What this engine saves as SDP4Bit's client state (collective where every rank's goes to rank 0)."""
@@ -271,6 +292,18 @@ class PatchSet:
             return unpatched(*args, **kwargs)
 
         unpatched = self.replace(self.engine, "destroy", destroy)
+
+
+def _naming_failures(name: str, unpatched: Callable, args: tuple, kwargs: dict) -> Any:
+    """unpatched(*args, **kwargs), a failure of a collective inside it re-raised as one that names the silent nodes."""
+    try:
+        return unpatched(*args, **kwargs)
+    except faults.CollectiveError:
+        raise
+    except RuntimeError as err:
+        if not faults.from_backend(err):
+            raise
+        raise faults.failure(f"a collective of DeepSpeed's in engine.{name}()", err) from err
 
 
 def _raise_if_unreadable(engine: Any, load_dir: str, tag: Any, error: Exception) -> None:

@@ -1,0 +1,289 @@
+"""Fault drills and resumes on namespaced nodes (benchmarks/two_nodes.py), with the GPT example's tiny model in fp32.
+
+    sudo .venv/bin/python benchmarks/fault_drills.py fault --fault cut --block on --data DATA --out runs/drills/cut
+    sudo .venv/bin/python benchmarks/fault_drills.py train --nodes 2 --ranks_per_node 2 --block on --iters 30 \\
+        --save_interval 10 --data DATA --out runs/drills/saved
+    sudo .venv/bin/python benchmarks/fault_drills.py universal --checkpoint runs/drills/saved/checkpoint
+    sudo .venv/bin/python benchmarks/fault_drills.py train --nodes 3 --ranks_per_node 1 --block on --iters 30 \\
+        --load runs/drills/saved/checkpoint --data DATA --out runs/drills/resumed
+
+`fault` starts a job on N nodes of one rank each with a job timeout of one minute (DEEPSPEED_TIMEOUT=1), saving a
+checkpoint every `--save_interval` steps; after `--steps_before` steps it faults the last node: `cut` takes its link
+down at the switch (no FIN or reset reaches anyone, as when a switch port or the node's power fails), `kill` kills
+every process on it. It times how long each surviving node's job takes to stop and keeps the errors each survivor's
+log reports. `train` runs the example on N x R nodes (from a checkpoint with `--load`: a universal one, made by
+`universal`, which runs DeepSpeed's `ds_to_universal` on a checkpoint's latest tag). Each prints its result as JSON
+and writes it, with the commit, versions and machine, to `--out`/result.json. DATA is a token file prefix made by
+examples/prepare_data.py. Every job uses the same global batch (24 sequences of 64 tokens, micro-batches of 2), so the
+data order, which the example draws independently of the world size, is the same on every layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from deepspeed_sdp4bit.provenance import write_result
+from sdp4bit_benchmarks import cost_model, two_nodes
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+CONFIG = ROOT / "configs" / "cpu" / "tiny_sdp4bit.json"
+TIMEOUT_MIN = 1
+GLOBAL_BATCH, MICRO_BATCH = 24, 2
+RATE_MBIT = 200
+
+
+@dataclass
+class Drill:
+    """What a fault drill did and saw: the fault, when it struck, how each node's job ended and what it said."""
+
+    fault: str
+    block: bool
+    nodes: int
+    struck_after_step: int
+    exit_codes: list[int | None] = field(default_factory=list)
+    exit_after_s: list[float | None] = field(default_factory=list)
+    errors: list[list[str]] = field(default_factory=list)
+
+
+def example_args(data: Path, out: Path, block: bool, iters: int, extra: list[str] | None = None) -> list[str]:
+    """The example's arguments: the tiny model in fp32 with the paper's block (enabled or not) for `iters` steps."""
+    return [
+        "--model",
+        "tiny",
+        "--deepspeed_config",
+        str(CONFIG),
+        "--ds_set",
+        f"sdp4bit.enabled={json.dumps(block)}",
+        "--ds_set",
+        "sdp4bit.ranks_per_node=auto",
+        "--precision",
+        "fp32",
+        "--data",
+        str(data),
+        "--train_iters",
+        str(iters),
+        "--eval_interval",
+        "100000",
+        "--eval_samples",
+        "16",
+        "--seq_len",
+        "64",
+        "--global_batch",
+        str(GLOBAL_BATCH),
+        "--micro_batch",
+        str(MICRO_BATCH),
+        "--out",
+        str(out),
+        *(extra or []),
+    ]
+
+
+def losses(out: Path) -> dict[str, float]:
+    """Step (a string, as result.json holds it) -> mean training loss, from the log.csv rank 0 wrote."""
+    log = out / "log.csv"
+    if not log.exists():
+        return {}
+    with log.open() as f:
+        return {row["step"]: float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")}
+
+
+def error_lines(log: Path, keep: int = 6) -> list[str]:
+    """The last lines of a node's log that report an error."""
+    words = ("Error", "error", "sdp4bit:", "Timed out", "timed out", "closed")
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if any(w in line for w in words)]
+    return lines[-keep:]
+
+
+def _wait_for_step(procs: list[subprocess.Popen], out: Path, step: int, limit: float) -> None:
+    """Until rank 0 logged `step` steps; raises when a node's job ends first or time runs out."""
+    deadline = time.monotonic() + limit
+    while len(losses(out)) < step:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            codes = [p.poll() for p in procs]
+            raise two_nodes.NodesError(f"the job did not reach step {step}: exit codes {codes}")
+        time.sleep(0.2)
+
+
+def _exit_times(procs: list[subprocess.Popen], watched: int, struck: float, limit: float) -> list[float | None]:
+    """Seconds from the fault to each node's job ending, for the first `watched` nodes (None: still running)."""
+    exits: list[float | None] = [None] * len(procs)
+    while time.monotonic() < struck + limit and any(exits[i] is None for i in range(watched)):
+        for i, proc in enumerate(procs):
+            if exits[i] is None and proc.poll() is not None:
+                exits[i] = time.monotonic() - struck
+        time.sleep(0.2)
+    return exits
+
+
+def fault_drill(
+    fault: str, block: bool, data: Path, out: Path, nodes: int = 3, steps_before: int = 13, save_interval: int = 5
+) -> Drill:
+    """Start the job, fault the last node once rank 0 logged `steps_before` steps, and time the survivors' exits
+    (checkpoints every `save_interval` steps in out/checkpoint)."""
+    drill = Drill(fault, block, nodes, steps_before)
+    save = ["--save_dir", str(out / "checkpoint"), "--save_interval", str(save_interval)]
+    args = example_args(data, out / "job", block, 100000, save)
+    with two_nodes.Nodes(ranks_per_node=1, count=nodes) as cluster:
+        cluster.shape(two_nodes.Link(rate_mbit=RATE_MBIT))
+        procs = cluster.launch(str(EXAMPLE), args, out / "logs", {"DEEPSPEED_TIMEOUT": str(TIMEOUT_MIN)})
+        _wait_for_step(procs, out / "job", steps_before, 900)
+        struck = time.monotonic()
+        (cluster.cut if fault == "cut" else cluster.kill)(nodes - 1)
+        drill.exit_after_s = _exit_times(procs, nodes - 1, struck, TIMEOUT_MIN * 60 + 120)
+        drill.exit_codes = [p.poll() for p in procs]
+    drill.errors = [error_lines(out / "logs" / f"node{i}.log") for i in range(nodes)]
+    return drill
+
+
+def train(
+    data: Path,
+    out: Path,
+    nodes: int,
+    ranks_per_node: int,
+    block: bool,
+    iters: int,
+    load: Path | None = None,
+    save_interval: int = 0,
+) -> dict:
+    """The example on `nodes` x `ranks_per_node` namespaced nodes (resumed from the universal checkpoint in `load`);
+    the job's exit codes, topology and link bytes, rank 0's summary and the loss of every step."""
+    extra = []
+    if load is not None:
+        extra += ["--load_dir", str(load), "--ds_set", "checkpoint.load_universal=true"]
+    if save_interval:
+        extra += ["--save_dir", str(out / "checkpoint"), "--save_interval", str(save_interval)]
+    extra += ["--link_counters", two_nodes.LINK]
+    args = example_args(data, out / "job", block, iters, extra)
+    with two_nodes.Nodes(ranks_per_node=ranks_per_node, count=nodes) as cluster:
+        cluster.shape(two_nodes.Link(rate_mbit=RATE_MBIT))
+        job = two_nodes.run_job(cluster, str(EXAMPLE), args, out / "logs", timeout=1800)
+    summary_file = out / "job" / "summary.json"
+    job["summary"] = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    job["losses"] = losses(out / "job")
+    job["log_tail"] = "".join((out / "logs" / f"node{i}.log").read_text(errors="replace")[-1500:] for i in range(nodes))
+    return job
+
+
+def universal(checkpoint: Path, tag: str | None = None) -> str:
+    """Convert one tag of the checkpoint (default: its latest) with DeepSpeed's ds_to_universal, which points
+    `latest_universal` beside it to the result; returns the universal tag."""
+    tag = tag or (checkpoint / "latest").read_text().strip()
+    target = f"{tag}_universal"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(checkpoint / tag),
+            "--output_folder",
+            str(checkpoint / target),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    return target
+
+
+def tail_mean(losses: dict[str, float], last: int, count: int) -> float:
+    """Mean loss of steps last-count+1 .. last."""
+    return sum(losses[str(step)] for step in range(last - count + 1, last + 1)) / count
+
+
+def compare_layouts(data: Path, out: Path, layouts: list[tuple[int, int]], iters: int) -> dict:
+    """Each layout (nodes, ranks per node) trained with the block and without it: the loss gap over the last 10
+    steps, whether the replicas verified, and SDP4Bit's accounting of cross-node bytes against the links' payload."""
+    rows = []
+    for nodes, per_node in layouts:
+        runs = {
+            block: train(data, out / f"{nodes}x{per_node}_{block}", nodes, per_node, block == "on", iters)
+            for block in ("on", "off")
+        }
+        on = runs["on"]["summary"]
+        payload = on["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * on["link_tx_packets_per_step"]
+        accounted = cost_model.accounted_cross_node_bytes(on, "sdp4bit_node", "fp32", nodes=nodes)
+        losses = {block: tail_mean(run["losses"], iters - 1, 10) for block, run in runs.items()}
+        rows.append(
+            {
+                "layout": f"{nodes}x{per_node}",
+                "exit_codes": {block: run["exit_codes"] for block, run in runs.items()},
+                "topology": runs["on"]["topology"],
+                "loss_last10": losses,
+                "loss_gap": losses["on"] / losses["off"] - 1,
+                "verified": on["sdp4bit_verified"],
+                "accounted_cross_bytes_per_step": accounted,
+                "link_payload_bytes_per_step": payload,
+                "accounting_gap": accounted / payload - 1,
+            }
+        )
+        row = rows[-1]
+        print(
+            f"{row['layout']}: loss (last 10 steps) {losses['on']:.4f} with the block, {losses['off']:.4f} without "
+            f"({row['loss_gap']:+.2%}); verified {row['verified']}; cross-node bytes/step accounted {accounted:,.0f}, "
+            f"on the links {payload:,.0f} ({row['accounting_gap']:+.2%})",
+            flush=True,
+        )
+    return {"iters": iters, "layouts": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    fault = commands.add_parser("fault", help="fault the last node of a running job")
+    fault.add_argument("--fault", choices=("cut", "kill"), required=True)
+    fault.add_argument("--nodes", type=int, default=3)
+    run = commands.add_parser("train", help="train (or resume) on N x R nodes")
+    run.add_argument("--nodes", type=int, required=True)
+    run.add_argument("--ranks_per_node", type=int, required=True)
+    run.add_argument("--iters", type=int, required=True, help="train until this step")
+    run.add_argument("--load", help="resume from the universal checkpoint in this folder")
+    run.add_argument("--save_interval", type=int, default=0, help="a checkpoint every N steps in --out/checkpoint")
+    for sub in (fault, run):
+        sub.add_argument("--block", choices=("on", "off"), required=True)
+        sub.add_argument("--data", required=True, help="token file prefix (examples/prepare_data.py)")
+        sub.add_argument("--out", required=True)
+    compare = commands.add_parser("layouts", help="train each layout with the block and without it")
+    compare.add_argument("--layouts", nargs="+", default=["3x1", "4x1", "3x2"], help="NODESxRANKS, e.g. 3x2")
+    compare.add_argument("--iters", type=int, default=100)
+    compare.add_argument("--data", required=True, help="token file prefix (examples/prepare_data.py)")
+    compare.add_argument("--out", required=True)
+    convert = commands.add_parser("universal", help="convert a checkpoint's latest tag to a universal checkpoint")
+    convert.add_argument("--checkpoint", required=True)
+    convert.add_argument("--tag", help="which tag (default: the latest)")
+    args = parser.parse_args(argv)
+    if args.command == "universal":
+        print(json.dumps({"universal_tag": universal(Path(args.checkpoint), args.tag)}))
+        return 0
+    out = Path(args.out)
+    with two_nodes.signals_raise():
+        if args.command == "layouts":
+            layouts = [(int(layout.split("x")[0]), int(layout.split("x")[1])) for layout in args.layouts]
+            result = compare_layouts(Path(args.data), out, layouts, args.iters)
+        elif args.command == "fault":
+            result = asdict(fault_drill(args.fault, args.block == "on", Path(args.data), out, args.nodes))
+        else:
+            load = Path(args.load) if args.load else None
+            block = args.block == "on"
+            result = train(
+                Path(args.data), out, args.nodes, args.ranks_per_node, block, args.iters, load, args.save_interval
+            )
+    result = write_result(out / "result.json", {"command": sys.argv, **result})
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
