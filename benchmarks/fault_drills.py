@@ -7,15 +7,18 @@
     sudo .venv/bin/python benchmarks/fault_drills.py train --nodes 3 --ranks_per_node 1 --block on --iters 30 \\
         --load runs/drills/saved/checkpoint --data DATA --out runs/drills/resumed
 
-`fault` starts a job on N nodes of one rank each with a job timeout of one minute (DEEPSPEED_TIMEOUT=1), saving a
-checkpoint every `--save_interval` steps; after `--steps_before` steps it faults the last node: `cut` takes its link
-down at the switch (no FIN or reset reaches anyone, as when a switch port or the node's power fails), `kill` kills
-every process on it. It times how long each surviving node's job takes to stop and keeps the errors each survivor's
-log reports. `train` runs the example on N x R nodes (from a checkpoint with `--load`: a universal one, made by
-`universal`, which runs DeepSpeed's `ds_to_universal` on a checkpoint's latest tag). Each prints its result as JSON
-and writes it, with the commit, versions and machine, to `--out`/result.json. DATA is a token file prefix made by
-examples/prepare_data.py. Every job uses the same global batch (24 sequences of 64 tokens, micro-batches of 2), so the
-data order, which the example draws independently of the world size, is the same on every layout.
+`layouts` trains each layout (default 3 x 1, 4 x 1, 3 x 2) with the block and without it for 100 steps and compares the
+losses, the replicas' check and SDP4Bit's accounting of cross-node bytes with what the links carried. `resumes` saves a
+2 x 2 job with the block, makes the checkpoint universal and resumes it on each layout (default 4 x 1, 1 x 4, 3 x 1)
+with the block and without it (`--config`: the ZeRO stage's config). `fault` starts a job on N nodes of one rank each
+with a job timeout of one minute (DEEPSPEED_TIMEOUT=1), saving a checkpoint every 5 steps; after 13 steps it faults the
+last node: `cut` takes its link down at the switch (no FIN or reset reaches anyone, as when a switch port or the node's
+power fails), `kill` kills every process on it. It times how long each surviving node's job takes to stop and keeps the
+errors each survivor's log reports. `train` runs the example on N x R nodes (from a checkpoint with `--load`: a
+universal one, made by `universal`, which runs DeepSpeed's `ds_to_universal` on a checkpoint's latest tag). Each prints
+its result as JSON and writes it, with the commit, versions and machine, to `--out`/result.json. DATA is a token file
+prefix made by examples/prepare_data.py. Every job uses the same global batch (24 sequences of 64 tokens, micro-batches
+of 2), so the data order, which the example draws independently of the world size, is the same on every layout.
 """
 
 from __future__ import annotations
@@ -53,13 +56,16 @@ class Drill:
     errors: list[list[str]] = field(default_factory=list)
 
 
-def example_args(data: Path, out: Path, block: bool, iters: int, extra: list[str] | None = None) -> list[str]:
-    """The example's arguments: the tiny model in fp32 with the paper's block (enabled or not) for `iters` steps."""
+def example_args(
+    data: Path, out: Path, block: bool, iters: int, extra: list[str] | None = None, config: Path = CONFIG
+) -> list[str]:
+    """The example's arguments: the tiny model in fp32 with the paper's block in `config` (enabled or not) for `iters`
+    steps."""
     return [
         "--model",
         "tiny",
         "--deepspeed_config",
-        str(CONFIG),
+        str(config),
         "--ds_set",
         f"sdp4bit.enabled={json.dumps(block)}",
         "--ds_set",
@@ -152,6 +158,7 @@ def train(
     iters: int,
     load: Path | None = None,
     save_interval: int = 0,
+    config: Path = CONFIG,
 ) -> dict:
     """The example on `nodes` x `ranks_per_node` namespaced nodes (resumed from the universal checkpoint in `load`);
     the job's exit codes, topology and link bytes, rank 0's summary and the loss of every step."""
@@ -161,7 +168,7 @@ def train(
     if save_interval:
         extra += ["--save_dir", str(out / "checkpoint"), "--save_interval", str(save_interval)]
     extra += ["--link_counters", two_nodes.LINK]
-    args = example_args(data, out / "job", block, iters, extra)
+    args = example_args(data, out / "job", block, iters, extra, config)
     with two_nodes.Nodes(ranks_per_node=ranks_per_node, count=nodes) as cluster:
         cluster.shape(two_nodes.Link(rate_mbit=RATE_MBIT))
         job = two_nodes.run_job(cluster, str(EXAMPLE), args, out / "logs", timeout=1800)
@@ -239,6 +246,51 @@ def compare_layouts(data: Path, out: Path, layouts: list[tuple[int, int]], iters
     return {"iters": iters, "layouts": rows}
 
 
+def compare_resumes(
+    data: Path, out: Path, targets: list[tuple[int, int]], config: Path, saved_at: int = 10, until: int = 30
+) -> dict:
+    """A 2 x 2 job with the block saves at step `saved_at` and goes on to `until`; the checkpoint, made universal,
+    resumes on each target layout with the block and without it, to `until`: the first resumed step against the
+    saved run's, the mean loss after the resume with the block against without, and the replicas' check."""
+    saved = train(data, out / "saved", 2, 2, True, until, save_interval=saved_at, config=config)
+    checkpoint = out / "saved" / "checkpoint"
+    universal(checkpoint, f"global_step{saved_at}")
+    rows = []
+    for nodes, per_node in targets:
+        runs = {
+            block: train(
+                data,
+                out / f"{nodes}x{per_node}_{block}",
+                nodes,
+                per_node,
+                block == "on",
+                until,
+                checkpoint,
+                config=config,
+            )
+            for block in ("on", "off")
+        }
+        means = {block: tail_mean(run["losses"], until - 1, until - saved_at) for block, run in runs.items()}
+        first = runs["on"]["losses"][str(saved_at)]
+        row = {
+            "layout": f"{nodes}x{per_node}",
+            "exit_codes": {block: run["exit_codes"] for block, run in runs.items()},
+            "first_step_loss": first,
+            "saved_run_loss": saved["losses"][str(saved_at)],
+            "mean_loss_after_resume": means,
+            "gap": means["on"] / means["off"] - 1,
+            "verified": runs["on"]["summary"]["sdp4bit_verified"],
+        }
+        rows.append(row)
+        print(
+            f"2x2 -> {row['layout']}: step {saved_at} loss {first:.4f} (saved run {row['saved_run_loss']:.4f}); "
+            f"mean over steps {saved_at}-{until - 1}: {means['on']:.4f} with the block, {means['off']:.4f} without "
+            f"({row['gap']:+.2%}); verified {row['verified']}",
+            flush=True,
+        )
+    return {"config": str(config), "saved_at": saved_at, "until": until, "resumes": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -258,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     compare = commands.add_parser("layouts", help="train each layout with the block and without it")
     compare.add_argument("--layouts", nargs="+", default=["3x1", "4x1", "3x2"], help="NODESxRANKS, e.g. 3x2")
     compare.add_argument("--iters", type=int, default=100)
-    compare.add_argument("--data", required=True, help="token file prefix (examples/prepare_data.py)")
-    compare.add_argument("--out", required=True)
+    resumes = commands.add_parser("resumes", help="a 2 x 2 checkpoint resumed on other layouts, with and without")
+    resumes.add_argument("--layouts", nargs="+", default=["4x1", "1x4", "3x1"], help="NODESxRANKS, e.g. 3x1")
+    resumes.add_argument("--config", default=str(CONFIG), help="DeepSpeed config with the block (its ZeRO stage)")
+    for sub in (compare, resumes):
+        sub.add_argument("--data", required=True, help="token file prefix (examples/prepare_data.py)")
+        sub.add_argument("--out", required=True)
     convert = commands.add_parser("universal", help="convert a checkpoint's latest tag to a universal checkpoint")
     convert.add_argument("--checkpoint", required=True)
     convert.add_argument("--tag", help="which tag (default: the latest)")
@@ -269,9 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     with two_nodes.signals_raise():
-        if args.command == "layouts":
+        if args.command in ("layouts", "resumes"):
             layouts = [(int(layout.split("x")[0]), int(layout.split("x")[1])) for layout in args.layouts]
-            result = compare_layouts(Path(args.data), out, layouts, args.iters)
+            if args.command == "layouts":
+                result = compare_layouts(Path(args.data), out, layouts, args.iters)
+            else:
+                result = compare_resumes(Path(args.data), out, layouts, Path(args.config))
         elif args.command == "fault":
             result = asdict(fault_drill(args.fault, args.block == "on", Path(args.data), out, args.nodes))
         else:

@@ -263,8 +263,8 @@ class Nodes:
     removes everything it made."""
 
     def __init__(self, ranks_per_node: int = 2, user: Invoker | None = None, count: int = 2) -> None:
-        if count < 2:
-            raise NodesError(f"count = {count}: the runner joins 2 or more nodes")
+        if count < 1:
+            raise NodesError(f"count = {count}: the runner needs at least one node")
         self.count = count
         self.ranks_per_node = ranks_per_node
         self.user = user if user is not None else invoker()
@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--guard", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--rate_mbit", type=float, help="link rate in Mbit/s each way (default: unshaped)")
     parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay in ms (needs netem)")
-    parser.add_argument("--nodes", type=int, default=2, help="how many nodes (2 or more)")
+    parser.add_argument("--nodes", type=int, default=2, help="how many nodes (1 or more)")
     parser.add_argument("--ranks_per_node", type=int, default=2, help="ranks (slots) per node")
     parser.add_argument("--log_dir", default="runs/two_nodes", help="launcher logs and the hostfile go here")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before the job is killed")
