@@ -132,7 +132,7 @@ def _start_beat() -> Heartbeat | None:
     try:
         store = dist.distributed_c10d._get_default_store().clone()
         store.set_timeout(STORE_TIMEOUT)
-    except (AttributeError, RuntimeError, NotImplementedError):
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError):
         return None
     return Heartbeat(store, dist.get_rank()).start()
 
@@ -167,7 +167,8 @@ def failure(what: str, err: BaseException, members: Sequence[int] | None = None)
     rank, world = dist.get_rank(), dist.get_world_size()
     here = _nodes.name([rank]) if _nodes else f"rank {rank}"
     over = "" if members is None else f" over {_nodes.name(members) if _nodes else f'ranks {list(members)}'}"
-    silence = _silent(_beat, rank, world) if _beat is not None else "no liveness information (store not cloneable)"
+    alive = _beat is not None and _beat.store is not None
+    silence = _silent(_beat, rank, world) if alive else "no liveness information (no heartbeat in this process)"
     return CollectiveError(f"sdp4bit: {what}{over} failed on {here}: {silence}. {type(err).__name__}: {err}")
 
 
