@@ -18,7 +18,8 @@ errors each survivor's log reports. `train` runs the example on N x R nodes (fro
 universal one, made by `universal`, which runs DeepSpeed's `ds_to_universal` on a checkpoint's latest tag). Each prints
 its result as JSON and writes it, with the commit, versions and machine, to `--out`/result.json. DATA is a token file
 prefix made by examples/prepare_data.py. Every job uses the same global batch (24 sequences of 64 tokens, micro-batches
-of 2), so the data order, which the example draws independently of the world size, is the same on every layout.
+of 2), so the data order, which the example draws independently of the world size, is the same on every layout; each
+rank runs one torch thread, so that several jobs share the machine without oversubscribing it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def example_args(
         str(GLOBAL_BATCH),
         "--micro_batch",
         str(MICRO_BATCH),
+        "--threads",
+        "1",
         "--out",
         str(out),
         *(extra or []),

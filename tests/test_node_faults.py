@@ -1,12 +1,12 @@
 """Jobs on namespaced nodes that lose a node, and jobs resumed on another layout (benchmarks/fault_drills.py).
 
-The drills run on three nodes with a job timeout of one minute, with the paper's block and without it: a node's link
-cut in the middle of a step stops every survivor within the timeout plus 30 s, a node's processes killed stop them
-within 60 s, and with the block each survivor's error names the node that stopped answering. The survivors then
-resume from the last checkpoint, made universal, and reach the loss of a run that was never interrupted. A 2 x 2 job
-with the block accounts for the bytes its links carry; its universal checkpoint resumes on 3 x 1 with the block where
-plain ZeRO-3 resumed the same way goes, its replicas verified. The jobs run side by side, in two rounds (the second
-needs the first's checkpoints), so the drills' minute of waiting costs no extra time.
+The drills run on three nodes with a job timeout of one minute, with the paper's block and without it: a node's link cut
+in the middle of a step stops every survivor within the timeout plus 30 s, a node's processes killed stop them within 60
+s, and with the block each survivor's error names the node that stopped answering. The survivors then resume from the
+last checkpoint, made universal, and reach the loss of a run that was never interrupted. A 2 x 2 job with the block
+accounts for the bytes its links carry; its universal checkpoint resumes on 3 x 1 with the block where plain ZeRO-3
+resumed the same way goes, its replicas verified. The jobs run side by side (the resumes start from the first jobs'
+checkpoints while the cut drills wait out their timeout).
 
 Needs root, iproute2 and util-linux, as benchmarks/two_nodes.py; where they are missing the tests skip with its reason.
 """
@@ -34,9 +34,8 @@ SAVED_AT, SAVED_UNTIL = 10, 30  # the 2 x 2 job's checkpoint that resumes on 3 x
 RESTART_UNTIL = 60  # the survivors' restart and the uninterrupted run train to this step
 
 
-def _run_side_by_side(root: Path, commands: dict[str, list[str]], timeout: float) -> dict[str, dict]:
-    """Each fault_drills.py command in a process of its own (each builds its own nodes), all at once; their
-    result.json once all ended. A command that failed fails every test of the module with its output."""
+def _start(root: Path, commands: dict[str, list[str]]) -> dict[str, subprocess.Popen]:
+    """Each fault_drills.py command in a process of its own (each builds its own nodes), all at once."""
     started = {}
     for name, args in commands.items():
         out = root / name
@@ -44,6 +43,12 @@ def _run_side_by_side(root: Path, commands: dict[str, list[str]], timeout: float
         with (root / f"{name}.log").open("w") as log:
             argv = [sys.executable, str(DRILLS), *args, "--out", str(out)]
             started[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return started
+
+
+def _finish(root: Path, started: dict[str, subprocess.Popen], timeout: float) -> dict[str, dict]:
+    """The commands' result.json once they ended. A command that failed fails every test of the module with its
+    output; so do namespaces one left behind."""
     for name, proc in started.items():
         try:
             code = proc.wait(timeout=timeout)
@@ -51,18 +56,16 @@ def _run_side_by_side(root: Path, commands: dict[str, list[str]], timeout: float
             proc.kill()
             code = proc.wait()
         assert code == 0, f"{name}: exit {code}\n{(root / f'{name}.log').read_text(errors='replace')[-4000:]}"
-    left = [
-        n for n in two_nodes._namespaces() for p in started.values() if n.startswith(f"{two_nodes.PREFIX}-{p.pid}-")
-    ]
-    assert not left, f"namespaces left behind: {left}"
-    return {name: {**json.loads((root / name / "result.json").read_text()), "out": root / name} for name in commands}
+        left = [n for n in two_nodes._namespaces() if n.startswith(f"{two_nodes.PREFIX}-{proc.pid}-")]
+        assert not left, f"{name} left namespaces behind: {left}"
+    return {name: {**json.loads((root / name / "result.json").read_text()), "out": root / name} for name in started}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> dict[str, dict]:
-    """Round one: the four drills, the 2 x 2 job that saves, and an uninterrupted run on the survivors' layout.
-    Round two, from round one's checkpoints made universal: the survivors' restart, and 3 x 1 with and without the
-    block."""
+    """First the four drills, the 2 x 2 job that saves, and an uninterrupted run on the survivors' layout; once the
+    kill drill and the 2 x 2 job ended (while the cut drills wait out their timeout), their checkpoints, made
+    universal, start the survivors' restart and 3 x 1 with and without the block."""
     root = tmp_path_factory.mktemp("jobs")
     data = ["--data", str(tokens)]
     first = {
@@ -74,7 +77,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> dict[str, di
     first["whole"] = [*survivors, *data]
     first["saved"] = ["train", "--nodes", "2", "--ranks_per_node", "2", "--block", "on", "--iters", str(SAVED_UNTIL)]
     first["saved"] += ["--save_interval", str(SAVED_AT), *data]
-    done = _run_side_by_side(root, first, 1200)
+    running = _start(root, first)
+    done = _finish(root, {name: running.pop(name) for name in ("kill_on", "saved")}, 1200)
     restart_from = done["kill_on"]["out"] / "checkpoint"
     done["restart_tag"] = {"tag": fault_drills.universal(restart_from)}
     saved = done["saved"]["out"] / "checkpoint"
@@ -85,7 +89,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> dict[str, di
         "resumed_on": [*resume, "--block", "on", *data],
         "resumed_off": [*resume, "--block", "off", *data],
     }
-    return {**done, **_run_side_by_side(root, second, 900)}
+    running.update(_start(root, second))
+    return {**done, **_finish(root, running, 1200)}
 
 
 @pytest.mark.parametrize("block", ["on", "off"])
