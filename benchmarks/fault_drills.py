@@ -184,7 +184,8 @@ def train(
 
 def universal(checkpoint: Path, tag: str | None = None) -> str:
     """Convert one tag of the checkpoint (default: its latest) with DeepSpeed's ds_to_universal, which points
-    `latest_universal` beside it to the result; returns the universal tag."""
+    `latest_universal` beside it to the result; returns the universal tag. ZeRO-1/2 checkpoints need its
+    `--inject_missing_state` (the layout information Megatron-DeepSpeed saves and plain DeepSpeed does not)."""
     tag = tag or (checkpoint / "latest").read_text().strip()
     target = f"{tag}_universal"
     subprocess.run(
@@ -200,6 +201,7 @@ def universal(checkpoint: Path, tag: str | None = None) -> str:
             "1",
             "--num_merge_workers",
             "1",
+            "--inject_missing_state",  # ZeRO-1/2 checkpoints lack the universal_checkpoint_info Megatron would add
         ],
         check=True,
         capture_output=True,
