@@ -11,7 +11,7 @@
 losses, the replicas' check and SDP4Bit's accounting of cross-node bytes with what the links carried. `resumes` saves a
 2 x 2 job with the block, makes the checkpoint universal and resumes it on each layout (default 4 x 1, 1 x 4, 3 x 1)
 with the block and without it (`--config`: the ZeRO stage's config). `fault` starts a job on N nodes of one rank each
-with a job timeout of one minute (DEEPSPEED_TIMEOUT=1), saving a checkpoint every 5 steps; after 13 steps it faults the
+with a job timeout of one minute (DEEPSPEED_TIMEOUT=1), saving a checkpoint every 5 steps; after 8 steps it faults the
 last node: `cut` takes its link down at the switch (no FIN or reset reaches anyone, as when a switch port or the node's
 power fails), `kill` kills every process on it. It times how long each surviving node's job takes to stop and keeps the
 errors each survivor's log reports. `train` runs the example on N x R nodes (from a checkpoint with `--load`: a
@@ -133,7 +133,7 @@ def _exit_times(procs: list[subprocess.Popen], watched: int, struck: float, limi
 
 
 def fault_drill(
-    fault: str, block: bool, data: Path, out: Path, nodes: int = 3, steps_before: int = 13, save_interval: int = 5
+    fault: str, block: bool, data: Path, out: Path, nodes: int = 3, steps_before: int = 8, save_interval: int = 5
 ) -> Drill:
     """Start the job, fault the last node once rank 0 logged `steps_before` steps, and time the survivors' exits
     (checkpoints every `save_interval` steps in out/checkpoint)."""

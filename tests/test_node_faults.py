@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,8 @@ pytestmark = [
     pytest.mark.skipif(bool(REASONS), reason="namespaced nodes cannot run here: " + "; ".join(REASONS)),
 ]
 LOST = "node 2 (rank 2"
-SAVED_AT, SAVED_UNTIL = 10, 30  # the 2 x 2 job's checkpoint that resumes on 3 x 1, and its last step
-RESTART_UNTIL = 60  # the survivors' restart and the uninterrupted run train to this step
+SAVED_AT, RESUMED_UNTIL = 10, 30  # the 2 x 2 job's checkpoint that resumes on 3 x 1, and where the resumes stop
+RESTART_UNTIL = 55  # the survivors' restart (from step 5) and the uninterrupted run train to this step
 
 
 def _start(root: Path, commands: dict[str, list[str]]) -> dict[str, subprocess.Popen]:
@@ -63,34 +64,45 @@ def _finish(root: Path, started: dict[str, subprocess.Popen], timeout: float) ->
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> dict[str, dict]:
-    """First the four drills, the 2 x 2 job that saves, and an uninterrupted run on the survivors' layout; once the
-    kill drill and the 2 x 2 job ended (while the cut drills wait out their timeout), their checkpoints, made
-    universal, start the survivors' restart and 3 x 1 with and without the block."""
+    """The four drills, the 2 x 2 job that saves, and an uninterrupted run on the survivors' layout, side by side; as
+    soon as the kill drill with the block ends, its last checkpoint, made universal, restarts the survivors, and as
+    soon as the 2 x 2 job ends, its checkpoint resumes on 3 x 1 with and without the block (while the cut drills
+    wait out their timeout)."""
     root = tmp_path_factory.mktemp("jobs")
     data = ["--data", str(tokens)]
+    survivors = ["train", "--nodes", "2", "--ranks_per_node", "1", "--block", "on", "--iters", str(RESTART_UNTIL)]
     first = {
         f"{fault}_{block}": ["fault", "--fault", fault, "--block", block, *data]
         for fault in ("cut", "kill")
         for block in ("on", "off")
     }
-    survivors = ["train", "--nodes", "2", "--ranks_per_node", "1", "--block", "on", "--iters", str(RESTART_UNTIL)]
     first["whole"] = [*survivors, *data]
-    first["saved"] = ["train", "--nodes", "2", "--ranks_per_node", "2", "--block", "on", "--iters", str(SAVED_UNTIL)]
+    first["saved"] = ["train", "--nodes", "2", "--ranks_per_node", "2", "--block", "on", "--iters", str(SAVED_AT + 1)]
     first["saved"] += ["--save_interval", str(SAVED_AT), *data]
-    running = _start(root, first)
-    done = _finish(root, {name: running.pop(name) for name in ("kill_on", "saved")}, 1200)
-    restart_from = done["kill_on"]["out"] / "checkpoint"
-    done["restart_tag"] = {"tag": fault_drills.universal(restart_from)}
-    saved = done["saved"]["out"] / "checkpoint"
-    fault_drills.universal(saved, f"global_step{SAVED_AT}")
-    resume = ["train", "--nodes", "3", "--ranks_per_node", "1", "--iters", str(SAVED_UNTIL), "--load", str(saved)]
-    second = {
-        "restarted": [*survivors, "--load", str(restart_from), *data],
-        "resumed_on": [*resume, "--block", "on", *data],
-        "resumed_off": [*resume, "--block", "off", *data],
-    }
-    running.update(_start(root, second))
-    return {**done, **_finish(root, running, 1200)}
+
+    def restart(done: dict) -> dict[str, list[str]]:
+        checkpoint = done["kill_on"]["out"] / "checkpoint"
+        done["restart_tag"] = {"tag": fault_drills.universal(checkpoint)}
+        return {"restarted": [*survivors, "--load", str(checkpoint), *data]}
+
+    def resume(done: dict) -> dict[str, list[str]]:
+        checkpoint = done["saved"]["out"] / "checkpoint"
+        fault_drills.universal(checkpoint, f"global_step{SAVED_AT}")
+        common = ["train", "--nodes", "3", "--ranks_per_node", "1", "--iters", str(RESUMED_UNTIL)]
+        common += ["--load", str(checkpoint), *data]
+        return {f"resumed_{block}": [*common, "--block", block] for block in ("on", "off")}
+
+    then = {"kill_on": restart, "saved": resume}
+    running, done = _start(root, first), {}
+    deadline = time.monotonic() + 1500
+    while running and time.monotonic() < deadline:
+        for name in [name for name, proc in running.items() if proc.poll() is not None]:
+            done.update(_finish(root, {name: running.pop(name)}, 60))
+            if name in then:
+                running.update(_start(root, then[name](done)))
+        time.sleep(0.5)
+    done.update(_finish(root, running, 1))  # anything still running at the deadline fails here
+    return done
 
 
 @pytest.mark.parametrize("block", ["on", "off"])
@@ -141,17 +153,17 @@ def test_a_2x2_job_finds_its_nodes_and_accounts_for_the_bytes_on_its_links(jobs:
 
 
 def test_a_2x2_checkpoint_resumes_on_3x1_as_plain_zero3_does(jobs: dict):
-    """Saved with the block on 2 x 2 at step 10 (the run went on to step 30), universal, resumed on 3 x 1 with the
-    block and without: the first resumed step's loss is the saved run's at that step (within 1%), the 20 steps after
+    """Saved with the block on 2 x 2 at step 10 (the run goes on for one more step), universal, resumed on 3 x 1 with
+    the block and without: the first resumed step's loss is the saved run's at that step (within 1%), the 20 steps after
     the resume average within 1% of plain ZeRO-3's, the replicas verify clean, SDP4Bit finds 3 nodes, and its
     accounting of what crosses the nodes is within 6% of the bytes the links carried."""
     on, off, saved = jobs["resumed_on"], jobs["resumed_off"], jobs["saved"]["losses"]
     assert on["exit_codes"] == [0, 0, 0] and off["exit_codes"] == [0, 0, 0]
     first = str(SAVED_AT)
     assert abs(on["losses"][first] / saved[first] - 1) <= 0.01, (on["losses"], saved)
-    span = SAVED_UNTIL - SAVED_AT
-    gap = fault_drills.tail_mean(on["losses"], SAVED_UNTIL - 1, span) / fault_drills.tail_mean(
-        off["losses"], SAVED_UNTIL - 1, span
+    span = RESUMED_UNTIL - SAVED_AT
+    gap = fault_drills.tail_mean(on["losses"], RESUMED_UNTIL - 1, span) / fault_drills.tail_mean(
+        off["losses"], RESUMED_UNTIL - 1, span
     )
     assert abs(gap - 1) <= 0.01, (gap, on["losses"], off["losses"])
     assert on["summary"]["sdp4bit_verified"] is True
