@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .accounting import CommStats
-from .faults import Pending, named
+from .faults import Pending, group_ranks, named
 
 # what each kind of collective is, in the words of a failure message
 KIND_NAMES = {
@@ -46,7 +46,7 @@ def cross_node_bytes(
     """
     if ranks_per_node is None:
         return 0
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    members = group_ranks(group)
     rank = dist.get_rank()
     node = rank // ranks_per_node
     if op == "all_to_all":

@@ -157,7 +157,8 @@ def _silent(beat: Heartbeat, rank: int, world: int) -> str:
     return f"{where} stopped answering (no beat in {LISTEN_S:.0f} s, no failure of its own written)"
 
 
-def _members(group: ProcessGroup | None) -> list[int]:
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The world ranks of `group` (None: the default group), in group-rank order."""
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
@@ -189,7 +190,7 @@ def named(what: str, group: ProcessGroup | None) -> Iterator[None]:
     except CollectiveError:
         raise
     except RuntimeError as err:
-        raise failure(what, err, _members(group)) from err
+        raise failure(what, err, group_ranks(group)) from err
 
 
 class Pending:
