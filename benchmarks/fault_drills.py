@@ -25,6 +25,7 @@ rank runs one torch thread, so that several jobs share the machine without overs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import subprocess
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deepspeed_sdp4bit.provenance import write_result
-from sdp4bit_benchmarks import cost_model, two_nodes
+from sdp4bit_benchmarks import cost_model, two_nodes, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -162,9 +163,11 @@ def train(
     load: Path | None = None,
     save_interval: int = 0,
     config: Path = CONFIG,
+    capture: bool = False,
 ) -> dict:
     """The example on `nodes` x `ranks_per_node` namespaced nodes (resumed from the universal checkpoint in `load`);
-    the job's exit codes, topology and link bytes, rank 0's summary and the loss of every step."""
+    the job's exit codes, topology and link bytes, rank 0's summary and the loss of every step; with `capture`, what
+    the links carried per steady step, by protocol (benchmarks/wire.py)."""
     extra = []
     if load is not None:
         extra += ["--load_dir", str(load), "--ds_set", "checkpoint.load_universal=true"]
@@ -174,12 +177,30 @@ def train(
     args = example_args(data, out / "job", block, iters, extra, config)
     with two_nodes.Nodes(ranks_per_node=ranks_per_node, count=nodes) as cluster:
         cluster.shape(two_nodes.Link(rate_mbit=RATE_MBIT))
-        job = two_nodes.run_job(cluster, str(EXAMPLE), args, out / "logs", timeout=1800)
+        with cluster.captured(out / "wire") if capture else contextlib.nullcontext([]) as captures:
+            job = two_nodes.run_job(cluster, str(EXAMPLE), args, out / "logs", timeout=1800)
     summary_file = out / "job" / "summary.json"
     job["summary"] = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    if captures and job["summary"] is not None:
+        job["wire_per_step"] = wire_per_step(captures, job["summary"]["steady_spans_unix"])
     job["losses"] = losses(out / "job")
     job["log_tail"] = "".join((out / "logs" / f"node{i}.log").read_text(errors="replace")[-1500:] for i in range(nodes))
     return job
+
+
+def wire_per_step(captures: list[Path], spans: list[list[float]]) -> dict[str, float]:
+    """Bytes per class (benchmarks/wire.py) that left all nodes, per steady step; the streams the capture could
+    not follow from their start, and frames it dropped, as counts over the whole job."""
+    results = [json.loads(path.read_text()) for path in captures]
+    summed = {name: 0.0 for name in wire.CLASSES}
+    for result in results:
+        for name, count in wire.window(result, spans).items():
+            summed[name] += count / len(spans)
+    summed["streams_broken"] = sum(
+        r["streams"]["gloo_broken"] + r["streams"]["started_before_capture"] for r in results
+    )
+    summed["capture_drops"] = sum(r["capture_drops"] for r in results)
+    return summed
 
 
 def universal(checkpoint: Path, tag: str | None = None) -> str:
@@ -217,16 +238,21 @@ def tail_mean(losses: dict[str, float], last: int, count: int) -> float:
 
 def compare_layouts(data: Path, out: Path, layouts: list[tuple[int, int]], iters: int) -> dict:
     """Each layout (nodes, ranks per node) trained with the block and without it: the loss gap over the last 10
-    steps, whether the replicas verified, and SDP4Bit's accounting of cross-node bytes against the links' payload."""
+    steps, whether the replicas verified, and SDP4Bit's accounting of cross-node bytes against what the links
+    carried: their TCP payload (link counters), and the part of it that is collectives' data (gloo's framing and the
+    TCP store's traffic set apart by a capture of the run with the block)."""
     rows = []
     for nodes, per_node in layouts:
         runs = {
-            block: train(data, out / f"{nodes}x{per_node}_{block}", nodes, per_node, block == "on", iters)
+            block: train(
+                data, out / f"{nodes}x{per_node}_{block}", nodes, per_node, block == "on", iters, capture=block == "on"
+            )
             for block in ("on", "off")
         }
         on = runs["on"]["summary"]
         payload = on["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * on["link_tx_packets_per_step"]
         accounted = cost_model.accounted_cross_node_bytes(on, "sdp4bit_node", "fp32", nodes=nodes)
+        captured = runs["on"]["wire_per_step"]
         losses = {block: tail_mean(run["losses"], iters - 1, 10) for block, run in runs.items()}
         rows.append(
             {
@@ -237,18 +263,30 @@ def compare_layouts(data: Path, out: Path, layouts: list[tuple[int, int]], iters
                 "loss_gap": losses["on"] / losses["off"] - 1,
                 "verified": on["sdp4bit_verified"],
                 "accounted_cross_bytes_per_step": accounted,
+                "link_bytes_per_step": on["link_tx_bytes_per_step"],
                 "link_payload_bytes_per_step": payload,
                 "accounting_gap": accounted / payload - 1,
+                "wire_per_step": captured,
+                "accounting_gap_to_data": accounted / captured["gloo_data"] - 1,
             }
         )
-        row = rows[-1]
-        print(
-            f"{row['layout']}: loss (last 10 steps) {losses['on']:.4f} with the block, {losses['off']:.4f} without "
-            f"({row['loss_gap']:+.2%}); verified {row['verified']}; cross-node bytes/step accounted {accounted:,.0f}, "
-            f"on the links {payload:,.0f} ({row['accounting_gap']:+.2%})",
-            flush=True,
-        )
+        print(layout_line(rows[-1]), flush=True)
     return {"iters": iters, "layouts": rows}
+
+
+def layout_line(row: dict) -> str:
+    """One layout's comparison, as printed."""
+    losses, captured = row["loss_last10"], row["wire_per_step"]
+    return (
+        f"{row['layout']}: loss (last 10 steps) {losses['on']:.4f} with the block, {losses['off']:.4f} without "
+        f"({row['loss_gap']:+.2%}); verified {row['verified']}; cross-node bytes/step accounted "
+        f"{row['accounted_cross_bytes_per_step']:,.0f}, on the links {row['link_payload_bytes_per_step']:,.0f} "
+        f"({row['accounting_gap']:+.2%}): collectives' data {captured['gloo_data']:,.0f} "
+        f"({row['accounting_gap_to_data']:+.2%}), gloo's framing {captured['gloo_framing']:,.0f}, the TCP store "
+        f"{captured['store']:,.0f}, unparsed {captured['unparsed']:,.0f} (captured {captured['frame_bytes']:,.0f} "
+        f"frame bytes, the link counters {row['link_bytes_per_step']:,.0f}; {captured['streams_broken']:.0f} streams "
+        f"not followed, {captured['capture_drops']:.0f} frames dropped)"
+    )
 
 
 def compare_resumes(

@@ -349,6 +349,40 @@ class Nodes:
             found.append(Counters(stats["bytes"], stats["packets"], sum(q.get("drops", 0) for q in queues)))
         return found
 
+    @contextlib.contextmanager
+    def captured(self, out_dir: Path) -> Iterator[list[Path]]:
+        """Inside the block, every node's outgoing frames are sorted by protocol (benchmarks/wire.py, run as root in
+        the node's namespace: reading frames needs it); at its end each node's result is in out_dir/wire<i>.json,
+        written as the invoking user. Yields those paths."""
+        with self.user.files():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            outputs = [(out_dir / f"wire{node}.json").open("w") for node in range(self.count)]
+        argv = [sys.executable, "-m", "sdp4bit_benchmarks.wire", "capture", "--interface", LINK]
+        procs = []
+        for name, output in zip(self.names, outputs, strict=True):
+            with output:
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", name, *argv, "--store_port", str(MASTER_PORT)],
+                        stdout=output,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
+        self._procs.extend(procs)
+        for proc in procs:
+            if proc.stderr is None or not proc.stderr.readline().startswith("wire: capturing"):
+                raise NodesError(f"the frame capture did not start: {proc.communicate(timeout=30)[1].strip()}")
+        try:
+            yield [Path(output.name) for output in outputs]
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                if proc.wait(timeout=120) != 0:
+                    raise NodesError(f"the frame capture failed: {proc.communicate()[1].strip()}")
+
     # ----- jobs
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
         """`argv` run as the invoking user inside the node's network namespace and a UTS namespace with the node's

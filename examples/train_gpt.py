@@ -450,7 +450,7 @@ class Trainer:
         for step in range(start, self.settings.train_iters):
             lr = self.engine.get_lr()[0]
             self.meter.start()
-            began = time.perf_counter()
+            began, began_unix = time.perf_counter(), time.time()
             loss = self.train_step(step)
             seconds = time.perf_counter() - began
             delta = self.meter.stop()
@@ -465,6 +465,7 @@ class Trainer:
                 "val_loss": val,
                 "tokens_per_s": tokens_per_step / seconds,
                 "step_time_s": seconds,
+                "span_unix": (began_unix, began_unix + seconds),
                 "after_eval": after_eval,
                 **delta,
             }
@@ -547,6 +548,8 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
         "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k in FIELDS} or None,
         "step_time_s": statistics.median(steady) if steady else None,
         "step0_time_s": rows[0]["step_time_s"] if rows and rows[0]["step"] == 0 else None,
+        # rank 0's clock: where a capture of the links (benchmarks/wire.py) finds the steps the means above cover
+        "steady_spans_unix": [r["span_unix"] for r in rows if r["step"] >= steady_from and not r["after_eval"]],
         **link,
     }
 
