@@ -1,10 +1,11 @@
 """The planner fed with what `sdp4bit-measure` measured on two namespaced nodes, against the steps measured there.
 
-Per shaped rate: `sdp4bit-measure` runs under the `deepspeed` launcher on both nodes (benchmarks/two_nodes.py, 2 CPU
-ranks each) with the sweep's model (the example's `tiny` GPT, its batch and dtype), then plain ZeRO-3 and SDP4Bit
-train on the same link as in the speed sweep (benchmarks/speed_sweep.py's runs), then `sdp4bit-plan --measured`
-projects both steps from the measurement alone (no fit to the runs). It prints, and writes to OUT/result.json with
-the provenance, the measured inter-node rate against the shaped one and each projected step against the measured.
+Per shaped rate: `sdp4bit-measure` runs under DeepSpeed's launcher on both nodes (benchmarks/two_nodes.py, 2 CPU
+ranks each, or one with `--ranks_per_node 1`) with the sweep's model (the example's `tiny` GPT, its batch and
+dtype), then plain ZeRO-3 and SDP4Bit train on the same link as in the speed sweep (benchmarks/speed_sweep.py's
+runs), then `sdp4bit-plan --measured` projects both steps from the measurement alone (no fit to the runs). It
+prints, and writes to OUT/result.json with the provenance, the measured inter-node rate against the shaped one and
+each projected step against the measured.
 
     sudo .venv/bin/python benchmarks/measured_plan.py                       # 50 and 200 Mbit/s, fp32
     sudo .venv/bin/python benchmarks/measured_plan.py --rates 25 --dtype bf16 --out runs/measured_plan
@@ -66,8 +67,9 @@ def measure_nodes(nodes: Nodes, config: Path, dtype: str, rate: str, out: Path) 
     return json.loads(target.read_text())
 
 
-def projected(measured_file: Path, config: Path, dtype: str) -> dict[str, float]:
-    """The planner's ZeRO-3 and SDP4Bit steps from the measurement, with the sweep's block and batch."""
+def projected(measured_file: Path, config: Path, dtype: str, world: int) -> dict[str, float]:
+    """The planner's ZeRO-3 and SDP4Bit steps from the measurement, with the sweep's block and batch (its global
+    batch over `world` ranks)."""
     card = CARDS[MODEL]
     argv = [
         "--measured",
@@ -79,7 +81,7 @@ def projected(measured_file: Path, config: Path, dtype: str) -> dict[str, float]
         "--micro-batch",
         str(card.micro_batch),
         "--grad-accum",
-        "1",
+        str(card.global_batch // (card.micro_batch * world)),
         "--config",
         SDP4BIT,
         "--dtype",
@@ -101,7 +103,7 @@ def run_rate(nodes: Nodes, rate: str, args: argparse.Namespace) -> dict:
     with nodes.user.files():
         config = write_model_config(args.out, summary["vocab_size"])
     found = measure_nodes(nodes, config, args.dtype, rate, args.out)
-    steps = projected(args.out / f"measured-{rate}.json", config, args.dtype)
+    steps = projected(args.out / f"measured-{rate}.json", config, args.dtype, nodes.count * nodes.ranks_per_node)
     shaped = float(rate) / 1e3
     row = {
         "rate_mbit": float(rate),
@@ -147,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=["50", "200"], help="shaped Mbit/s each way")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the runs' and the timed model's")
     parser.add_argument("--steps", type=int, default=16, help="training steps per run (steady from step 3)")
+    parser.add_argument(
+        "--ranks_per_node", type=int, choices=(1, 2), default=2, help="CPU ranks per node (1: one core each)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "measured_plan")
     args = parser.parse_args(argv)
     for rate in args.rates:
@@ -158,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         user = invoker()
         with user.files():
             args.out.mkdir(parents=True, exist_ok=True)
-        with signals_raise(), Nodes(ranks_per_node=2, user=user) as nodes:
+        with signals_raise(), Nodes(ranks_per_node=args.ranks_per_node, user=user) as nodes:
             rows = [run_rate(nodes, rate, args) for rate in args.rates]
     except NodesError as err:
         print(f"measured_plan: cannot run: {err}", file=sys.stderr)
@@ -166,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     user.become()
     text, ok = table(rows)
     (args.out / "table.md").write_text(text)
-    write_result(args.out / "result.json", {"rows": rows, "holds": ok, "dtype": args.dtype, "steps": args.steps})
+    write_result(
+        args.out / "result.json",
+        {"rows": rows, "holds": ok, "dtype": args.dtype, "steps": args.steps, "ranks_per_node": args.ranks_per_node},
+    )
     print(text, end="")
     return 0 if ok else 1
 

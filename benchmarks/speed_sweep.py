@@ -1,7 +1,7 @@
 """Step time against link speed on two real (namespaced) nodes: plain ZeRO-3, ZeRO++ hpZ and SDP4Bit variants, and
 plain ZeRO-2 with SDP4Bit's.
 
-Every point is a real two-node job (benchmarks/two_nodes.py: one `deepspeed` launcher per node, 2 CPU ranks each,
+Every point is a real two-node job (benchmarks/two_nodes.py: DeepSpeed's launcher on each node, 2 CPU ranks each,
 the link between them shaped by tc) training the example GPT (examples/train_gpt.py) with DeepSpeed's comms logger
 off, since it synchronizes after every collective; --ranks_per_node 1 runs one rank per node, so that on a 2-core
 machine no two ranks share a core. Per run: the median step time over the steady steps, step 0's

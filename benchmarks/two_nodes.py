@@ -5,10 +5,11 @@ Each node is a Linux network namespace (its own interfaces, addresses and routes
 namespace of their own (their own hostname), so DeepSpeed and SDP4Bit see that many hosts. Each node's link is a
 veth pair from the node (the same interface name on every node, like eth0 on a cluster) to a port of a bridge in a
 switch namespace of its own, shaped in both directions by tc's token bucket filter (the node's end shapes what it
-sends, the switch port what it receives); an optional delay needs the kernel's netem qdisc. One `deepspeed`
-launcher per node starts that node's ranks, as on a real cluster without ssh: a hostfile of every host, --no_ssh,
---node_rank, --master_addr = node 0's address, GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link. A node's
-link can be cut (its switch port set down: no FIN reaches anyone, as when a switch port or a node's power fails).
+sends, the switch port what it receives); an optional delay needs the kernel's netem qdisc. On each node DeepSpeed's
+per-node launcher (`python -m deepspeed.launcher.launch`) starts that node's ranks, with the arguments the `deepspeed`
+command's pdsh backend gives it on every node of a cluster: --world_info (every host and its slots), --node_rank,
+--master_addr = node 0's address; GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the link. A node's link can be cut
+(its switch port set down: no FIN reaches anyone, as when a switch port or a node's power fails).
 
     sudo .venv/bin/python benchmarks/two_nodes.py --check       # can it run here? (exit 1 with the reasons if not)
     sudo .venv/bin/python benchmarks/two_nodes.py --rate_mbit 50 -- examples/train_gpt.py --model tiny \\
@@ -19,7 +20,7 @@ link can be cut (its switch port set down: no FIN reaches anyone, as when a swit
 Needs root (network and UTS namespaces), iproute2 (`ip`, `tc`) and util-linux (`unshare`, `setpriv`). Root is used
 for the namespaces, the link and the hostnames only: started with sudo, the runner starts the launchers (and so the
 training) as the user who ran sudo (SUDO_UID and SUDO_GID, with that user's groups, home and name) and creates
-its log folder, hostfile and logs as that user, so everything a run leaves behind belongs to that user. Run as root
+its log folder and logs as that user, so everything a run leaves behind belongs to that user. Run as root
 without sudo, everything runs as root. Everything it makes in the network is named sdp4bit-<pid>-*, lives only
 inside its own namespaces, the nodes' and the switch's (it never touches another interface), and is removed on
 every exit path: normal end, error, Ctrl-C or SIGTERM, and, through a guard process, a SIGKILL of the runner itself.
@@ -29,6 +30,7 @@ It prints the topology SDP4Bit detected on each node and the bytes that left the
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -49,8 +51,8 @@ BRIDGE = "sdpswitch"
 SUBNET = "10.213.0"
 MASTER_PORT = 29500
 TCP_OVERHEAD = 66  # Ethernet 14 + IPv4 20 + TCP with timestamps 32 bytes per packet the link counters count
-# the `deepspeed` command, run by this interpreter (its console script's shebang may name another one)
-LAUNCHER = (sys.executable, "-m", "deepspeed.launcher.runner")
+# DeepSpeed's per-node launcher, run by this interpreter, as the `deepspeed` command starts it on each node
+LAUNCHER = (sys.executable, "-u", "-m", "deepspeed.launcher.launch")
 TOPOLOGY_LINE = re.compile(r"sdp4bit active on ZeRO stage \d: topology (.*?); codec")
 
 
@@ -405,13 +407,13 @@ class Nodes:
     def launch(
         self, script: str, script_args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
     ) -> list[subprocess.Popen]:
-        """Start one `deepspeed` launcher per node for one job, as the invoking user; their output goes to
-        log_dir/node<i>.log (the folder, hostfile and logs created as that user)."""
-        hostfile = log_dir / "hostfile"
+        """Start DeepSpeed's launcher on every node for one job, as the invoking user; their output goes to
+        log_dir/node<i>.log (the folder and logs created as that user)."""
         with self.user.files():
             log_dir.mkdir(parents=True, exist_ok=True)
-            hostfile.write_text("".join(f"{name} slots={self.ranks_per_node}\n" for name in self.hosts))
             logs = [(log_dir / f"node{node}.log").open("w") for node in range(self.count)]
+        slots = {host: list(range(self.ranks_per_node)) for host in self.hosts}
+        world_info = base64.urlsafe_b64encode(json.dumps(slots).encode()).decode()
         env = {
             **os.environ,
             **self.user.env(),
@@ -424,15 +426,10 @@ class Nodes:
         for node, log in enumerate(logs):
             argv = [
                 *LAUNCHER,
-                "--hostfile",
-                str(hostfile),
-                "--no_ssh",
-                "--node_rank",
-                str(node),
-                "--master_addr",
-                self.addresses[0],
-                "--master_port",
-                str(MASTER_PORT),
+                f"--world_info={world_info}",
+                f"--node_rank={node}",
+                f"--master_addr={self.addresses[0]}",
+                f"--master_port={MASTER_PORT}",
                 script,
                 *script_args,
             ]
@@ -548,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay in ms (needs netem)")
     parser.add_argument("--nodes", type=int, default=2, help="how many nodes (1 or more)")
     parser.add_argument("--ranks_per_node", type=int, default=2, help="ranks (slots) per node")
-    parser.add_argument("--log_dir", default="runs/two_nodes", help="launcher logs and the hostfile go here")
+    parser.add_argument("--log_dir", default="runs/two_nodes", help="the launchers' logs go here")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before the job is killed")
     parser.add_argument("script", nargs="?", help="training script, then its arguments (after --)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -174,8 +174,10 @@ def test_the_two_node_check_projects_from_the_file_and_judges_both_bounds(tmp_pa
     }
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(found))
-    steps = measured_plan.projected(path, config, "fp32")
+    steps = measured_plan.projected(path, config, "fp32", world=4)
     assert 0 < steps["SDP4Bit"] < steps["ZeRO-3"]
+    two_ranks = measured_plan.projected(path, config, "fp32", world=2)  # two micro-batches each: more compute
+    assert two_ranks["ZeRO-3"] > steps["ZeRO-3"]
     row = {
         "rate_mbit": 50.0,
         "measured_inter_gbps": 0.048,

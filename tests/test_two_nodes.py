@@ -212,7 +212,7 @@ ids = {"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "egid": os.
 """
 
 
-PROBE = "import subprocess, sys, deepspeed.launcher.runner; subprocess.run([sys.executable, '-c', ''], check=True)"
+PROBE = "import subprocess, sys, deepspeed.launcher.launch; subprocess.run([sys.executable, '-c', ''], check=True)"
 
 
 def _python_for(user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
@@ -238,7 +238,7 @@ def _python_for(user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
 @pytest.mark.slow  # a real launcher job of 4 ranks
 def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) -> None:
     """sudo's SUDO_UID/SUDO_GID name the user (here `nobody`): the ranks run as that user, and the log folder, the
-    hostfile, the logs and the job's output, all under a runs/ folder the runner creates, belong to that user."""
+    logs and the job's output, all under a runs/ folder the runner creates, belong to that user."""
     try:
         user = pwd.getpwnam("nobody")
     except KeyError:
@@ -273,7 +273,7 @@ def test_under_sudo_the_job_and_every_file_belong_to_the_user(tmp_path: Path) ->
         want = {"uid": user.pw_uid, "euid": user.pw_uid, "gid": user.pw_gid, "egid": user.pw_gid, "home": user.pw_dir}
         assert seen == [want] * 4
         made = [runs, *runs.rglob("*")]
-        assert {p.name for p in made} >= {"two_nodes", "hostfile", "node0.log", "node1.log", "job", "rank3.json"}
+        assert {p.name for p in made} >= {"two_nodes", "node0.log", "node1.log", "job", "rank3.json"}
         assert [str(p) for p in made if (p.stat().st_uid, p.stat().st_gid) != (user.pw_uid, user.pw_gid)] == []
     finally:
         shutil.rmtree(checkout)
