@@ -1,5 +1,6 @@
 """Shared test set-up: one torch-extensions cache per checkout, the interpreter's own tools first on PATH, the
-Hypothesis profiles, slow tests last (the harness modules are the installed sdp4bit_testing package).
+Hypothesis profiles, slow tests last, the namespaced-node jobs started at collection (the harness modules are the
+installed sdp4bit_testing package).
 
 PATH: DeepSpeed's JIT ops (the CPU accelerator's shm op) are built with whatever `ninja` is first on PATH, and a
 different ninja (another log format) makes the shared cache rebuild them; putting the interpreter's bin directory
@@ -13,12 +14,13 @@ and tries more of them where a test does not fix its own count.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from sdp4bit_testing import node_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
@@ -29,33 +31,24 @@ settings.register_profile("local", deadline=None, max_examples=300)
 settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))
 
 
-@pytest.fixture(scope="session")
-def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small token file of the example's corpus (a 512-token BPE), made once for the namespaced-node jobs."""
-    data = tmp_path_factory.mktemp("data") / "tokens"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "prepare_data.py"),
-            "--output_prefix",
-            str(data),
-            "--bpe_vocab_size",
-            "512",
-            "--num_proc",
-            "1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return data
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests (multi-process jobs, compiles from scratch) run after the others, each group in collection order:
     a failure in the fast lane shows first, and the JIT ops that scripts/test.sh builds beside the first tests are
     ready by the time the engines load them."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the session will run test_node_faults.py, its jobs on namespaced nodes start now, in the background
+    (sdp4bit_testing/node_jobs.py): separate processes that spend most of their time importing and waiting, beside the
+    single-process tests that leave a core idle."""
+    if any(item.path.name == "test_node_faults.py" for item in session.items):
+        node_jobs.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop whatever node jobs still run (an interrupted or failed session) and remove their folder."""
+    node_jobs.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,96 +13,24 @@ Needs root, iproute2 and util-linux, as benchmarks/two_nodes.py; where they are 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from sdp4bit_benchmarks import cost_model, fault_drills, two_nodes
+from sdp4bit_testing import node_jobs
 
-ROOT = Path(__file__).resolve().parents[1]
-DRILLS = ROOT / "benchmarks" / "fault_drills.py"
 REASONS = two_nodes.problems()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(bool(REASONS), reason="namespaced nodes cannot run here: " + "; ".join(REASONS)),
 ]
 LOST = "node 2 (rank 2"
-SAVED_AT, RESUMED_UNTIL = 10, 30  # the 2 x 2 job's checkpoint that resumes on 3 x 1, and where the resumes stop
-RESTART_UNTIL = 55  # the survivors' restart (from step 5) and the uninterrupted run train to this step
-
-
-def _start(root: Path, commands: dict[str, list[str]]) -> dict[str, subprocess.Popen]:
-    """Each fault_drills.py command in a process of its own (each builds its own nodes), all at once."""
-    started = {}
-    for name, args in commands.items():
-        out = root / name
-        out.mkdir(parents=True)
-        with (root / f"{name}.log").open("w") as log:
-            argv = [sys.executable, str(DRILLS), *args, "--out", str(out)]
-            started[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    return started
-
-
-def _finish(root: Path, started: dict[str, subprocess.Popen], timeout: float) -> dict[str, dict]:
-    """The commands' result.json once they ended. A command that failed fails every test of the module with its
-    output; so do namespaces one left behind."""
-    for name, proc in started.items():
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        assert code == 0, f"{name}: exit {code}\n{(root / f'{name}.log').read_text(errors='replace')[-4000:]}"
-        left = [n for n in two_nodes._namespaces() if n.startswith(f"{two_nodes.PREFIX}-{proc.pid}-")]
-        assert not left, f"{name} left namespaces behind: {left}"
-    return {name: {**json.loads((root / name / "result.json").read_text()), "out": root / name} for name in started}
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> dict[str, dict]:
-    """The four drills, the 2 x 2 job that saves, and an uninterrupted run on the survivors' layout, side by side; as
-    soon as the kill drill with the block ends, its last checkpoint, made universal, restarts the survivors, and as
-    soon as the 2 x 2 job ends, its checkpoint resumes on 3 x 1 with and without the block (while the cut drills
-    wait out their timeout)."""
-    root = tmp_path_factory.mktemp("jobs")
-    data = ["--data", str(tokens)]
-    survivors = ["train", "--nodes", "2", "--ranks_per_node", "1", "--block", "on", "--iters", str(RESTART_UNTIL)]
-    first = {
-        f"{fault}_{block}": ["fault", "--fault", fault, "--block", block, *data]
-        for fault in ("cut", "kill")
-        for block in ("on", "off")
-    }
-    first["whole"] = [*survivors, *data]
-    first["saved"] = ["train", "--nodes", "2", "--ranks_per_node", "2", "--block", "on", "--iters", str(SAVED_AT + 1)]
-    first["saved"] += ["--save_interval", str(SAVED_AT), *data]
-
-    def restart(done: dict) -> dict[str, list[str]]:
-        checkpoint = done["kill_on"]["out"] / "checkpoint"
-        done["restart_tag"] = {"tag": fault_drills.universal(checkpoint)}
-        return {"restarted": [*survivors, "--load", str(checkpoint), *data]}
-
-    def resume(done: dict) -> dict[str, list[str]]:
-        checkpoint = done["saved"]["out"] / "checkpoint"
-        fault_drills.universal(checkpoint, f"global_step{SAVED_AT}")
-        common = ["train", "--nodes", "3", "--ranks_per_node", "1", "--iters", str(RESUMED_UNTIL)]
-        common += ["--load", str(checkpoint), *data]
-        return {f"resumed_{block}": [*common, "--block", block] for block in ("on", "off")}
-
-    then = {"kill_on": restart, "saved": resume}
-    running, done = _start(root, first), {}
-    deadline = time.monotonic() + 1500
-    while running and time.monotonic() < deadline:
-        for name in [name for name, proc in running.items() if proc.poll() is not None]:
-            done.update(_finish(root, {name: running.pop(name)}, 60))
-            if name in then:
-                running.update(_start(root, then[name](done)))
-        time.sleep(0.5)
-    done.update(_finish(root, running, 1))  # anything still running at the deadline fails here
-    return done
+def jobs() -> dict[str, dict]:
+    """Every job's result (sdp4bit_testing/node_jobs.py): started in the background when the session collected this
+    module's tests, waited for here."""
+    return node_jobs.results()
 
 
 @pytest.mark.parametrize("block", ["on", "off"])
@@ -127,11 +55,13 @@ def test_the_survivors_resume_from_the_last_universal_checkpoint(jobs: dict):
     50 steps later their loss (the mean of the last 10 steps) is within 2% of a run on two nodes that never
     stopped."""
     saved = int(jobs["restart_tag"]["tag"].removeprefix("global_step").removesuffix("_universal"))
-    assert saved == RESTART_UNTIL - 50, jobs["restart_tag"]
+    assert saved == node_jobs.RESTART_UNTIL - 50, jobs["restart_tag"]
     restarted, whole = jobs["restarted"]["losses"], jobs["whole"]["losses"]
-    assert min(map(int, restarted)) == saved and max(map(int, restarted)) == RESTART_UNTIL - 1, sorted(restarted)
-    gap = fault_drills.tail_mean(restarted, RESTART_UNTIL - 1, 10) / fault_drills.tail_mean(
-        whole, RESTART_UNTIL - 1, 10
+    assert min(map(int, restarted)) == saved and max(map(int, restarted)) == node_jobs.RESTART_UNTIL - 1, sorted(
+        restarted
+    )
+    gap = fault_drills.tail_mean(restarted, node_jobs.RESTART_UNTIL - 1, 10) / fault_drills.tail_mean(
+        whole, node_jobs.RESTART_UNTIL - 1, 10
     )
     assert abs(gap - 1) <= 0.02, (gap, restarted, whole)
     assert jobs["restarted"]["summary"]["sdp4bit_verified"] is True
@@ -159,11 +89,11 @@ def test_a_2x2_checkpoint_resumes_on_3x1_as_plain_zero3_does(jobs: dict):
     accounting of what crosses the nodes is within 6% of the bytes the links carried."""
     on, off, saved = jobs["resumed_on"], jobs["resumed_off"], jobs["saved"]["losses"]
     assert on["exit_codes"] == [0, 0, 0] and off["exit_codes"] == [0, 0, 0]
-    first = str(SAVED_AT)
+    first = str(node_jobs.SAVED_AT)
     assert abs(on["losses"][first] / saved[first] - 1) <= 0.01, (on["losses"], saved)
-    span = RESUMED_UNTIL - SAVED_AT
-    gap = fault_drills.tail_mean(on["losses"], RESUMED_UNTIL - 1, span) / fault_drills.tail_mean(
-        off["losses"], RESUMED_UNTIL - 1, span
+    span = node_jobs.RESUMED_UNTIL - node_jobs.SAVED_AT
+    gap = fault_drills.tail_mean(on["losses"], node_jobs.RESUMED_UNTIL - 1, span) / fault_drills.tail_mean(
+        off["losses"], node_jobs.RESUMED_UNTIL - 1, span
     )
     assert abs(gap - 1) <= 0.01, (gap, on["losses"], off["losses"])
     assert on["summary"]["sdp4bit_verified"] is True
