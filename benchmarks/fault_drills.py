@@ -250,7 +250,7 @@ def compare_layouts(data: Path, out: Path, layouts: list[tuple[int, int]], iters
             for block in ("on", "off")
         }
         on = runs["on"]["summary"]
-        payload = on["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * on["link_tx_packets_per_step"]
+        payload = two_nodes.tcp_payload(on["link_tx_bytes_per_step"], on["link_tx_packets_per_step"])
         accounted = cost_model.accounted_cross_node_bytes(on, "sdp4bit_node", "fp32", nodes=nodes)
         captured = runs["on"]["wire_per_step"]
         losses = {block: tail_mean(run["losses"], iters - 1, 10) for block, run in runs.items()}

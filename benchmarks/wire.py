@@ -199,10 +199,11 @@ class Sorter:
 
 def window(result: dict, spans: Iterable[tuple[float, float]]) -> dict[str, int]:
     """Bytes per class over the bins that start inside any of the unix-time spans (begin, end)."""
-    keys = [(int(begin / result["bin_s"]), int(end / result["bin_s"])) for begin, end in spans]
+    step = result["bin_s"]
+    inside = {str(key) for begin, end in spans for key in range(int(begin / step), int(end / step) + 1)}
     summed = dict.fromkeys(result["classes"], 0)
     for key, row in result["bins"].items():
-        if any(first <= int(key) <= last for first, last in keys):
+        if key in inside:
             for name, count in zip(result["classes"], row, strict=True):
                 summed[name] += count
     return summed

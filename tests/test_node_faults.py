@@ -76,7 +76,7 @@ def test_a_2x2_job_finds_its_nodes_and_accounts_for_the_bytes_on_its_links(jobs:
     assert "(from LOCAL_SIZE)" in job["topology"][0]
     summary = job["summary"]
     assert summary["sdp4bit"] is True and summary["world_size"] == 4 and summary["sdp4bit_verified"] is True
-    payload = summary["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * summary["link_tx_packets_per_step"]
+    payload = two_nodes.tcp_payload(summary["link_tx_bytes_per_step"], summary["link_tx_packets_per_step"])
     accounted = cost_model.accounted_cross_node_bytes(summary, "sdp4bit_node", "fp32")
     assert 0.85 * payload <= accounted <= payload, (accounted, payload)
     assert job["link_payload_bytes"] >= payload * summary["steps"] * 0.9
@@ -99,6 +99,6 @@ def test_a_2x2_checkpoint_resumes_on_3x1_as_plain_zero3_does(jobs: dict):
     assert on["summary"]["sdp4bit_verified"] is True
     two_nodes.check_topology(on["topology"][0], 1, 3)
     summary = on["summary"]
-    payload = summary["link_tx_bytes_per_step"] - two_nodes.TCP_OVERHEAD * summary["link_tx_packets_per_step"]
+    payload = two_nodes.tcp_payload(summary["link_tx_bytes_per_step"], summary["link_tx_packets_per_step"])
     accounted = cost_model.accounted_cross_node_bytes(summary, "sdp4bit_node", "fp32", nodes=3)
     assert abs(accounted / payload - 1) <= 0.06, (accounted, payload)
