@@ -806,20 +806,8 @@ MUTANTS = [
     Mutant(
         "C03",
         TRAFFIC,
-        (
-            "                Transfer(\n"
-            '                    "grad_inter",\n'
-            '                    "backward",\n'
-            "                    wire,\n"
-            "                    w * wire * (n - 1) / n,\n"
-            "                    codec=0.0 if d > 1 else codec,\n"
-            "                    levels=s.pipeline,\n"
-            "                )"
-        ),
-        (
-            '                Transfer("grad_inter", "backward", wire, w * wire, codec=0.0 if d > 1 else codec, level'
-            "s=s.pipeline)"
-        ),
+        "            w * wire * (n - 1) / n,",
+        "            w * wire,",
         "the inter-node piece for the own node counted as crossing",
     ),
     Mutant(
@@ -842,6 +830,13 @@ MUTANTS = [
         '            m = 1 if t.phase == "step" else grad_accum',
         "            m = grad_accum",
         "the optimizer step's transfers repeated per micro-batch",
+    ),
+    Mutant(
+        "C07",
+        TRAFFIC,
+        "    w, n, d = layout.world, layout.nodes, layout.per_node\n    slices = 2 * s.pipeline",
+        "    w, n, d = layout.world, layout.nodes, layout.per_node\n    slices = s.pipeline",
+        "TLq's codes and scales counted as one collective per slice",
     ),
     # sdp4bit_cost/timing.py
     Mutant(
@@ -871,6 +866,13 @@ MUTANTS = [
         "            ring += inter + intra if rates.shared_links else max(inter, intra)",
         "            ring += max(inter, intra)",
         "links shared by the same cores taken as independent",
+    ),
+    Mutant(
+        "M06",
+        TIMING,
+        "    latency = sum(t.calls.dot(rates.latency) for t in transfers)",
+        "    latency = 0.0",
+        "the collectives' latency left out",
     ),
     Mutant(
         "M05",

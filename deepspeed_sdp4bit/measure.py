@@ -8,8 +8,10 @@ the nodes you train on; every rank takes part:
     torchrun --nnodes 2 --nproc-per-node 8 ... -m deepspeed_sdp4bit.measure --out measured.json
     sdp4bit-plan --measured measured.json --model 1.3b
 
-It times all-gathers over the inter-node and intra-node groups SDP4Bit uses (`collectives.probe`, the same code and
-groups `"auto": true` measures at initialize, here with messages grown until a gather takes `--target-s`), the
+It measures the links SDP4Bit uses (`collectives.probe`, the same code `"auto": true` runs at initialize, here with
+messages grown until a transfer takes `--target-s`): each node sending to another one direction at a time (the
+inter-node rate), an all-gather over each node's ranks (the intra-node rate), and the smallest all-gather over the
+world, the inter-node groups and the intra-node groups (what every collective costs whatever its size); then the
 gradient quantizer on this device (`core.auto.codec_bytes_s`), and, with `--model`, forward and backward passes of
 that model at the job's sequence length and micro-batch (a few `--layers` of it where the whole does not fit one
 device). Each figure is the slowest rank's. Rank 0 prints them with the planner command to run and writes them to
@@ -39,7 +41,7 @@ from .core.auto import codec_bytes_s
 from .provenance import provenance
 from .topology import build_topology
 
-FORMAT = 1  # the measurement file's format, which the planner checks
+FORMAT = 2  # the measurement file's format, which the planner checks (2: one-way inter-node rate, latencies)
 TARGET_S = 0.5  # an inter- or intra-node gather grows until it takes this long: long enough to reach the link's rate
 MAX_BYTES = 1 << 28
 TIMED_PASSES = 3
@@ -173,11 +175,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "inter_node_gbps": _finite(links.inter_bytes_s * 8 / 1e9),
         "intra_node_gbs": _finite(links.intra_bytes_s / 1e9),
+        "latency_us": _latency_us(links.latency, topology.nodes, topology.ranks_per_node),
         "codec_gbs": -codec / 1e9,
         "timed_model": time_model(args, device) if args.model else None,
     }
     found["tflops"] = found["timed_model"]["tflops"] if found["timed_model"] else None
     return found
+
+
+def _latency_us(latency: probe.Latencies, nodes: int, per_node: int) -> dict[str, float | None]:
+    """Microseconds of the smallest collective per kind of group (None where the job has no such group)."""
+    present = {"world": nodes * per_node > 1, "inter": nodes > 1, "intra": per_node > 1}
+    seconds = {"world": latency.world_s, "inter": latency.inter_s, "intra": latency.intra_s}
+    return {group: seconds[group] * 1e6 if present[group] else None for group in present}
+
+
+def _latencies(latency_us: dict[str, float | None]) -> str:
+    """The latencies as rank 0 prints them."""
+    names = {"world": "world", "inter": "inter-node", "intra": "intra-node"}
+    return ", ".join(
+        f"{names[group]} {'-' if value is None else f'{value:,.0f} us'}" for group, value in latency_us.items()
+    )
 
 
 def _finite(value: float) -> float | None:
@@ -193,6 +211,7 @@ def summary(found: dict[str, Any], out: Path) -> str:
         f"sdp4bit-measure: {found['nodes']} node(s) x {found['ranks_per_node']} rank(s) on {found['device_name']}",
         f"  inter-node: {'no link (one node)' if inter is None else f'{inter:,.3f} Gbit/s per node'}",
         f"  intra-node: {'no link (one rank per node)' if intra is None else f'{intra:,.3f} GB/s per rank'}",
+        f"  latency per collective: {_latencies(found['latency_us'])}",
         f"  codec: {found['codec_gbs']:,.2f} GB/s (bytes read and written)",
     ]
     model = found["timed_model"]

@@ -12,7 +12,8 @@ block. The DeepSpeed config reaches Accelerate either from `accelerate launch` (
   deepspeed --num_accelerators 4 examples/hf_accelerate.py --deepspeed_config examples/hf_ds_config_cpu.json \
       --data data/pydoc/tokens --output_dir runs/acc_tiny
 
-The model and data options are those of examples/hf_trainer.py (--model, --data or --dataset, --seq_len, ...).
+The model and data options are those of examples/hf_trainer.py (--model, --data or --dataset, --seq_len, ...);
+`--seed` (default 42) makes a run repeatable: torch seeds every process differently unless told.
 `--save_steps N` writes `accelerator.save_state` checkpoints (SDP4Bit's state included) to
 OUTPUT_DIR/checkpoint-STEP; `--resume_from DIR` continues from one. At the end the 16-bit weights are saved to
 OUTPUT_DIR/model (`save_pretrained`), and rank 0 writes `sdp4bit_summary.json` (losses per step, SDP4Bit's byte
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DeepSpeedPlugin
+from accelerate.utils import DeepSpeedPlugin, set_seed
 from deepspeed.accelerator import get_accelerator
 from transformers import HfArgumentParser, default_data_collator
 
@@ -59,6 +60,10 @@ class LoopArguments:
         },
     )
     mixed_precision: str = field(default="bf16", metadata={"help": "no, bf16 or fp16 (fills bf16/fp16 'auto')"})
+    seed: int = field(
+        default=42,
+        metadata={"help": "seeds the model's initialisation and dropout on every rank (as the HF Trainer's --seed)"},
+    )
     batch_size: int = field(default=4, metadata={"help": "sequences per rank per step"})
     learning_rate: float = field(default=2e-3, metadata={"help": "AdamW learning rate (constant)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     accelerator, plugin = make_accelerator(loop)
+    set_seed(loop.seed)
     with accelerator.main_process_first():
         train_set, _, vocab = token_file_datasets(args) if args.data else hub_datasets(args)
     model = build_model(args, vocab)

@@ -32,7 +32,7 @@ from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
 from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
 from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
-from .traffic import STAGES, RankGrid, Scheme, partition, zero12_step
+from .traffic import STAGES, PerGroup, RankGrid, Scheme, partition, zero12_step
 
 GAIN_WORTH_IT = sensitivity.GAIN_WORTH_IT  # below this projected gain the recommendation is to leave SDP4Bit off
 RANK_REPLICA_MEMORY_SHARE = 0.10  # the rank replica is recommended only if its model copy fits in this share
@@ -82,7 +82,20 @@ class Scenario:
     @property
     def rates(self) -> Rates:
         c = self.cluster
-        return Rates(c.flops_s, c.inter_bytes_s, c.intra_bytes_s, c.codec_bytes_s, shared_links=self.backend == "gloo")
+        return Rates(
+            c.flops_s,
+            c.inter_bytes_s,
+            c.intra_bytes_s,
+            c.codec_bytes_s,
+            shared_links=self.backend == "gloo",
+            latency=self.latency,
+        )
+
+    @property
+    def latency(self) -> PerGroup:
+        """Seconds per collective on each kind of group, as sdp4bit-measure measured them (0 without --measured)."""
+        measured = (self.measured or {}).get("latency_us") or {}
+        return PerGroup(*((measured.get(group) or 0.0) / 1e6 for group in PerGroup._fields))
 
     @property
     def backend(self) -> str:
@@ -586,6 +599,7 @@ def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> 
     return zero12 and (args.round_robin_gradients or value)
 
 
+FORMAT = 2  # the sdp4bit-measure file format this planner reads
 MEASURED_KEYS = {
     "format": int,
     "nodes": int,
@@ -631,9 +645,26 @@ def _measured(path: Path | None) -> dict[str, Any] | None:
                 for k in allowed
             )
             raise PlanError(f"--measured {path}: {key} = {value!r}: allowed: {names} (as sdp4bit-measure writes it)")
-    if found["format"] != 1:
-        raise PlanError(f"--measured {path}: format = {found['format']}: allowed: 1 (this sdp4bit-plan's)")
+    if found["format"] != FORMAT:
+        raise PlanError(
+            f"--measured {path}: format = {found['format']}: allowed: {FORMAT} (this sdp4bit-plan's; "
+            "measure again with this release's sdp4bit-measure)"
+        )
+    _check_latency(path, found.get("latency_us"))
     return found
+
+
+def _check_latency(path: Path, latency: object) -> None:
+    """latency_us: microseconds per collective on the world, inter- and intra-node groups (null: no such group)."""
+    ok = isinstance(latency, dict) and set(latency) == set(PerGroup._fields)
+    ok = ok and all(
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0) for v in latency.values()
+    )
+    if not ok:
+        raise PlanError(
+            f"--measured {path}: latency_us = {latency!r}: allowed: an object with keys world, inter and intra, "
+            "each a number >= 0 or null (as sdp4bit-measure writes it)"
+        )
 
 
 def _cluster(args: argparse.Namespace, measured: dict[str, Any] | None) -> Cluster:
@@ -767,7 +798,8 @@ def _measured_line(scenario: Scenario) -> str:
     return (
         f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
         f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "
-        f"GB/s per rank, codec {c.codec_bytes_s / 1e9:,.3g} GB/s{tflops}"
+        f"GB/s per rank, codec {c.codec_bytes_s / 1e9:,.3g} GB/s{tflops}; per collective "
+        + ", ".join(f"{group} {seconds * 1e6:,.0f} us" for group, seconds in scenario.latency._asdict().items())
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .shapes import ModelShape
-from .traffic import RankGrid, Scheme, StepBytes, Transfer, megatron_step, zero3_step, zero12_step
+from .traffic import PerGroup, RankGrid, Scheme, StepBytes, Transfer, megatron_step, zero3_step, zero12_step
 
 DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters and stage3_max_reuse_distance defaults
 
@@ -32,13 +32,15 @@ class Rates:
     """What a second buys: FLOPs of one GPU, bytes one node sends to other nodes, bytes one GPU sends inside its node,
     bytes the codec kernels of one GPU read and write. `shared_links`: the same cores move the inter- and the
     intra-node bytes (gloo on CPU ranks), so the two links of a collective take the sum of their times, not the
-    longer of them as NVLink beside a NIC does."""
+    longer of them as NVLink beside a NIC does. `latency`: seconds every collective on the world, an inter-node
+    group and an intra-node group costs whatever its size (measured by sdp4bit-measure; 0 where not measured)."""
 
     flops_s: float
     inter_bytes_s: float
     intra_bytes_s: float
     codec_bytes_s: float
     shared_links: bool = False
+    latency: PerGroup = PerGroup()
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def _seconds(transfer: Transfer, layout: RankGrid, tp: int, rates: Rates) -> tup
 def phase_comm(transfers: list[Transfer], layout: RankGrid, tp: int, rates: Rates) -> float:
     """Seconds of a phase's collectives, one after the other: a ring keeps both links busy at once (unless they share
     the cores that move the bytes); the two levels of a quantized reduction run in sequence, overlapping slice by
-    slice when pipelined."""
+    slice when pipelined; each collective adds its group's latency."""
     ring = 0.0
     intra_level = inter_level = 0.0
     slices = 1
@@ -162,14 +164,16 @@ def phase_comm(transfers: list[Transfer], layout: RankGrid, tp: int, rates: Rate
         else:
             intra_level, inter_level, slices = intra_level + intra, inter_level + inter, t.levels
     overlapped = 0.0 if rates.shared_links else min(intra_level, inter_level) * (1 - 1 / slices)
-    return ring + intra_level + inter_level - overlapped
+    latency = sum(t.calls.dot(rates.latency) for t in transfers)
+    return ring + intra_level + inter_level - overlapped + latency
 
 
 def _parts(step: StepBytes, layout: RankGrid, tp: int, rates: Rates) -> dict[str, float]:
     """Seconds per kind of one optimizer step's transfers, for reports."""
     out: dict[str, float] = {}
     for t in step.transfers:
-        out[t.kind] = out.get(t.kind, 0.0) + max(_seconds(t, layout, tp, rates)) + t.codec / rates.codec_bytes_s
+        seconds = max(_seconds(t, layout, tp, rates)) + t.codec / rates.codec_bytes_s + t.calls.dot(rates.latency)
+        out[t.kind] = out.get(t.kind, 0.0) + seconds
     return out
 
 

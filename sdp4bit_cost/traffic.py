@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 # "boundary": the backward of the last micro-batch of an optimizer step, where ZeRO-1 reduces the accumulated gradients
 PHASES = ("forward", "backward", "boundary", "step")
@@ -64,6 +65,22 @@ class Scheme:
             )
 
 
+class PerGroup(NamedTuple):
+    """One figure per kind of process group: the world, the ranks with one local index on every node (inter-node),
+    the ranks of one node (intra-node). Counts of collectives, or seconds each one costs."""
+
+    world: float = 0.0
+    inter: float = 0.0
+    intra: float = 0.0
+
+    def scaled(self, m: float) -> PerGroup:
+        return PerGroup(m * self.world, m * self.inter, m * self.intra)
+
+    def dot(self, other: PerGroup) -> float:
+        """Sum of the products: calls times seconds per call."""
+        return self.world * other.world + self.inter * other.inter + self.intra * other.intra
+
+
 @dataclass(frozen=True)
 class RankGrid:
     """Data-parallel ranks numbered node by node: `nodes` x `per_node` (GPUs per node / tensor parallelism)."""
@@ -86,7 +103,8 @@ class Transfer:
     the collective at once (a ring), else the number of slices in which an intra-node level and then an inter-node
     level run (TLq's pipeline); peak_cross, peak_intra: bytes the busiest node sends or receives across node boundaries
     and the busiest rank sends or receives inside its node, where an exchange to a bucket's owners loads them unevenly
-    (None: the load is even, cross / nodes per node and `intra` per rank).
+    (None: the load is even, cross / nodes per node and `intra` per rank); calls: the collectives one instance of the
+    transfer issues on each kind of group (each costs that group's latency, whatever its size).
     """
 
     kind: str
@@ -98,6 +116,7 @@ class Transfer:
     levels: int | None = None
     peak_cross: float | None = None
     peak_intra: float | None = None
+    calls: PerGroup = PerGroup()
 
     def times(self, m: int) -> Transfer:
         """The same transfer run `m` times."""
@@ -106,7 +125,13 @@ class Transfer:
             for name in ("peak_cross", "peak_intra")
         }
         return replace(
-            self, wire=m * self.wire, cross=m * self.cross, intra=m * self.intra, codec=m * self.codec, **peaks
+            self,
+            wire=m * self.wire,
+            cross=m * self.cross,
+            intra=m * self.intra,
+            codec=m * self.codec,
+            calls=self.calls.scaled(m),
+            **peaks,
         )
 
 
@@ -223,6 +248,10 @@ def zero3_step(
     parameters' dtype). second_pass: the share of the sharded parameters that the backward gathers again (DeepSpeed
     keeps parameters gathered between forward and backward up to stage3_max_live_parameters and
     stage3_max_reuse_distance).
+
+    Collectives: DeepSpeed gathers each module's sharded parameters in one call (a sharded tensor is taken for a
+    module), reduces one call per gradient bucket and gathers the persistent parameters in one call after the step;
+    SDP4Bit's calls are those of its runtime (`weight_refresh_calls`, `_grads_tlq`).
     """
     comm_bytes = comm_bytes or dtype_bytes
     w = layout.world
@@ -231,10 +260,12 @@ def zero3_step(
     out = StepBytes()
     own = sum(shard(n, w) for n in sharded)
     if scheme.zeropp:
-        _zeropp(out, own, sum(tensors), dtype_bytes, second_pass, layout)
+        _zeropp(out, own, sum(tensors), dtype_bytes, second_pass, layout, len(sharded))
     else:
         if scheme.quantized_weights:
-            _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout)
+            slots = w if scheme.replica == "rank" else layout.nodes
+            buckets = refresh_buckets([shard(n, w) for n in sharded], slots, scheme.refresh_bucket)
+            _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout, buckets=buckets, modules=len(sharded))
         else:
             _gathers(
                 out,
@@ -243,11 +274,32 @@ def zero3_step(
                 ring_cross(own * dtype_bytes, layout),
                 _ring_intra(own * dtype_bytes, layout),
                 second_pass,
+                PerGroup(world=len(sharded)),
             )
         _gradients(out, tensors, dtype_bytes if scheme.quantized_gradients else comm_bytes, scheme, layout, backend)
     wire = sum(shard(n, w) for n in persistent) * dtype_bytes
-    out.add(Transfer("persistent_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
+    out.add(
+        Transfer(
+            "persistent_gather",
+            "step",
+            wire,
+            ring_cross(wire, layout),
+            intra=_ring_intra(wire, layout),
+            calls=PerGroup(world=1 if persistent else 0),
+        )
+    )
     return out
+
+
+def refresh_buckets(shards: Sequence[int], slots: int, bucket: int) -> int:
+    """Buckets of ZeRO-3's weight refresh: runs of adjacent shards whose received region (`slots` copies of each)
+    stays within `bucket` elements, a larger shard a bucket of its own (as SDP4Bit's weight store cuts them)."""
+    count = run = 0
+    for n in shards:
+        if run and slots * (run + n) > bucket:
+            count, run = count + 1, 0
+        run += n
+    return count + (1 if run else 0)
 
 
 def _ring_intra(per_rank: float, layout: RankGrid) -> float:
@@ -256,11 +308,22 @@ def _ring_intra(per_rank: float, layout: RankGrid) -> float:
     return (layout.world - 1) * per_rank if layout.per_node > 1 else 0.0
 
 
-def _gathers(out: StepBytes, kind: str, wire: float, cross: float, intra: float, second_pass: float) -> None:
+def _gathers(
+    out: StepBytes, kind: str, wire: float, cross: float, intra: float, second_pass: float, calls: PerGroup
+) -> None:
     """A parameter gather in the forward and, for `second_pass` of the parameters, again in the backward."""
-    out.add(Transfer(kind, "forward", wire, cross, intra=intra))
+    out.add(Transfer(kind, "forward", wire, cross, intra=intra, calls=calls))
     if second_pass:
-        out.add(Transfer(kind, "backward", wire * second_pass, cross * second_pass, intra=intra * second_pass))
+        out.add(
+            Transfer(
+                kind,
+                "backward",
+                wire * second_pass,
+                cross * second_pass,
+                intra=intra * second_pass,
+                calls=calls.scaled(second_pass),
+            )
+        )
 
 
 def _weights_qwd(
@@ -271,6 +334,8 @@ def _weights_qwd(
     s: Scheme,
     layout: RankGrid,
     codes: float | None = None,
+    buckets: int = 1,
+    modules: int = 0,
 ) -> None:
     """qWD: this rank's `own` shard elements as 4-bit differences (groups spanning parameters, or `codes` bytes where
     the caller counts them), all-gathered among the ranks with its local index (one ring per local index); the rank
@@ -278,20 +343,33 @@ def _weights_qwd(
     node.
 
     Codec: the sender reads its ds_tensor and w~ shards and writes codes; every holder reads the codes of what it
-    holds (its slice of each node's shards, or everything with the rank replica) and updates w~ in place."""
+    holds (its slice of each node's shards, or everything with the rank replica) and updates w~ in place.
+
+    Collectives: per refresh bucket, one all-gather of codes and one of scales on each level; the node replica's
+    gathers one per module (`modules`)."""
     n, d = layout.nodes, layout.per_node
     codes = codes_and_scales(own, s.weight_bits, s.weight_group) if codes is None else codes
     holders = n if s.replica == "node" else layout.world
     codec = own * 2 * dtype_bytes + codes + holders * (own * 2 * dtype_bytes + codes)
     if n > 1:
-        out.add(Transfer("weight_refresh", "step", codes, ring_cross(codes, layout, members_per_node=1), codec=codec))
+        cross = ring_cross(codes, layout, members_per_node=1)
+        calls = PerGroup(inter=2 * buckets)
+        out.add(Transfer("weight_refresh", "step", codes, cross, codec=codec, calls=calls))
     if s.replica == "rank" and d > 1:
         out.add(
-            Transfer("weight_refresh", "step", n * codes, 0.0, intra=(d - 1) * n * codes, codec=0.0 if n > 1 else codec)
+            Transfer(
+                "weight_refresh",
+                "step",
+                n * codes,
+                0.0,
+                intra=(d - 1) * n * codes,
+                codec=0.0 if n > 1 else codec,
+                calls=PerGroup(intra=2 * buckets),
+            )
         )
     elif s.replica == "node" and d > 1:
         per_rank = n * own * dtype_bytes
-        _gathers(out, "weight_gather", per_rank, 0.0, (d - 1) * per_rank, second_pass)
+        _gathers(out, "weight_gather", per_rank, 0.0, (d - 1) * per_rank, second_pass, PerGroup(intra=modules))
 
 
 def _tlq_codec(part: int, layout: RankGrid, grad_bytes: int, intra: float, inter: float) -> float:
@@ -314,13 +392,17 @@ def _gradients(
         return
     wire = sum(tensors) * element_bytes
     cross = reduce_scatter_cross(wire, layout, backend)
-    out.add(Transfer("grad_reduce_scatter", "backward", wire, cross, intra=_ring_intra(wire / layout.world, layout)))
+    calls = PerGroup(world=len(gradient_buckets(tensors, scheme.reduce_bucket)))
+    intra = _ring_intra(wire / layout.world, layout)
+    out.add(Transfer("grad_reduce_scatter", "backward", wire, cross, intra=intra, calls=calls))
 
 
 def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Scheme, layout: RankGrid) -> None:
     """TLq per gradient bucket: the intra-node all-to-all of all W parts, then the inter-node one of N parts (one
-    node: intra only; one rank per node: inter only, over all W parts)."""
+    node: intra only; one rank per node: inter only, over all W parts); on each level one all-to-all of codes and one
+    of scales per pipeline slice."""
     w, n, d = layout.world, layout.nodes, layout.per_node
+    slices = 2 * s.pipeline
     for bucket in gradient_buckets(tensors, s.reduce_bucket):
         part = tlq_part(bucket, w, s)
         intra, inter = (
@@ -331,27 +413,44 @@ def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Schem
         if d > 1:
             out.add(
                 Transfer(
-                    "grad_intra", "backward", w * intra, 0.0, intra=(d - 1) * n * intra, codec=codec, levels=s.pipeline
+                    "grad_intra",
+                    "backward",
+                    w * intra,
+                    0.0,
+                    intra=(d - 1) * n * intra,
+                    codec=codec,
+                    levels=s.pipeline,
+                    calls=PerGroup(intra=slices),
                 )
             )
         if n > 1:
-            wire = (n if d > 1 else w) * inter
-            out.add(
-                Transfer(
-                    "grad_inter",
-                    "backward",
-                    wire,
-                    w * wire * (n - 1) / n,
-                    codec=0.0 if d > 1 else codec,
-                    levels=s.pipeline,
-                )
-            )
+            _inter_level(out, (n if d > 1 else w) * inter, layout, codec, s.pipeline, slices)
 
 
-def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: RankGrid) -> None:
+def _inter_level(out: StepBytes, wire: float, layout: RankGrid, codec: float, levels: int, calls: int) -> None:
+    """The inter-node all-to-all of a two-level gradient reduction: `wire` bytes per rank, all but its own node's
+    share crossing; the codec counted here only where it is the one level (one rank per node)."""
+    w, n, d = layout.world, layout.nodes, layout.per_node
+    out.add(
+        Transfer(
+            "grad_inter",
+            "backward",
+            wire,
+            w * wire * (n - 1) / n,
+            codec=0.0 if d > 1 else codec,
+            levels=levels,
+            calls=PerGroup(inter=calls),
+        )
+    )
+
+
+def _zeropp(
+    out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass: float, layout: RankGrid, modules: int
+) -> None:
     """ZeRO++: qwZ gathers 8-bit weights (groups of 2048) over the world in the forward and keeps the node's part as
     hpZ's secondary partition, from which the backward gathers inside the node in 16 bits; qgZ reduces gradients
-    with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out)."""
+    with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out). One gather per
+    module, one all-to-all per level."""
     w, n, d = layout.world, layout.nodes, layout.per_node
     codes = codes_and_scales(own, 8, 2048)
     out.add(
@@ -362,24 +461,38 @@ def _zeropp(out: StepBytes, own: int, total: int, dtype_bytes: int, second_pass:
             ring_cross(codes, layout),
             intra=_ring_intra(codes, layout),
             codec=own * (dtype_bytes + 1) + w * own * (1 + dtype_bytes),
+            calls=PerGroup(world=modules),
         )
     )
     if second_pass and d > 1:
         per_rank = n * own * dtype_bytes
         out.add(
-            Transfer("param_gather", "backward", per_rank * second_pass, 0.0, intra=(d - 1) * per_rank * second_pass)
+            Transfer(
+                "param_gather",
+                "backward",
+                per_rank * second_pass,
+                0.0,
+                intra=(d - 1) * per_rank * second_pass,
+                calls=PerGroup(intra=modules * second_pass),
+            )
         )
     part = total / w
     codec = total * (dtype_bytes + 0.5) + d * n * part * 0.5 + n * part * 0.5 * 2 + part * 4
     if d > 1:
         out.add(
-            Transfer("grad_intra", "backward", total * 0.5, 0.0, intra=total * 0.5 * (d - 1) / d, codec=codec, levels=1)
+            Transfer(
+                "grad_intra",
+                "backward",
+                total * 0.5,
+                0.0,
+                intra=total * 0.5 * (d - 1) / d,
+                codec=codec,
+                levels=1,
+                calls=PerGroup(intra=1),
+            )
         )
     if n > 1:
-        wire = (n if d > 1 else w) * part * 0.5
-        out.add(
-            Transfer("grad_inter", "backward", wire, w * wire * (n - 1) / n, codec=0.0 if d > 1 else codec, levels=1)
-        )
+        _inter_level(out, (n if d > 1 else w) * part * 0.5, layout, codec, 1, 1)
 
 
 def partition(tensors: Sequence[int], world: int) -> int:
@@ -492,14 +605,21 @@ def zero12_step(
                 wire,
                 all_reduce_cross(wire, layout),
                 intra=2 * _ring_intra(wire / layout.world, layout),
+                calls=PerGroup(world=len(gradient_buckets(tensors, scheme.reduce_bucket))),
             )
         )
     if scheme.quantized_weights:
         codes = sum(refresh_codes(size, scheme, layout.world) for size in partitions)
-        _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes)
+        units = sum(-(-size // refresh_unit(scheme, layout.world)) for size in partitions)
+        _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes, buckets=units)
     else:
         wire = own * dtype_bytes
-        out.add(Transfer("param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout)))
+        calls = PerGroup(world=len(partitions))  # DeepSpeed's all_gather_dp_groups: one call per param group
+        out.add(
+            Transfer(
+                "param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout), calls=calls
+            )
+        )
     return out
 
 
@@ -512,9 +632,14 @@ def all_reduce_cross(wire: float, layout: RankGrid) -> float:
 def refresh_codes(own: int, s: Scheme, world: int) -> float:
     """Bytes of the 4-bit difference codes and scales of one ZeRO-1/2 partition of `own` elements, refreshed in units
     of max(1, refresh_bucket // W) elements, each with its own groups."""
-    unit = max(1, s.refresh_bucket // world)
+    unit = refresh_unit(s, world)
     whole, rest = divmod(own, unit)
     return sum(n * codes_and_scales(size, s.weight_bits, s.weight_group) for n, size in ((whole, unit), (1, rest)))
+
+
+def refresh_unit(s: Scheme, world: int) -> int:
+    """Elements of one ZeRO-1/2 refresh unit of a partition: each unit is refreshed in a bucket of its own."""
+    return max(1, s.refresh_bucket // world)
 
 
 def _owner_pieces(lengths: Sequence[int], s: Scheme) -> list[int]:
@@ -528,8 +653,12 @@ def _grads_to_owners(
     out: StepBytes, pieces: list[int], grad_bytes: int, s: Scheme, layout: RankGrid, phase: str, rank: int | None
 ) -> None:
     """TLq on ZeRO-1/2 for one bucket: the intra-node all-to-all of every rank's pieces, then the inter-node one of
-    the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces)."""
+    the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces). Calls:
+    one all-reduce over the world that checks the ranks agree on the layout, then on each level one all-to-all of
+    codes and one of scales per pipeline slice; an inter-node group whose column holds no piece skips its level
+    (`rank`'s count, or without it the busiest rank's)."""
     n, d = layout.nodes, layout.per_node
+    slices = 2 * s.pipeline
     total = sum(pieces)
     column = [sum(pieces[local::d]) for local in range(d)]
     row = [sum(pieces[node * d : (node + 1) * d]) for node in range(n)]
@@ -550,6 +679,7 @@ def _grads_to_owners(
                 codec=codec,
                 levels=s.pipeline,
                 peak_intra=max(max(whole - _intra_codes(c, s), (d - 1) * _intra_codes(c, s)) for c in column),
+                calls=PerGroup(world=1, intra=slices),
             )
         )
     if n > 1:
@@ -564,8 +694,14 @@ def _grads_to_owners(
                 codec=0.0 if d > 1 else codec,
                 levels=s.pipeline,
                 peak_cross=max(max(whole - _inter_codes(r, s), (n - 1) * _inter_codes(r, s)) for r in row),
+                calls=PerGroup(world=0 if d > 1 else 1, inter=slices if _column_sends(column, d, rank) else 0),
             )
         )
+
+
+def _column_sends(column: Sequence[int], per_node: int, rank: int | None) -> bool:
+    """Whether `rank`'s inter-node group (any group, without a rank) has pieces to exchange."""
+    return bool(column[rank % per_node] if rank is not None else any(column))
 
 
 def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme, layout: RankGrid) -> float:

@@ -222,6 +222,26 @@ def test_links_moved_by_the_same_cores_add_their_times() -> None:
     assert timing.phase_comm([transfer], layout, 1, shared) == pytest.approx(inter + intra)
 
 
+def test_every_collective_adds_its_groups_latency() -> None:
+    """The sweep's tiny GPT on 2 x 2 ranks, by hand: plain ZeRO-3 gathers its 10 sharded tensors one module at a time,
+    reduces its one gradient bucket and gathers the persistent parameters once, all on the world; SDP4Bit gathers
+    the 10 from the node's replica (intra-node), refreshes one bucket (codes and scales across nodes) and reduces
+    the bucket on both levels (codes and scales each), and gathers the persistent parameters. A step grows by each
+    call's latency on its group."""
+    scheme = Scheme(persistence_threshold=1280)
+    sdp4bit = replace(scheme, quantized_weights=True, quantized_gradients=True)
+    layout, latency = RankGrid(2, 2), traffic.PerGroup(1e-3, 2e-3, 3e-3)
+    work = timing.Workload(tuple(TINY.tensors()), 0.1, dtype_bytes=4, overlap=False)
+    for s, calls in ((scheme, (12, 0, 0)), (sdp4bit, (1, 4, 12))):
+        step = traffic.zero3_step(TINY.tensors(), s, layout, 4, backend="gloo")
+        counted = tuple(sum(getattr(t.calls, g) for t in step.transfers) for g in traffic.PerGroup._fields)
+        assert counted == calls
+        base = _rates(10)
+        without = timing.deepspeed_step(work, layout, s, base, backend="gloo").step_s
+        with_latency = timing.deepspeed_step(work, layout, s, replace(base, latency=latency), backend="gloo").step_s
+        assert with_latency - without == pytest.approx(traffic.PerGroup(*calls).dot(latency))
+
+
 def test_zero3_gathers_again_what_it_released_after_the_forward() -> None:
     """With DeepSpeed's defaults (a billion live parameters) a small model is gathered once per micro-batch and a
     large one again in the backward for all but its last half-billion elements."""

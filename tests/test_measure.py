@@ -14,6 +14,19 @@ from deepspeed_sdp4bit import measure
 from sdp4bit_cost import plan
 from sdp4bit_testing.dist_harness import run_distributed
 
+GOOD_FILE = {
+    "format": 2,
+    "nodes": 2,
+    "ranks_per_node": 2,
+    "device": "cpu",
+    "device_name": "cpu",
+    "inter_node_gbps": 1.0,
+    "intra_node_gbs": 1.0,
+    "latency_us": {"world": 900.0, "inter": 400.0, "intra": 300.0},
+    "codec_gbs": 1.0,
+    "timed_model": None,
+    "tflops": None,
+}
 TINY_GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 64}
 
 
@@ -58,15 +71,18 @@ def test_the_file_holds_every_figure_with_its_provenance(measured: tuple[Path, s
     the commit, versions and machine; rank 0 prints them and the planner command that reads the file."""
     out, printed, config = measured
     found = json.loads(out.read_text())
-    assert (found["format"], found["nodes"], found["ranks_per_node"], found["device"]) == (1, 2, 2, "cpu")
+    assert (found["format"], found["nodes"], found["ranks_per_node"], found["device"]) == (2, 2, 2, "cpu")
     for key in ("inter_node_gbps", "intra_node_gbs", "codec_gbs", "tflops"):
         assert 0 < found[key] < float("inf"), key
+    assert found["latency_us"].keys() == {"world", "inter", "intra"}
+    assert all(0 < us < 1e6 for us in found["latency_us"].values()), found["latency_us"]
     timed = found["timed_model"]
     assert (timed["layers"], timed["seq"], timed["micro_batch"], timed["dtype"]) == (2, 32, 2, "float32")
     assert timed["tflops"] == found["tflops"] and timed["pass_s"] > 0
     assert {"commit", "versions", "machine", "command"} <= found["provenance"].keys()
     assert f"sdp4bit-plan --measured {out} --model {config} --seq 32 --micro-batch 2" in printed
     assert f"inter-node: {found['inter_node_gbps']:,.3f} Gbit/s per node" in printed
+    assert f"latency per collective: world {found['latency_us']['world']:,.0f} us, inter-node " in printed
 
 
 def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], capsys: pytest.CaptureFixture) -> None:
@@ -84,6 +100,8 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
     assert built.rates.intra_bytes_s == pytest.approx(found["intra_node_gbs"] * 1e9)
     assert built.rates.codec_bytes_s == pytest.approx(found["codec_gbs"] * 1e9)
     assert built.rates.flops_s == pytest.approx(found["tflops"] * 1e12)
+    latency = found["latency_us"]
+    assert built.rates.latency == pytest.approx(tuple(latency[g] / 1e6 for g in ("world", "inter", "intra")))
     nominal = plan.build(
         plan.parser().parse_args(
             ["--measured", str(out), "--model", str(config), "--inter-node-gbps", "10", "--nodes", "16"]
@@ -111,37 +129,18 @@ def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], mess
     ("content", "message"),
     [
         ("not json", "not a readable sdp4bit-measure file"),
-        (json.dumps({"format": 1}), "nodes = None: allowed: a positive integer"),
+        (json.dumps({"format": 2}), "nodes = None: allowed: a positive integer"),
+        (json.dumps({**GOOD_FILE, "format": 1}), "format = 1: allowed: 2 (this sdp4bit-plan's; measure again"),
         (
-            json.dumps(
-                {
-                    "format": 2,
-                    "nodes": 2,
-                    "ranks_per_node": 2,
-                    "device": "cpu",
-                    "inter_node_gbps": 1.0,
-                    "intra_node_gbs": 1.0,
-                    "codec_gbs": 1.0,
-                    "tflops": None,
-                }
-            ),
-            "format = 2: allowed: 1",
-        ),
-        (
-            json.dumps(
-                {
-                    "format": 1,
-                    "nodes": 2,
-                    "ranks_per_node": 2,
-                    "device": "cpu",
-                    "inter_node_gbps": -1.0,
-                    "intra_node_gbs": 1.0,
-                    "codec_gbs": 1.0,
-                    "tflops": None,
-                }
-            ),
+            json.dumps({**GOOD_FILE, "inter_node_gbps": -1.0}),
             "inter_node_gbps = -1.0: allowed: a positive number or null",
         ),
+        (
+            json.dumps({**GOOD_FILE, "latency_us": {"world": 5.0, "inter": -1.0, "intra": None}}),
+            "latency_us = {'world': 5.0, 'inter': -1.0, 'intra': None}: allowed: an object with keys world, inter "
+            "and intra, each a number >= 0 or null",
+        ),
+        (json.dumps({**GOOD_FILE, "latency_us": None}), "latency_us = None: allowed: an object with keys"),
     ],
 )
 def test_a_bad_measurement_file_names_the_key(
@@ -160,18 +159,7 @@ def test_the_two_node_check_projects_from_the_file_and_judges_both_bounds(tmp_pa
 
     config = measured_plan.write_model_config(tmp_path, 2048)
     assert json.loads(config.read_text())["n_layer"] == 2
-    found = {
-        "format": 1,
-        "nodes": 2,
-        "ranks_per_node": 2,
-        "device": "cpu",
-        "device_name": "cpu",
-        "inter_node_gbps": 0.048,
-        "intra_node_gbs": 0.15,
-        "codec_gbs": 1.0,
-        "timed_model": None,
-        "tflops": 0.01,
-    }
+    found = {**GOOD_FILE, "inter_node_gbps": 0.048, "intra_node_gbs": 0.15, "tflops": 0.01}
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(found))
     steps = measured_plan.projected(path, config, "fp32", world=4)
@@ -188,3 +176,25 @@ def test_the_two_node_check_projects_from_the_file_and_judges_both_bounds(tmp_pa
     assert measured_plan.table([row])[1]
     assert not measured_plan.table([{**row, "rate_error": -0.15}])[1]
     assert not measured_plan.table([{**row, "SDP4Bit": {**row["SDP4Bit"], "error": 0.25}}])[1]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "rounds"),
+    [
+        (1, []),
+        (2, [[(0, 1)], [(1, 0)]]),
+        (3, [[(0, 1)], [(1, 0)], [(2, 0)]]),
+        (4, [[(0, 1), (2, 3)], [(1, 0), (3, 2)]]),
+        (5, [[(0, 1), (2, 3)], [(1, 0), (3, 2)], [(4, 0)]]),
+    ],
+)
+def test_every_node_sends_once_one_direction_at_a_time(nodes: int, rounds: list) -> None:
+    """The inter-node rate's rounds: each node sends in exactly one round, no node is in two pairs of a round, and no
+    pair sends both ways at once (so a link carries one direction while it is measured)."""
+    from deepspeed_sdp4bit.collectives import probe
+
+    assert probe.send_rounds(nodes) == rounds
+    assert sorted(src for r in rounds for src, _ in r) == (list(range(nodes)) if nodes > 1 else [])
+    for r in rounds:
+        members = [node for pair in r for node in pair]
+        assert len(members) == len(set(members))

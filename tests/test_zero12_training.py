@@ -230,7 +230,8 @@ def test_the_comms_logger_sees_sdp4bit_bytes_and_no_bucket_all_reduce_or_weight_
 def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
     """sdp4bit_cost's ZeRO-1/2 byte count of this run (its layout, buckets and block, per rank) equals what each
     rank's runtime counted, per kind: the buckets follow the hooks' order, which for this model is the reverse of
-    its parameters' order, and the refresh sends one run per rank and bucket."""
+    its parameters' order, and the refresh sends one run per rank and bucket. So do its counts of the collectives on
+    the inter- and intra-node groups (each costs a latency in the timing)."""
     from sdp4bit_cost.traffic import RankGrid, Scheme, zero12_step
 
     stage, accum = CASES[2][name].stage, CASES[2][name].accum
@@ -257,6 +258,11 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
             for kind in ("grad_intra", "grad_inter", "weight_refresh")
         }
         assert model == {kind: result["stats"][kind]["wire_bytes"] for kind in model}, (rank, model)
+        calls = {
+            kind: round(sum(t.calls.inter + t.calls.intra for t in step.transfers if t.kind == kind)) * STEPS
+            for kind in model
+        }
+        assert calls == {kind: result["stats"][kind]["collectives"] for kind in calls}, (rank, calls)
 
 
 def test_an_unstarted_block_trains_bit_for_bit_like_plain_zero12() -> None:

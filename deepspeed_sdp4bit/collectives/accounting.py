@@ -1,5 +1,5 @@
-"""Byte accounting per kind: logical bytes (the unquantized collective in the model's dtype), wire bytes, and the
-wire bytes that cross nodes.
+"""Byte accounting per kind: logical bytes (the unquantized collective in the model's dtype), wire bytes, the wire
+bytes that cross nodes, logical operations (calls) and the collectives that carried them.
 
 Wire bytes are counted exactly as DeepSpeed's comms logger counts a collective (bytes of the input tensor this
 rank passes), because every collective of this package goes through `collectives.comm`, which adds them here.
@@ -22,6 +22,7 @@ class KindBytes:
     wire: int = 0
     cross_node: int = 0
     calls: int = 0
+    collectives: int = 0
 
 
 class CommStats:
@@ -51,14 +52,15 @@ class CommStats:
         entry = self._get(kind)
         entry.wire += int(nbytes)
         entry.cross_node += int(cross_node)
+        entry.collectives += 1
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per kind and in total: logical, wire and cross-node bytes, calls and the wire/logical ratio."""
+        """Per kind and in total: logical, wire and cross-node bytes, calls, collectives and the wire/logical ratio."""
         entries = dict(self._kinds)
         entries["total"] = KindBytes(
             *(
                 sum(getattr(e, name) for e in self._kinds.values())
-                for name in ("logical", "wire", "cross_node", "calls")
+                for name in ("logical", "wire", "cross_node", "calls", "collectives")
             )
         )
         return {
@@ -67,6 +69,7 @@ class CommStats:
                 "wire_bytes": e.wire,
                 "cross_node_bytes": e.cross_node,
                 "calls": e.calls,
+                "collectives": e.collectives,
                 "ratio": e.wire / e.logical if e.logical else float("nan"),
             }
             for kind, e in entries.items()

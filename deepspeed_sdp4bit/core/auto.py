@@ -1,15 +1,15 @@
 """`"auto": true`: the job measures itself and switches on only the parts of SDP4Bit that pay.
 
-At initialize the job times all-gathers over its inter- and intra-node groups (`collectives.probe`) and its codec on
-a gradient-sized buffer. The optimizer steps before the start step (`SDP4BitConfig.start_step`) run as plain
-DeepSpeed (ZeRO-3, or ZeRO-1/2: `JobFacts.stage`), every gather and reduction DeepSpeed's own, and their wall-clock
-times (from the second step on) are recorded. At the last of them the cost model (`sdp4bit_cost.timing`) is fitted
-to this job: the compute per micro-batch is the value for which it predicts the measured plain step with the measured
-link rates. It then predicts every combination of the block's parts (weight differences, gradients) and switches on
-the fewest whose predicted step is within `TOLERANCE` of the fastest, or none. The numbers are all-reduced (the
-slowest rank's time, the slowest link and codec) and rank 0's decision is broadcast, so every rank takes the same
-one. The decision is logged in one line, kept in `engine.sdp4bit.stats()["auto"]` and saved in checkpoints, so a
-resumed job keeps it.
+At initialize the job measures its inter- and intra-node links and what a collective costs on each kind of group
+(`collectives.probe`), and its codec on a gradient-sized buffer. The optimizer steps before the start step
+(`SDP4BitConfig.start_step`) run as plain DeepSpeed (ZeRO-3, or ZeRO-1/2: `JobFacts.stage`), every gather and reduction
+DeepSpeed's own, and their wall-clock times (from the second step on) are recorded. At the last of them the cost model
+(`sdp4bit_cost.timing`) is fitted to this job: the compute per micro-batch is the value for which it predicts the
+measured plain step with the measured link rates and latencies. It then predicts every combination of the block's parts
+(weight differences, gradients) and switches on the fewest whose predicted step is within `TOLERANCE` of the fastest, or
+none. The numbers are all-reduced (the slowest rank's time, the slowest link and codec) and rank 0's decision is
+broadcast, so every rank takes the same one. The decision is logged in one line, kept in
+`engine.sdp4bit.stats()["auto"]` and saved in checkpoints, so a resumed job keeps it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sdp4bit_cost.timing import Rates, Workload, deepspeed_step, second_pass
-from sdp4bit_cost.traffic import RankGrid, Scheme
+from sdp4bit_cost.traffic import PerGroup, RankGrid, Scheme
 
 from .. import codec
 from ..collectives import probe
@@ -40,12 +40,21 @@ PARTS = ("weights", "gradients")
 
 @dataclass(frozen=True)
 class Measurements:
-    """What one rank measured (or, reduced, the job): link rates, codec throughput, the plain step's seconds."""
+    """What one rank measured (or, reduced, the job): link rates, codec throughput, the plain step's seconds, seconds
+    per collective on the world, an inter-node and an intra-node group (0 in decisions saved before they were
+    measured)."""
 
     inter_bytes_s: float
     intra_bytes_s: float
     codec_bytes_s: float
     plain_step_s: float
+    world_latency_s: float = 0.0
+    inter_latency_s: float = 0.0
+    intra_latency_s: float = 0.0
+
+    @property
+    def latency(self) -> PerGroup:
+        return PerGroup(self.world_latency_s, self.inter_latency_s, self.intra_latency_s)
 
 
 @dataclass(frozen=True)
@@ -80,15 +89,15 @@ def label(weights: bool, gradients: bool, stage: int = 3) -> str:
 
 
 def _reduce(local: Measurements, device: torch.device) -> Measurements:
-    """The job's numbers: the slowest rank's step and the lowest rates (one all-reduce)."""
+    """The job's numbers: the slowest rank's step and latencies, the lowest rates (one all-reduce)."""
     values = torch.tensor(
-        [local.plain_step_s, -local.inter_bytes_s, -local.intra_bytes_s, -local.codec_bytes_s],
+        [local.plain_step_s, -local.inter_bytes_s, -local.intra_bytes_s, -local.codec_bytes_s, *local.latency],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    step, inter, intra, codec_rate = values.tolist()
-    return Measurements(-inter, -intra, -codec_rate, step)
+    step, inter, intra, codec_rate, *latency = values.tolist()
+    return Measurements(-inter, -intra, -codec_rate, step, *latency)
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ class JobModel:
             measured.intra_bytes_s,
             measured.codec_bytes_s,
             shared_links=self.backend == "gloo",
+            latency=measured.latency,
         )
         scheme = replace(self.scheme, quantized_weights=weights, quantized_gradients=gradients)
         return deepspeed_step(work, self.layout, scheme, rates, backend=self.backend).step_s
@@ -242,8 +252,15 @@ class AutoTuner:
     def local_measurements(self) -> Measurements:
         """This rank's numbers: its links, codec and the median of its plain steps after the first."""
         durations = [b - a for a, b in itertools.pairwise(self.step_ends)]
+        links = self.links
         return Measurements(
-            self.links.inter_bytes_s, self.links.intra_bytes_s, self.codec_bytes_s, statistics.median(durations)
+            links.inter_bytes_s,
+            links.intra_bytes_s,
+            self.codec_bytes_s,
+            statistics.median(durations),
+            links.latency.world_s,
+            links.latency.inter_s,
+            links.latency.intra_s,
         )
 
     def after_step(self, step: int) -> Decision | None:
