@@ -1,9 +1,11 @@
 """The planner fed with what `sdp4bit-measure` measured on two namespaced nodes, against the steps measured there.
 
-Per shaped rate: `sdp4bit-measure` runs under DeepSpeed's launcher on both nodes (benchmarks/two_nodes.py, 2 CPU
-ranks each, or one with `--ranks_per_node 1`) with the sweep's model (the example's `tiny` GPT, its batch and
-dtype), then plain ZeRO-3 and SDP4Bit train on the same link as in the speed sweep (benchmarks/speed_sweep.py's
-runs), then `sdp4bit-plan --measured` projects both steps from the measurement alone (no fit to the runs). It
+Per shaped rate: plain ZeRO-3 and SDP4Bit train on the link as in the speed sweep (benchmarks/speed_sweep.py's
+runs), then `sdp4bit-measure` runs under DeepSpeed's launcher on both nodes (benchmarks/two_nodes.py, 2 CPU ranks
+each, or one with `--ranks_per_node 1`) with the sweep's model (the example's `tiny` GPT, its batch, dtype and ZeRO
+settings), then `sdp4bit-plan --measured` projects both steps from the measurement alone (no fit to the runs: the
+compute is fitted to the plain engine steps sdp4bit-measure timed on its own random tokens, so the ZeRO-3 row checks
+that the model and the example agree, the SDP4Bit row predicts what nothing was fitted to). It
 prints, and writes to OUT/result.json with the provenance, the measured inter-node rate against the shaped one and
 each projected step against the measured.
 
@@ -58,6 +60,8 @@ def measure_nodes(nodes: Nodes, config: Path, dtype: str, rate: str, out: Path) 
         str(card.micro_batch),
         "--dtype",
         dtype,
+        "--deepspeed_config",
+        SDP4BIT,
         "--out",
         str(target),
     ]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdp4bit_cost.plan import PlanError, read_ds_config
 from sdp4bit_cost.shapes import ModelShape, ShapeError, card, from_hf_config
 
 from .collectives import probe
@@ -45,6 +46,7 @@ FORMAT = 2  # the measurement file's format, which the planner checks (2: one-wa
 TARGET_S = 0.5  # an inter- or intra-node gather grows until it takes this long: long enough to reach the link's rate
 MAX_BYTES = 1 << 28
 TIMED_PASSES = 3
+ENGINE_STEPS = 3
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,6 +73,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("bf16", "fp32"), help="the timed passes' dtype (default bf16 on a GPU, fp32 on CPU ranks)"
     )
+    p.add_argument(
+        "--deepspeed_config",
+        type=Path,
+        help="with --model: the job's DeepSpeed config, whose ZeRO settings the timed engine steps use (its sdp4bit "
+        "block left out; default: ZeRO stage 3 with DeepSpeed's defaults); give the planner the same with --config",
+    )
+    p.add_argument(
+        "--engine-steps",
+        type=int,
+        default=ENGINE_STEPS,
+        help=f"with --model: plain ZeRO steps of a DeepSpeed engine on the model to time (default {ENGINE_STEPS}; "
+        "0: none)",
+    )
     return p
 
 
@@ -80,6 +95,10 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SystemExit(f"sdp4bit-measure: --{flag.replace('_', '-')} {value}: must be an integer >= 1")
+    if args.engine_steps < 0:
+        raise SystemExit(f"sdp4bit-measure: --engine-steps {args.engine_steps}: must be an integer >= 0")
+    if args.deepspeed_config is not None:
+        _engine_config(args.deepspeed_config, 1, "fp32")
     if not args.target_s > 0:
         raise SystemExit(f"sdp4bit-measure: --target-s {args.target_s}: must be > 0")
     if args.ranks_per_node != "auto" and not str(args.ranks_per_node).isdigit():
@@ -158,6 +177,52 @@ def time_model(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         "dtype": str(dtype).removeprefix("torch."),
         "pass_s": seconds,
         "tflops": flops / seconds / 1e12,
+        "engine": engine_steps(args, model, tokens) if args.engine_steps else None,
+    }
+
+
+def _engine_config(path: Path | None, micro_batch: int, dtype: str) -> dict[str, Any]:
+    """The plain engine's config: the job's (or ZeRO-3's defaults) without its sdp4bit block, one micro-batch of
+    `micro_batch` per step in `dtype`; SystemExit naming the flag where the file cannot be read."""
+    config: dict[str, Any] = {"zero_optimization": {"stage": 3}}
+    if path is not None:
+        try:
+            config = read_ds_config(path, "--deepspeed_config")
+        except PlanError as exc:
+            raise SystemExit(f"sdp4bit-measure: {exc}") from None
+    config = {k: v for k, v in config.items() if k not in ("sdp4bit", "train_batch_size", "optimizer", "scheduler")}
+    config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+    config["bf16"] = {"enabled": dtype == "bf16"}
+    config.pop("fp16", None)
+    return config
+
+
+def engine_steps(args: argparse.Namespace, model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, Any]:
+    """Median seconds (slowest rank) of a plain ZeRO optimizer step of `model` on `tokens` (forward, backward, step)
+    in a DeepSpeed engine built from --deepspeed_config, one untimed step first: the compute as a ZeRO step achieves
+    it, the framework's own work and the job's collectives included (the planner separates them)."""
+    import deepspeed
+
+    dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+    config = _engine_config(args.deepspeed_config, args.micro_batch, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    times = []
+    for i in range(args.engine_steps + 1):
+        probe._synchronize(tokens.device)
+        began = time.perf_counter()
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+        probe._synchronize(tokens.device)
+        if i:
+            times.append(time.perf_counter() - began)
+    stage = engine.zero_optimization_stage()
+    engine.destroy()
+    return {
+        "zero_stage": stage,
+        "steps": args.engine_steps,
+        "step_s": probe.slowest(statistics.median(times), tokens.device),
+        "deepspeed_config": str(args.deepspeed_config) if args.deepspeed_config else None,
     }
 
 
@@ -221,11 +286,19 @@ def summary(found: dict[str, Any], out: Path) -> str:
             f"{model['dtype']}): {model['pass_s']:.3f} s per forward and backward = {model['tflops']:,.2f} "
             "TFLOP/s achieved"
         )
+    engine = model["engine"] if model else None
+    if engine:
+        lines.append(
+            f"  plain ZeRO-{engine['zero_stage']} engine on it: {engine['step_s']:.3f} s per optimizer step "
+            f"(median of {engine['steps']})"
+        )
     command = f"sdp4bit-plan --measured {out}" + (
         f" --model {model['model']} --seq {model['seq']} --micro-batch {model['micro_batch']}"
         if model
         else " --model <your model>"
     )
+    if engine and engine["deepspeed_config"]:
+        command += f" --config {engine['deepspeed_config']}"
     lines += [f"written to {out}; plan with:", f"  {command}"]
     return "\n".join(lines)
 

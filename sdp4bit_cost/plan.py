@@ -31,7 +31,7 @@ from typing import Any
 from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
 from .shapes import CARDS, ModelShape, ShapeError, card, from_hf_config, from_size
-from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, megatron_seconds
+from .timing import DEEPSPEED_LIVE_PARAMETERS, Job, Rates, StepTime, deepspeed_step, fit_compute, megatron_seconds
 from .traffic import STAGES, PerGroup, RankGrid, Scheme, partition, zero12_step
 
 GAIN_WORTH_IT = sensitivity.GAIN_WORTH_IT  # below this projected gain the recommendation is to leave SDP4Bit off
@@ -56,6 +56,7 @@ class Scenario:
     system: str
     block: Scheme
     measured: dict[str, Any] | None = None  # what sdp4bit-measure wrote, where the inputs come from it
+    fitted_tflops: float | None = None  # the compute fitted to the measured engine step (`fit_to_engine`)
 
     @property
     def layout(self) -> RankGrid:
@@ -509,15 +510,21 @@ def _at_least_one(flag: str, value: int | None) -> None:
 
 
 def _ds_config(path: Path | None) -> dict[str, Any]:
-    """The ds_config as DeepSpeed reads it (HJSON), or {}."""
-    if path is None:
-        return {}
+    """The --config ds_config, or {}."""
+    return {} if path is None else read_ds_config(path, "--config")
+
+
+def read_ds_config(path: Path, flag: str) -> dict[str, Any]:
+    """A ds_config as DeepSpeed reads it (HJSON); PlanError naming `flag` where it is not one."""
     import hjson
 
     try:
-        return dict(hjson.loads(path.read_text()))
+        config = hjson.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise PlanError(f"--config {path}: not a readable DeepSpeed config ({exc})") from None
+        raise PlanError(f"{flag} {path}: not a readable DeepSpeed config ({exc})") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"{flag} {path}: not a readable DeepSpeed config (an object is expected)")
+    return dict(config)
 
 
 def _block_scheme(ds: dict[str, Any]) -> Scheme:
@@ -651,7 +658,21 @@ def _measured(path: Path | None) -> dict[str, Any] | None:
             "measure again with this release's sdp4bit-measure)"
         )
     _check_latency(path, found.get("latency_us"))
+    _check_engine(path, (found.get("timed_model") or {}).get("engine"))
     return found
+
+
+def _check_engine(path: Path, engine: object) -> None:
+    """timed_model.engine: null, or the plain engine's ZeRO stage and its step's seconds."""
+    if engine is None:
+        return
+    ok = isinstance(engine, dict) and engine.get("zero_stage") in STAGES
+    step = engine.get("step_s") if isinstance(engine, dict) else None
+    if not (ok and isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0):
+        raise PlanError(
+            f"--measured {path}: timed_model.engine = {engine!r}: allowed: null, or an object with zero_stage 1, 2 "
+            "or 3 and step_s a positive number (as sdp4bit-measure writes it)"
+        )
 
 
 def _check_latency(path: Path, latency: object) -> None:
@@ -765,13 +786,54 @@ def build(args: argparse.Namespace) -> Scenario:
         live_parameters=live,
         overlap=not (args.no_overlap or megatron or overlap_comm is False or (measured or {}).get("device") == "cpu"),
     )
-    return Scenario(
+    scenario = Scenario(
         job,
         cluster,
         args.system,
         replace(_block_scheme(ds), stage=stage, round_robin=_round_robin(args, zero, stage)),
         measured,
     )
+    return scenario if args.tflops is not None else fit_to_engine(scenario)
+
+
+def fit_to_engine(scenario: Scenario) -> Scenario:
+    """With the plain ZeRO engine's step sdp4bit-measure timed on the model: the scenario at the achieved TFLOP/s for
+    which the plain variant's projected step, at the measured layout, sequence, micro-batch and dtype, equals it (as
+    `"auto"` fits its compute to the plain steps it times). That compute holds what the engine does per step beside
+    the passes (its hooks, the optimizer); the bare passes' TFLOP/s leave it out. Unchanged without such a
+    measurement, on Megatron-LM, or where the projected communication alone exceeds the measured step."""
+    m = scenario.measured or {}
+    engine = (m.get("timed_model") or {}).get("engine")
+    if not engine or scenario.system == "megatron":
+        return scenario
+    timed = m["timed_model"]
+    job = replace(
+        scenario.job,
+        seq=timed["seq"],
+        micro_batch=timed["micro_batch"],
+        grad_accum=1,
+        tp=1,
+        pp=1,
+        dtype_bytes=2 if timed["dtype"] == "bfloat16" else 4,
+    )
+    at = replace(
+        scenario,
+        job=job,
+        cluster=replace(scenario.cluster, nodes=m["nodes"], gpus_per_node=m["ranks_per_node"]),
+        block=replace(scenario.block, stage=engine["zero_stage"], round_robin=False),
+    )
+    flops = job.flops_per_micro_batch()
+
+    def step_of(compute: float) -> float:
+        tflops = flops / compute / 1e12 if compute > 0 else 1e12
+        point = replace(at, cluster=replace(at.cluster, tflops=tflops))
+        return point.step(at.variants()[at.baseline], at.baseline).step_s
+
+    compute = fit_compute(step_of, engine["step_s"], engine["step_s"])
+    if compute <= 0:
+        return scenario
+    tflops = flops / compute / 1e12
+    return replace(scenario, cluster=replace(scenario.cluster, tflops=tflops), fitted_tflops=tflops)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -794,7 +856,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _measured_line(scenario: Scenario) -> str:
     """Which inputs came from the measurement file, with their values."""
     m, c = scenario.measured, scenario.cluster
-    tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model"
+    tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model's passes"
+    if scenario.fitted_tflops is not None:
+        engine = m["timed_model"]["engine"]
+        tflops += (
+            f" and {scenario.fitted_tflops:,.3g} in its plain ZeRO-{engine['zero_stage']} engine's "
+            f"{engine['step_s']:.3f} s step (the compute projected)"
+        )
     return (
         f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
         f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "

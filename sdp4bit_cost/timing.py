@@ -19,6 +19,7 @@ stage's time and sends the activations between stages over the inter-node link.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .shapes import ModelShape
@@ -250,6 +251,22 @@ def sequential_seconds(work: Workload, layout: RankGrid, step: StepBytes, rates:
         work.tp * step.grad_cross,
         work.tp * step.grad_cross_as_reduce_scatter,
     )
+
+
+def fit_compute(step_of: Callable[[float], float], measured_s: float, high: float) -> float:
+    """The compute per micro-batch (between 0 and `high`) for which `step_of` predicts the measured step: the
+    compute a step achieved, what the framework does beside the passes included, with communication as the model
+    counts it. 0 where communication alone takes longer; the step grows with the compute, so bisection finds it."""
+    low = 0.0
+    if step_of(low) >= measured_s:
+        return 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if step_of(middle) < measured_s:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def _tokens(work: Workload, layout: RankGrid) -> float:

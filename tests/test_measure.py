@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,8 @@ def _measure(out: str, config: str) -> str:
                 "32",
                 "--micro-batch",
                 "2",
+                "--engine-steps",
+                "2",
                 "--out",
                 out,
             ]
@@ -79,6 +82,10 @@ def test_the_file_holds_every_figure_with_its_provenance(measured: tuple[Path, s
     timed = found["timed_model"]
     assert (timed["layers"], timed["seq"], timed["micro_batch"], timed["dtype"]) == (2, 32, 2, "float32")
     assert timed["tflops"] == found["tflops"] and timed["pass_s"] > 0
+    engine = timed["engine"]
+    assert (engine["zero_stage"], engine["steps"], engine["deepspeed_config"]) == (3, 2, None)
+    assert engine["step_s"] > 0
+    assert f"plain ZeRO-3 engine on it: {engine['step_s']:.3f} s per optimizer step (median of 2)" in printed
     assert {"commit", "versions", "machine", "command"} <= found["provenance"].keys()
     assert f"sdp4bit-plan --measured {out} --model {config} --seq 32 --micro-batch 2" in printed
     assert f"inter-node: {found['inter_node_gbps']:,.3f} Gbit/s per node" in printed
@@ -86,7 +93,8 @@ def test_the_file_holds_every_figure_with_its_provenance(measured: tuple[Path, s
 
 
 def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], capsys: pytest.CaptureFixture) -> None:
-    """`sdp4bit-plan --measured FILE` takes the nodes, ranks, link rates, codec and achieved compute from the file and
+    """`sdp4bit-plan --measured FILE` takes the nodes, ranks, link rates, latencies and codec from the file, and the
+    compute for which its plain ZeRO-3 step at the measured layout is the engine step measured (or --tflops); it
     projects CPU ranks with gloo's blocking collectives (no overlap)."""
     out, _, config = measured
     found = json.loads(out.read_text())
@@ -99,7 +107,16 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
     assert built.rates.inter_bytes_s == pytest.approx(found["inter_node_gbps"] * 1e9 / 8)
     assert built.rates.intra_bytes_s == pytest.approx(found["intra_node_gbs"] * 1e9)
     assert built.rates.codec_bytes_s == pytest.approx(found["codec_gbs"] * 1e9)
-    assert built.rates.flops_s == pytest.approx(found["tflops"] * 1e12)
+    engine = found["timed_model"]["engine"]
+    assert built.fitted_tflops is not None and built.rates.flops_s == pytest.approx(built.fitted_tflops * 1e12)
+    at = replace(
+        built,
+        job=replace(built.job, seq=32, micro_batch=2, grad_accum=1, dtype_bytes=4),
+        cluster=replace(built.cluster, nodes=2, gpus_per_node=2),
+    )
+    assert at.step(at.variants()["ZeRO-3"], "ZeRO-3").step_s == pytest.approx(engine["step_s"], rel=1e-6)
+    bare = plan.build(plan.parser().parse_args(["--measured", str(out), "--model", str(config), "--tflops", "0.5"]))
+    assert bare.fitted_tflops is None and bare.rates.flops_s == pytest.approx(0.5e12)
     latency = found["latency_us"]
     assert built.rates.latency == pytest.approx(tuple(latency[g] / 1e6 for g in ("world", "inter", "intra")))
     nominal = plan.build(
@@ -118,6 +135,11 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
         (["--layers", "-1"], "--layers -1: must be an integer >= 1"),
         (["--target-s", "0"], "--target-s 0.0: must be > 0"),
         (["--ranks-per-node", "two"], "--ranks-per-node 'two': allowed: auto or an integer"),
+        (["--engine-steps", "-1"], "--engine-steps -1: must be an integer >= 0"),
+        (
+            ["--deepspeed_config", "/nonexistent/ds.json"],
+            "--deepspeed_config /nonexistent/ds.json: not a readable DeepSpeed config",
+        ),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], message: str) -> None:
@@ -141,6 +163,11 @@ def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], mess
             "and intra, each a number >= 0 or null",
         ),
         (json.dumps({**GOOD_FILE, "latency_us": None}), "latency_us = None: allowed: an object with keys"),
+        (
+            json.dumps({**GOOD_FILE, "timed_model": {"engine": {"zero_stage": 4, "step_s": 1.0}}}),
+            "timed_model.engine = {'zero_stage': 4, 'step_s': 1.0}: allowed: null, or an object with zero_stage 1, "
+            "2 or 3 and step_s a positive number",
+        ),
     ],
 )
 def test_a_bad_measurement_file_names_the_key(

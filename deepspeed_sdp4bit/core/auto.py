@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdp4bit_cost.timing import Rates, Workload, deepspeed_step, second_pass
+from sdp4bit_cost.timing import Rates, Workload, deepspeed_step, fit_compute, second_pass
 from sdp4bit_cost.traffic import PerGroup, RankGrid, Scheme
 
 from .. import codec
@@ -139,17 +139,12 @@ class JobModel:
 
     def compute_s(self, measured: Measurements) -> float:
         """The compute per micro-batch for which the model predicts the measured plain step (0 if communication
-        alone takes longer); the step is monotone in it, so bisection finds it."""
-        low, high = 0.0, measured.plain_step_s / self.grad_accum
-        if self.step_s(low, measured, False, False) >= measured.plain_step_s:
-            return 0.0
-        for _ in range(60):
-            middle = (low + high) / 2
-            if self.step_s(middle, measured, False, False) < measured.plain_step_s:
-                low = middle
-            else:
-                high = middle
-        return (low + high) / 2
+        alone takes longer)."""
+        return fit_compute(
+            lambda compute: self.step_s(compute, measured, False, False),
+            measured.plain_step_s,
+            measured.plain_step_s / self.grad_accum,
+        )
 
     def decide(self, measured: Measurements, step: int) -> Decision:
         """The fewest parts whose predicted step is within TOLERANCE of the fastest combination."""
