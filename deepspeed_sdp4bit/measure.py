@@ -12,10 +12,12 @@ It measures the links SDP4Bit uses (`collectives.probe`, the same code `"auto": 
 messages grown until a transfer takes `--target-s`): each node sending to another one direction at a time (the
 inter-node rate), an all-gather over each node's ranks (the intra-node rate), and the smallest all-gather over the
 world, the inter-node groups and the intra-node groups (what every collective costs whatever its size); then the
-gradient quantizer on this device (`core.auto.codec_bytes_s`), and, with `--model`, forward and backward passes of
-that model at the job's sequence length and micro-batch (a few `--layers` of it where the whole does not fit one
-device). Each figure is the slowest rank's. Rank 0 prints them with the planner command to run and writes them to
-`--out` (JSON, with the commit, versions and machine), which `sdp4bit-plan --measured` reads.
+gradient quantizer on this device (`core.auto.codec_bytes_s`), and, with `--model`, forward and backward passes of that
+model at the job's sequence length and micro-batch (a few `--layers` of it where the whole does not fit one device),
+then a few plain ZeRO optimizer steps of it in a DeepSpeed engine built from `--deepspeed_config` (the planner fits its
+compute to them, as `"auto"` fits its plain steps). Each figure is the slowest rank's. Rank 0 prints them with the
+planner command to run and writes them to `--out` (JSON, with the commit, versions and machine), which `sdp4bit-plan
+--measured` reads.
 """
 
 from __future__ import annotations
