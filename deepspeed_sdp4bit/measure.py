@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdp4bit_cost.plan import PlanError, read_ds_config
+from sdp4bit_cost.plan import FORMAT, PlanError, read_ds_config
 from sdp4bit_cost.shapes import ModelShape, ShapeError, card, from_hf_config
 
 from .collectives import probe
@@ -44,7 +44,6 @@ from .core.auto import codec_bytes_s
 from .provenance import provenance
 from .topology import build_topology
 
-FORMAT = 2  # the measurement file's format, which the planner checks (2: one-way inter-node rate, latencies)
 TARGET_S = 0.5  # an inter- or intra-node gather grows until it takes this long: long enough to reach the link's rate
 MAX_BYTES = 1 << 28
 TIMED_PASSES = 3
@@ -100,6 +99,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.engine_steps < 0:
         raise SystemExit(f"sdp4bit-measure: --engine-steps {args.engine_steps}: must be an integer >= 0")
     if args.deepspeed_config is not None:
+        if not args.model:
+            raise SystemExit("sdp4bit-measure: --deepspeed_config needs --model (the engine steps time the model)")
         _engine_config(args.deepspeed_config, 1, "fp32")
     if not args.target_s > 0:
         raise SystemExit(f"sdp4bit-measure: --target-s {args.target_s}: must be > 0")

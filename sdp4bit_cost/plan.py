@@ -606,7 +606,7 @@ def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> 
     return zero12 and (args.round_robin_gradients or value)
 
 
-FORMAT = 2  # the sdp4bit-measure file format this planner reads
+FORMAT = 2  # the sdp4bit-measure file format (2: one-way inter-node rate, latencies, engine step); the one it writes
 MEASURED_KEYS = {
     "format": int,
     "nodes": int,
@@ -857,12 +857,15 @@ def _measured_line(scenario: Scenario) -> str:
     """Which inputs came from the measurement file, with their values."""
     m, c = scenario.measured, scenario.cluster
     tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model's passes"
+    engine = (m.get("timed_model") or {}).get("engine")
     if scenario.fitted_tflops is not None:
-        engine = m["timed_model"]["engine"]
         tflops += (
             f" and {scenario.fitted_tflops:,.3g} in its plain ZeRO-{engine['zero_stage']} engine's "
             f"{engine['step_s']:.3f} s step (the compute projected)"
         )
+    elif engine and c.tflops == m["tflops"]:
+        why = "on Megatron-LM" if scenario.system == "megatron" else "shorter than its communication as projected"
+        tflops += f" (projected: the engine's {engine['step_s']:.3f} s step is not fitted, {why})"
     return (
         f"inputs measured by sdp4bit-measure on {m['nodes']} x {m['ranks_per_node']} {m['device']} ranks: "
         f"inter-node {c.inter_bytes_s * 8 / 1e9:,.3g} Gbit/s per node, intra-node {c.intra_bytes_s / 1e9:,.3g} "

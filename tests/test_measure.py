@@ -117,6 +117,16 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
     assert at.step(at.variants()["ZeRO-3"], "ZeRO-3").step_s == pytest.approx(engine["step_s"], rel=1e-6)
     bare = plan.build(plan.parser().parse_args(["--measured", str(out), "--model", str(config), "--tflops", "0.5"]))
     assert bare.fitted_tflops is None and bare.rates.flops_s == pytest.approx(0.5e12)
+    too_short = out.with_name("too_short.json")  # a step shorter than its communication cannot be fitted: said
+    found["timed_model"]["engine"]["step_s"] = 1e-6
+    too_short.write_text(json.dumps(found))
+    capsys.readouterr()
+    assert plan.main(["--measured", str(too_short), "--model", str(config)]) == 0
+    assert "the engine's 0.000 s step is not fitted, shorter than its communication as projected" in (
+        capsys.readouterr().out
+    )
+    unfitted = plan.build(plan.parser().parse_args(["--measured", str(too_short), "--model", str(config)]))
+    assert unfitted.fitted_tflops is None and unfitted.rates.flops_s == pytest.approx(found["tflops"] * 1e12)
     latency = found["latency_us"]
     assert built.rates.latency == pytest.approx(tuple(latency[g] / 1e6 for g in ("world", "inter", "intra")))
     nominal = plan.build(
@@ -137,9 +147,10 @@ def test_the_planner_projects_from_the_file(measured: tuple[Path, str, Path], ca
         (["--ranks-per-node", "two"], "--ranks-per-node 'two': allowed: auto or an integer"),
         (["--engine-steps", "-1"], "--engine-steps -1: must be an integer >= 0"),
         (
-            ["--deepspeed_config", "/nonexistent/ds.json"],
+            ["--model", "125m", "--deepspeed_config", "/nonexistent/ds.json"],
             "--deepspeed_config /nonexistent/ds.json: not a readable DeepSpeed config",
         ),
+        (["--deepspeed_config", "ds.json"], "--deepspeed_config needs --model"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_measured(argv: list[str], message: str) -> None:
