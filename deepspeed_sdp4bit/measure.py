@@ -254,8 +254,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _latency_us(latency: probe.Latencies, nodes: int, per_node: int) -> dict[str, float | None]:
     """Microseconds of the smallest collective per kind of group (None where the job has no such group)."""
     present = {"world": nodes * per_node > 1, "inter": nodes > 1, "intra": per_node > 1}
-    seconds = {"world": latency.world_s, "inter": latency.inter_s, "intra": latency.intra_s}
-    return {group: seconds[group] * 1e6 if present[group] else None for group in present}
+    return {group: seconds * 1e6 if present[group] else None for group, seconds in zip(present, latency, strict=True)}
 
 
 def _latencies(latency_us: dict[str, float | None]) -> str:

@@ -823,11 +823,11 @@ def fit_to_engine(scenario: Scenario) -> Scenario:
         block=replace(scenario.block, stage=engine["zero_stage"], round_robin=False),
     )
     flops = job.flops_per_micro_batch()
+    plain = at.variants()[at.baseline]
 
     def step_of(compute: float) -> float:
         tflops = flops / compute / 1e12 if compute > 0 else 1e12
-        point = replace(at, cluster=replace(at.cluster, tflops=tflops))
-        return point.step(at.variants()[at.baseline], at.baseline).step_s
+        return replace(at, cluster=replace(at.cluster, tflops=tflops)).step(plain, at.baseline).step_s
 
     compute = fit_compute(step_of, engine["step_s"], engine["step_s"])
     if compute <= 0:

@@ -251,7 +251,7 @@ def zero3_step(
 
     Collectives: DeepSpeed gathers each module's sharded parameters in one call (a sharded tensor is taken for a
     module), reduces one call per gradient bucket and gathers the persistent parameters in one call after the step;
-    SDP4Bit's calls are those of its runtime (`weight_refresh_calls`, `_grads_tlq`).
+    SDP4Bit's calls are those of its runtime (`_weights_qwd` per `refresh_buckets`, `_grads_tlq`).
     """
     comm_bytes = comm_bytes or dtype_bytes
     w = layout.world

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +33,9 @@ REPEATS = 3
 LATENCY_REPEATS = 15
 
 
-@dataclass(frozen=True)
-class Latencies:
+class Latencies(NamedTuple):
     """Seconds of the smallest collective (an all-gather of one element) over the world, over the ranks with one
-    local index on every node, and over the ranks of one node (0.0 where there is no such group)."""
+    local index on every node, and over the ranks of one node (0.0 where there is no such group), in that order."""
 
     world_s: float = 0.0
     inter_s: float = 0.0

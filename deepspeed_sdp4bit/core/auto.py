@@ -249,13 +249,7 @@ class AutoTuner:
         durations = [b - a for a, b in itertools.pairwise(self.step_ends)]
         links = self.links
         return Measurements(
-            links.inter_bytes_s,
-            links.intra_bytes_s,
-            self.codec_bytes_s,
-            statistics.median(durations),
-            links.latency.world_s,
-            links.latency.inter_s,
-            links.latency.intra_s,
+            links.inter_bytes_s, links.intra_bytes_s, self.codec_bytes_s, statistics.median(durations), *links.latency
         )
 
     def after_step(self, step: int) -> Decision | None:
