@@ -21,6 +21,8 @@ SDP4BIT_KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter")
 SCALE_BYTES = 4  # one fp32 scale per quantization group
 STAGES = (1, 2, 3)
 ALL_REDUCE = "grad_all_reduce"  # ZeRO-1/2's gradient all-reduce: twice the bytes of a reduce-scatter doing its job
+CONTROL = "control"  # SDP4Bit's flag all-reduces whose answer the host waits for
+FLAG_BYTES = 4  # one int32 flag per unit of the weight replicas
 ZERO12_ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 flat buffer to a multiple of 2 x W elements
 
 
@@ -266,6 +268,7 @@ def zero3_step(
             slots = w if scheme.replica == "rank" else layout.nodes
             buckets = refresh_buckets([shard(n, w) for n in sharded], slots, scheme.refresh_bucket)
             _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout, buckets=buckets, modules=len(sharded))
+            _write_check(out, len(sharded), layout)
         else:
             _gathers(
                 out,
@@ -612,6 +615,7 @@ def zero12_step(
         codes = sum(refresh_codes(size, scheme, layout.world) for size in partitions)
         units = sum(-(-size // refresh_unit(scheme, layout.world)) for size in partitions)
         _weights_qwd(out, own, dtype_bytes, 0.0, replace(scheme, replica="rank"), layout, codes=codes, buckets=units)
+        _write_check(out, units, layout)
     else:
         wire = own * dtype_bytes
         calls = PerGroup(world=len(partitions))  # DeepSpeed's all_gather_dp_groups: one call per param group
@@ -621,6 +625,14 @@ def zero12_step(
             )
         )
     return out
+
+
+def _write_check(out: StepBytes, units: int, layout: RankGrid) -> None:
+    """SDP4Bit's one collective whose answer the host waits for in steady state: once per optimizer step, at the
+    first forward after it, an all-reduce over the world of one flag per unit of the weight replicas (did any rank
+    find it written outside SDP4Bit). Counted in the "step" phase: it runs between two steps, once per step."""
+    wire = units * FLAG_BYTES
+    out.add(Transfer(CONTROL, "step", wire, all_reduce_cross(wire, layout), calls=PerGroup(world=1)))
 
 
 def all_reduce_cross(wire: float, layout: RankGrid) -> float:
@@ -654,9 +666,9 @@ def _grads_to_owners(
 ) -> None:
     """TLq on ZeRO-1/2 for one bucket: the intra-node all-to-all of every rank's pieces, then the inter-node one of
     the pieces for its local index's column (one node: intra only; one rank per node: inter only, all pieces). Calls:
-    one all-reduce over the world that checks the ranks agree on the layout, then on each level one all-to-all of
-    codes and one of scales per pipeline slice; an inter-node group whose column holds no piece skips its level
-    (`rank`'s count, or without it the busiest rank's)."""
+    on each level one all-to-all of codes and one of scales per pipeline slice (the check that the ranks agree on
+    the bucket's layout runs once per distinct layout, none in steady state); an inter-node group whose column holds
+    no piece skips its level (`rank`'s count, or without it the busiest rank's)."""
     n, d = layout.nodes, layout.per_node
     slices = 2 * s.pipeline
     total = sum(pieces)
@@ -679,7 +691,7 @@ def _grads_to_owners(
                 codec=codec,
                 levels=s.pipeline,
                 peak_intra=max(max(whole - _intra_codes(c, s), (d - 1) * _intra_codes(c, s)) for c in column),
-                calls=PerGroup(world=1, intra=slices),
+                calls=PerGroup(intra=slices),
             )
         )
     if n > 1:
@@ -694,7 +706,7 @@ def _grads_to_owners(
                 codec=0.0 if d > 1 else codec,
                 levels=s.pipeline,
                 peak_cross=max(max(whole - _inter_codes(r, s), (n - 1) * _inter_codes(r, s)) for r in row),
-                calls=PerGroup(world=0 if d > 1 else 1, inter=slices if _column_sends(column, d, rank) else 0),
+                calls=PerGroup(inter=slices if _column_sends(column, d, rank) else 0),
             )
         )
 

@@ -226,13 +226,14 @@ def test_every_collective_adds_its_groups_latency() -> None:
     """The sweep's tiny GPT on 2 x 2 ranks, by hand: plain ZeRO-3 gathers its 10 sharded tensors one module at a time,
     reduces its one gradient bucket and gathers the persistent parameters once, all on the world; SDP4Bit gathers
     the 10 from the node's replica (intra-node), refreshes one bucket (codes and scales across nodes) and reduces
-    the bucket on both levels (codes and scales each), and gathers the persistent parameters. A step grows by each
-    call's latency on its group."""
+    the bucket on both levels (codes and scales each), gathers the persistent parameters and agrees once per step
+    on weights written outside it (a flag all-reduce on the world). A step grows by each call's latency on its
+    group."""
     scheme = Scheme(persistence_threshold=1280)
     sdp4bit = replace(scheme, quantized_weights=True, quantized_gradients=True)
     layout, latency = RankGrid(2, 2), traffic.PerGroup(1e-3, 2e-3, 3e-3)
     work = timing.Workload(tuple(TINY.tensors()), 0.1, dtype_bytes=4, overlap=False)
-    for s, calls in ((scheme, (12, 0, 0)), (sdp4bit, (1, 4, 12))):
+    for s, calls in ((scheme, (12, 0, 0)), (sdp4bit, (2, 4, 12))):
         step = traffic.zero3_step(TINY.tensors(), s, layout, 4, backend="gloo")
         counted = tuple(sum(getattr(t.calls, g) for t in step.transfers) for g in traffic.PerGroup._fields)
         assert counted == calls
@@ -453,7 +454,9 @@ def test_zero12_weight_refresh_is_below_the_all_gather_by_the_code_ratio() -> No
     tensors = [8 * 3 * 8192]  # partitions of 3 refresh units of 8192 elements on 8 ranks
     qwd = Scheme(quantized_weights=True, stage=1, refresh_bucket=8 * 8192)
     one_node = [traffic.zero12_step(tensors, s, RankGrid(1, 8), 2) for s in (Scheme(stage=1), qwd)]
-    assert one_node[0].transfers[-1].intra / one_node[1].transfers[-1].intra == pytest.approx(ratio, rel=1e-12)
+    gather, refresh = one_node[0].transfers[-1], one_node[1].transfers[-2]
+    assert (gather.kind, refresh.kind) == ("param_gather", "weight_refresh")
+    assert gather.intra / refresh.intra == pytest.approx(ratio, rel=1e-12)
     layout = RankGrid(4, 2)
     qwd = replace(qwd, refresh_bucket=layout.world * 8192)
     base, ours = (traffic.zero12_step(tensors, s, layout, 2) for s in (Scheme(stage=1), qwd))
@@ -463,13 +466,15 @@ def test_zero12_weight_refresh_is_below_the_all_gather_by_the_code_ratio() -> No
 
 def test_zero12_refresh_units_each_carry_their_scales() -> None:
     """A partition of 42 elements in units of 40 // 4 = 10: four units of 10 and one of 2, each with its own groups
-    of 8 (5 bytes of codes + 2 scales, then 1 byte + 1 scale)."""
+    of 8 (5 bytes of codes + 2 scales, then 1 byte + 1 scale); the step's write check all-reduces one int32 flag per
+    unit over the world."""
     scheme = Scheme(quantized_weights=True, weight_group=8, refresh_bucket=40, stage=2)
     assert traffic.refresh_codes(42, scheme, 4) == 4 * (5 + 8) + (1 + 4)
     step = traffic.zero12_step([161], scheme, RankGrid(2, 2), 2)
     assert [(t.kind, t.wire, t.cross, t.intra) for t in step.transfers][1:] == [
         ("weight_refresh", 57, 2 * 2 * 1 * 57, 0),
         ("weight_refresh", 2 * 57, 0, 2 * 57),
+        ("control", 5 * 4, traffic.all_reduce_cross(5 * 4, RankGrid(2, 2)), 0),
     ]
 
 

@@ -220,11 +220,12 @@ def _resume_check(topo, world: int) -> dict:
 
 def _mismatch_check(world: int) -> dict:
     """Ranks passing different runs, or buckets of different dtypes: every rank must raise; a matching call after
-    them still works (buckets of ones, rounded to nearest: each owner gets exactly W). The check travels on the
-    topology's gloo group for host flags."""
+    them still works (buckets of ones, rounded to nearest: each owner gets exactly W), and the layout checks it took
+    (one per distinct layout: none for a layout already agreed, one for a new one)."""
     rank = dist.get_rank()
-    topo = build_topology(1, host_flags=True)
-    reducer = _reducer(topo, Settings(nodes=world, ranks_per_node=1, stochastic=False), CommStats())
+    topo = build_topology(1)
+    stats = CommStats()
+    reducer = _reducer(topo, Settings(nodes=world, ranks_per_node=1, stochastic=False), stats)
     runs = [Run(r, 100 * r, 100) for r in range(world)]
     other_owner = [Run((1 if rank == 0 else 0), 0, 100)] + runs[1:]
     attempts = {
@@ -239,7 +240,12 @@ def _mismatch_check(world: int) -> dict:
         except RuntimeError as exc:
             messages[name] = str(exc)
     after = reducer.reduce(torch.ones(100 * world), runs)
-    return {"messages": messages, "after": after}
+    checks = [stats.control.get("owner_layout", 0)]
+    reducer.reduce(torch.ones(100 * world), runs)
+    checks.append(stats.control["owner_layout"])
+    reducer.reduce(torch.ones(100 * world), [Run(r, 100 * r, 50) for r in range(world)])
+    checks.append(stats.control["owner_layout"])
+    return {"messages": messages, "after": after, "checks": checks}
 
 
 def _error_checks(topo, world: int) -> list[str]:
@@ -481,7 +487,8 @@ def test_non_finite_values_reach_only_their_owners_groups_as_nan(world_run):
 
 def test_layout_mismatch_raises_on_every_rank(world_run):
     """Different runs or dtypes on some ranks raise a RuntimeError naming each rank's layout on every rank (no
-    hang), and the reducer works again afterwards."""
+    hang), and the reducer works again afterwards; a layout every rank agreed on is not checked again (the check
+    costs a host round trip), a new one is."""
     world, ranks = world_run
     if world == 1:
         pytest.skip("a single rank cannot disagree with itself")
@@ -494,6 +501,7 @@ def test_layout_mismatch_raises_on_every_rank(world_run):
         want = "bfloat16" if r == world - 1 else "float32"
         assert f"has a {want} bucket" in messages["dtype"], (r, messages["dtype"])
         assert torch.equal(res["mismatch"]["after"], torch.full((100,), float(world))), r
+        assert res["mismatch"]["checks"] == [3, 3, 4], (r, res["mismatch"]["checks"])
 
 
 def test_bad_arguments_are_rejected(world_run):

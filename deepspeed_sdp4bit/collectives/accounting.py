@@ -4,7 +4,9 @@ bytes that cross nodes, logical operations (calls) and the collectives that carr
 Wire bytes are counted exactly as DeepSpeed's comms logger counts a collective (bytes of the input tensor this
 rank passes), because every collective of this package goes through `collectives.comm`, which adds them here.
 Cross-node bytes are what this rank sends to ranks of other nodes in those collectives (see `comm.cross_node_bytes`);
-they are counted when the stats know the ranks per node.
+they are counted when the stats know the ranks per node. Control collectives (the small all-reduces by which ranks
+agree on a flag: a bucket layout, weights written from outside, a checksum) carry no kind's bytes and are counted by
+name (`control`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class CommStats:
     def __init__(self, ranks_per_node: int | None = None) -> None:
         self.ranks_per_node = ranks_per_node
         self._kinds = {kind: KindBytes() for kind in KINDS}
+        self.control: dict[str, int] = {}
 
     def _get(self, kind: str) -> KindBytes:
         if kind not in self._kinds:
@@ -53,6 +56,16 @@ class CommStats:
         entry.wire += int(nbytes)
         entry.cross_node += int(cross_node)
         entry.collectives += 1
+
+    def add_control(self, name: str) -> None:
+        """Record one control collective (a flag all-reduce) named `name`."""
+        self.control[name] = self.control.get(name, 0) + 1
+
+    def collectives(self) -> dict[str, int]:
+        """Collectives issued so far: per kind, and per control collective as 'control/<name>'."""
+        counts = {kind: entry.collectives for kind, entry in self._kinds.items()}
+        counts.update({f"control/{name}": calls for name, calls in sorted(self.control.items())})
+        return counts
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per kind and in total: logical, wire and cross-node bytes, calls, collectives and the wire/logical ratio."""
@@ -79,3 +92,4 @@ class CommStats:
         """Zero every counter."""
         for kind in self._kinds:
             self._kinds[kind] = KindBytes()
+        self.control.clear()

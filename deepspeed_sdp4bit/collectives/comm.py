@@ -117,8 +117,12 @@ def all_reduce(
     group: ProcessGroup | None,
     op: ds_comm.ReduceOp = ds_comm.ReduceOp.SUM,
     log_name: str = "sdp4bit_check",
+    stats: CommStats | None = None,
 ) -> None:
-    """A small all-reduce for checks and flags (not part of any kind's bytes)."""
+    """A small all-reduce for checks and flags (not part of any kind's bytes; counted in `stats` as a control
+    collective named by `log_name`)."""
+    if stats is not None:
+        stats.add_control(log_name.removeprefix("sdp4bit_"))
     with named(f"the flag all-reduce {log_name}", group):
         ds_comm.all_reduce(tensor, op=op, group=group, log_name=log_name)
 
@@ -129,9 +133,11 @@ def max_over_ranks(
     log_name: str,
     device: torch.device | str,
     dtype: torch.dtype = torch.int32,
+    stats: CommStats | None = None,
 ) -> list[int]:
     """The elementwise maximum over `group`'s ranks of a few integers (flags, status codes): the one small all-reduce
-    by which every rank reaches the same answer before acting on it."""
+    by which every rank reaches the same answer before acting on it. `device` is one the group's backend takes (the
+    job's device under NCCL); the answer is read on the host, so the caller waits for it."""
     tensor = torch.tensor(list(values), dtype=dtype, device=device)
-    all_reduce(tensor, group, ds_comm.ReduceOp.MAX, log_name)
+    all_reduce(tensor, group, ds_comm.ReduceOp.MAX, log_name, stats)
     return [int(v) for v in tensor.tolist()]

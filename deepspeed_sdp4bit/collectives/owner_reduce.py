@@ -6,8 +6,12 @@ sum over all ranks of exactly the runs it owns, concatenated in bucket order, in
 when it owns none), and nothing else.
 
 A bucket is described on every rank by runs (owner rank, start, numel). Adjacent runs of one owner are merged first,
-so ranks may split them differently; the merged layout must be the same on every rank, which a small all-reduce
-checks before any exchange. With W = N nodes x D ranks per node (rank r = (node r // D, local r % D)):
+so ranks may split them differently; the merged layout must be the same on every rank, since the uneven exchanges
+below are sized by it and would wait forever on ranks that disagree. A small all-reduce checks it before the first
+exchange of each distinct layout; a layout every rank has agreed on before is exchanged without one (a training run
+passes the same few layouts every micro-batch), so in steady state the reduction adds nothing but its exchanges.
+Ranks that pass a layout no rank has passed before all check it, and fail together naming it when they disagree. With
+W = N nodes x D ranks per node (rank r = (node r // D, local r % D)):
 
 1. Rank r's piece is its runs, concatenated in bucket order (L_r elements), zero-padded to
    P_r = ceil(L_r / U) x U elements, U = lcm(group_intra, group_inter, 32) x pipeline, so each of the `pipeline`
@@ -37,6 +41,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +53,7 @@ from . import comm
 from .levels import Exchange, Level, Splits, TwoLevelReducer, codes_slice
 
 _SHOWN_RUNS = 8  # runs listed in a layout summary
+AGREED_LAYOUTS = 4096  # distinct bucket layouts remembered as checked (a training run passes a few per micro-batch)
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,12 @@ class _Idle:
 
 class OwnerReducer(TwoLevelReducer):
     """Quantized sum of a ZeRO-1/2 gradient bucket onto the owners of its runs, over the world group on `topo`'s
-    nodes, with exact-resume rounding streams."""
+    nodes, with exact-resume rounding streams; `agreed` holds the fingerprints of the layouts every rank has checked
+    (at most `AGREED_LAYOUTS`, the oldest dropped first)."""
+
+    def __init__(self, topo: Topology, **settings: Any) -> None:
+        super().__init__(topo, **settings)
+        self.agreed: dict[int, None] = {}
 
     @property
     def unit(self) -> int:
@@ -255,17 +266,22 @@ class OwnerReducer(TwoLevelReducer):
 
     def _check_agreement(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device) -> None:
         """Raise a RuntimeError on every rank when the ranks' merged layouts differ, before the uneven all-to-alls
-        would wait forever: one all-reduce (MAX) of (fingerprint, -fingerprint) gives its maximum and minimum."""
+        would wait forever: one all-reduce (MAX) of (fingerprint, -fingerprint) gives its maximum and minimum, once
+        per distinct layout."""
         fingerprint = layout.fingerprint(dtype)
-        device = torch.device("cpu") if self.topo.flags is not None else device
+        if fingerprint in self.agreed:
+            return
         highest, negated_lowest = comm.max_over_ranks(
-            [fingerprint, -fingerprint], self.topo.flags, "sdp4bit_owner_layout", device, torch.int64
+            [fingerprint, -fingerprint], None, "sdp4bit_owner_layout", device, torch.int64, self.stats
         )
         if highest != -negated_lowest:
             raise RuntimeError(
                 f"OwnerReducer.reduce: the ranks passed different bucket layouts (the exchanges "
                 f"would hang); rank {self.topo.rank} has {layout.describe(dtype)}"
             )
+        self.agreed[fingerprint] = None
+        if len(self.agreed) > AGREED_LAYOUTS:
+            del self.agreed[next(iter(self.agreed))]
 
     def _account(self, layout: BucketLayout, elem_size: int) -> None:
         """Logical bytes: the unquantized exchanges of the real (unpadded) elements at each level."""

@@ -13,8 +13,8 @@ name through the original's own signature. The first engine built with an enable
 changes anything else.
 Per engine, `PatchSet` (instance attributes and hooks of this engine and its objects, so other engines in the process
 are untouched; `undo()` reverts them newest first, `engine.destroy()` calls `release()`):
-- a forward pre-hook on the engine's model, first among its hooks: finds writes to the served weights made since
-  the last forward and resyncs them;
+- a forward pre-hook on the engine's model, first among its hooks: counts the micro-batch and finds writes to the
+  served weights made outside SDP4Bit (resynced at the first forward after each optimizer step, `core/writes.py`);
 - the engine's `forward`, `backward` and `step`: a collective of DeepSpeed's failing inside them names the nodes
   that stopped answering, as SDP4Bit's own collectives do;
 - the engine's `save_checkpoint` / `load_checkpoint`: carry SDP4Bit's state (`core/checkpoint.py`), resync after
@@ -193,10 +193,10 @@ class PatchSet:
 
     def _forward(self) -> None:
         """Before each forward of the engine's model (ahead of DeepSpeed's own hooks, which start ZeRO-3's gathers),
-        let the runtime find and resync writes to the served weights made since the last forward."""
+        let the runtime count it and find writes to the served weights made outside SDP4Bit."""
         runtime = self.runtime
         handle = self.engine.module.register_forward_pre_hook(
-            lambda module, args: runtime.resync_foreign_writes(), prepend=True
+            lambda module, args: runtime.before_forward(), prepend=True
         )
         self._undo.append(handle.remove)
 

@@ -71,7 +71,8 @@ class Runtime:
         self.closed = False
         self.block, self.config, self.coverage = plan.block, plan.effective, plan.coverage
         self.telemetry = Telemetry(stats, engine, baseline)
-        self.watch = WriteWatch(units, topology)
+        self.watch = WriteWatch(units, topology, stats)
+        self._writes_agreed_at: int | None = None
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
         self._weights_written: Any = None
@@ -114,12 +115,20 @@ class Runtime:
         """Remember these units' tensors as SDP4Bit left them: what serves them agrees with them now."""
         self.watch.record(keys)
 
-    def resync_foreign_writes(self) -> None:
-        """Before a forward of the engine's model: resync the units some rank finds written by something other than
-        SDP4Bit (collective: one small all-reduce, no device synchronisation)."""
+    def before_forward(self) -> None:
+        """Before a forward of the engine's model: count the micro-batch, and find writes to the units by something
+        other than SDP4Bit (core/writes.py). At the first forward after each optimizer step (engine.global_steps, the
+        same on every rank, skipped steps included) the ranks agree on them and resync them (collective: one small
+        all-reduce); at the others this rank only notes its own finds, without communicating."""
+        self.telemetry.micro_batch()
         if self.measuring() or self.weights is None:
             return
-        written = self.watch.agree()
+        step = self.engine.global_steps
+        if step == self._writes_agreed_at:
+            self.watch.note()
+            return
+        self._writes_agreed_at = step
+        written = self.watch.agree(get_accelerator().current_device_name())
         if written:
             self.resync(written)
 
@@ -156,7 +165,7 @@ class Runtime:
         if self.store is not None and keys and not self.measuring():
             written = any(not self._holds_w(k) for k in keys)
             device = self.units.tensor(keys[0]).device
-            if comm.max_over_ranks([int(written)], None, "sdp4bit_weight_written", device)[0]:
+            if comm.max_over_ranks([int(written)], None, "sdp4bit_weight_written", device, stats=self.comm_stats)[0]:
                 self.resync(keys)
         self._record(keys)
 
@@ -247,7 +256,7 @@ class Runtime:
         keys = self.units.keys()
         local = [int(not self._holds_w(k)) for k in keys]
         device = get_accelerator().current_device_name()
-        flags = comm.max_over_ranks(local, None, "sdp4bit_weight_checksum", device)
+        flags = comm.max_over_ranks(local, None, "sdp4bit_weight_checksum", device, stats=self.comm_stats)
         differing = [key for key, flag in zip(keys, flags, strict=True) if flag]
         if not differing:
             return True

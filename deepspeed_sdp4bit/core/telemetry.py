@@ -4,7 +4,10 @@ monitor (TensorBoard, W&B, CSV) when it is enabled.
 `CommStats` (collectives/accounting.py) counts logical, wire and cross-node bytes as the collectives pass them;
 `Telemetry` takes its snapshots: the cumulative one (`engine.sdp4bit.stats()`) and the deltas of the last optimizer
 step (`engine.sdp4bit.last_step_bytes`), written to the monitor by rank 0 as `Train/Samples/sdp4bit/<kind>/<key>`
-with the step's compression ratio.
+with the step's compression ratio. It also counts the collectives SDP4Bit issued in the last optimizer step, per kind
+and per control collective, and the micro-batches (forwards of the engine's model) in it:
+`stats()["collectives"]` gives them per step and per micro-batch, so what SDP4Bit adds to every micro-batch in steady
+state is one look away.
 
 On ZeRO-1/2 SDP4Bit's gradient exchange replaces an all-reduce of each bucket, which moves twice the bytes of the
 reduce-scatter that would do its job (each rank keeps only its own runs). `AllReduceBaseline` counts what DeepSpeed
@@ -56,7 +59,14 @@ class Telemetry:
         self.engine = engine
         self.baseline = baseline
         self.last_step_bytes: dict[str, dict[str, float]] = {}
+        self.last_step_collectives: dict[str, Any] = {}
         self._at_last_step = stats.snapshot()
+        self._collectives_at_last_step = stats.collectives()
+        self._micro_batches = 0
+
+    def micro_batch(self) -> None:
+        """One forward of the engine's model began."""
+        self._micro_batches += 1
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Logical, wire and cross-node bytes, calls and ratio per kind and in total since the last reset (and the
@@ -64,11 +74,14 @@ class Telemetry:
         snapshot: dict[str, dict[str, Any]] = self.comm_stats.snapshot()
         if self.baseline is not None:
             snapshot["grad_baseline"] = self.baseline.snapshot()
+        snapshot["collectives"] = self.last_step_collectives
         return snapshot
 
     def start(self) -> None:
         """The per-step deltas count from here (after the start-up sync, which the cumulative counts include)."""
         self._at_last_step = self.comm_stats.snapshot()
+        self._collectives_at_last_step = self.comm_stats.collectives()
+        self._micro_batches = 0
 
     def reset(self) -> None:
         """Zero the cumulative counts."""
@@ -76,6 +89,7 @@ class Telemetry:
         if self.baseline is not None:
             self.baseline.reset()
         self._at_last_step = self.comm_stats.snapshot()
+        self._collectives_at_last_step = self.comm_stats.collectives()
 
     def step_done(self) -> None:
         """One optimizer step ended: keep its byte deltas and write them to DeepSpeed's monitor (rank 0)."""
@@ -85,9 +99,24 @@ class Telemetry:
             for kind in (*KINDS, "total")
         }
         self._at_last_step = now
+        self._count_collectives()
         monitor = getattr(self.engine, "monitor", None)
         if monitor is not None and monitor.enabled and self.engine.global_rank == 0:
             monitor.write_events(self.events())
+
+    def _count_collectives(self) -> None:
+        """The last step's collectives per kind (and control collective), per step and per micro-batch."""
+        now = self.comm_stats.collectives()
+        before = self._collectives_at_last_step
+        issued = {name: count - before.get(name, 0) for name, count in now.items() if count - before.get(name, 0)}
+        micro_batches = self._micro_batches
+        self.last_step_collectives = {
+            "micro_batches": micro_batches,
+            "per_step": issued,
+            "per_micro_batch": {name: count / micro_batches for name, count in issued.items()} if micro_batches else {},
+        }
+        self._collectives_at_last_step = now
+        self._micro_batches = 0
 
     def events(self) -> list[tuple[str, float, int]]:
         """The last step's bytes as DeepSpeed monitor events (name, value, samples)."""

@@ -2,12 +2,16 @@
 
 After its own writes the runtime records each unit's watched tensors (its own, and on ZeRO-1/2 the parameters that
 view its memory): the tensor object, the address of its memory and its version counter, which every in-place
-operation on it advances. `WriteWatch.agree`
-compares them (at the start of each forward of the engine's model), all-reduces one flag per unit (on host memory
-where the world's backend needs it, so no device synchronisation) and returns the units some rank found written, which
-the runtime then resyncs in full precision; each rank warns once per unit, naming it and how it was written. A tensor
-replaced by one that cannot hold the unit (another size, dtype, device) stops the job on every rank. A write that
-bypasses the version counter (through `.data`) is found by `Runtime.verify()` instead.
+operation on it advances. At the first forward of the engine's model after each optimizer step (and the first after
+activation), `WriteWatch.agree` compares them, all-reduces one flag per unit over the job's own group and returns the
+units some rank found written, which the runtime then resyncs in full precision: a script's writes between two steps
+are served from the next forward on, on every rank, at the cost of one small collective per optimizer step, none per
+micro-batch. At the other forwards of a step (gradient accumulation) `WriteWatch.note` compares them on this rank
+alone, without communicating: a write found there is named at once and served at the first forward after the next
+optimizer step, since the ranks cannot agree on it before without a collective per micro-batch. Each rank warns once
+per unit, naming it and how it was written. A tensor replaced by one that cannot hold the unit (another size, dtype,
+device) stops the job on every rank. A write that bypasses the version counter (through `.data`) is found by
+`Runtime.verify()` instead.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from deepspeed.accelerator import get_accelerator
 
 from ..collectives import comm
+from ..collectives.accounting import CommStats
 from ..log import logger
 from ..topology import Topology
 from .units import Units
@@ -46,12 +50,15 @@ def how_written(before: Fingerprint, now: Fingerprint, expression: str) -> str:
 
 
 class WriteWatch:
-    """The fingerprints of the units' tensors as SDP4Bit last left them, and the collective check against them."""
+    """The fingerprints of the units' tensors as SDP4Bit last left them, the writes this rank found between two
+    agreements (`pending`, which a later record does not erase), and the collective check against them."""
 
-    def __init__(self, units: Units, topology: Topology) -> None:
+    def __init__(self, units: Units, topology: Topology, stats: CommStats) -> None:
         self.units = units
         self.topology = topology
+        self.stats = stats
         self._fingerprints: dict[int, list[Fingerprint]] = {}
+        self._pending: dict[int, tuple[int, str]] = {}
         self._warned: set[int] = set()
 
     def record(self, keys: Sequence[int]) -> None:
@@ -73,17 +80,33 @@ class WriteWatch:
         how = "; ".join(found)
         return (UNUSABLE, f"{how}, by {problem}") if problem else (WRITTEN, how)
 
-    def agree(self) -> list[int]:
-        """The units some rank found written since they were recorded (collective: one small all-reduce); raises a
-        RuntimeError on every rank when some rank's tensor can no longer hold its unit."""
-        keys = sorted(self._fingerprints)
-        found = {key: self._local(key) for key in keys}
-        device = "cpu" if self.topology.flags is not None else get_accelerator().current_device_name()
+    def _found(self) -> dict[int, tuple[int, str]]:
+        """(flag, how) of every recorded unit on this rank: what it finds now, or a write it noted before if worse."""
+        found = {key: self._local(key) for key in sorted(self._fingerprints)}
+        for key, noted in self._pending.items():
+            if noted[0] > found.get(key, (CLEAN, ""))[0]:
+                found[key] = noted
+        return found
+
+    def note(self) -> None:
+        """Without communicating: remember (and name, once per unit) the units this rank finds written since they were
+        recorded, for the next agreement."""
+        found = {key: entry for key, entry in self._found().items() if entry[0] != CLEAN}
+        self._pending.update(found)
+        self._warn({key: how for key, (_, how) in found.items()}, agreed=False)
+
+    def agree(self, device: torch.device | str) -> list[int]:
+        """The units some rank found written since they were recorded (collective: one small all-reduce of one flag
+        per unit, on `device`, the job's group's); raises a RuntimeError on every rank when some rank's tensor can
+        no longer hold its unit."""
+        found = self._found()
+        self._pending.clear()
+        keys = sorted(found)
         flags = comm.max_over_ranks(
-            [found[key][0] for key in keys], self.topology.flags, "sdp4bit_weight_written", device
+            [found[key][0] for key in keys], None, "sdp4bit_weight_written", device, stats=self.stats
         )
         agreed = dict(zip(keys, flags, strict=True))
-        self._warn({key: how for key, (_, how) in found.items() if how})
+        self._warn({key: how for key, (_, how) in found.items() if how}, agreed=True)
         unusable = [key for key in keys if agreed[key] == UNUSABLE]
         if unusable:
             raise RuntimeError(
@@ -92,16 +115,23 @@ class WriteWatch:
             )
         return [key for key in keys if agreed[key] == WRITTEN]
 
-    def _warn(self, ways: dict[int, str]) -> None:
-        """Name, once per unit, the units this rank found written from outside."""
+    def _warn(self, ways: dict[int, str], agreed: bool) -> None:
+        """Name, once per unit, the units this rank found written from outside, and when they are served (`agreed`:
+        now, at the first forward after an optimizer step; else at the first forward after the next one)."""
         new = {key: how for key, how in ways.items() if key not in self._warned}
         if not new:
             return
         self._warned.update(new)
         listed = "; ".join(how for _, how in sorted(new.items()))
+        when = (
+            "before they are used again, so the model computes with the new weights"
+            if agreed
+            else "at the first forward after the next optimizer step (this write came between two forwards of "
+            "one step, where the ranks do not agree on writes: until then the model computes with the weights "
+            "before it)"
+        )
         logger.warning(
             f"sdp4bit: on rank {self.topology.rank}, {self.units.noun} was written outside SDP4Bit's and "
             f"DeepSpeed's own updates ({listed}); the weight replicas of these parameters are resynced "
-            f"from {self.units.noun} in full precision before they are used again, so the model computes "
-            "with the new weights"
+            f"from {self.units.noun} in full precision {when}"
         )
