@@ -67,3 +67,33 @@ def test_a_rank_that_wrote_its_own_failure_is_not_named_silent(monkeypatch: pyte
     store.add(f"{faults.BEAT_KEY}3", 1)
     monkeypatch.setattr(faults.time, "sleep", lambda seconds: [store.add(f"{faults.BEAT_KEY}{r}", 1) for r in (1, 3)])
     assert faults._silent(beat, 0, 4) == "every rank still beats (0 s listened)"
+
+
+def test_rank_0_names_a_rank_whose_beats_stop_and_again_when_they_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's heartbeat watches every rank's counter: rank 1 beats on, rank 2 stops beating (a lost node, on any
+    backend, long before a collective with it times out): rank 0's log names node 2 once, and again when it answers
+    again."""
+    from sdp4bit_testing.zero3_harness import LogCapture
+
+    monkeypatch.setattr(faults, "SILENT_S", 0.3)
+    monkeypatch.setattr(faults, "_nodes", faults.Nodes(1, ("a", "b", "c")))
+    store = dist.HashStore()
+    store.add(f"{faults.BEAT_KEY}2", 1)
+    with LogCapture() as log:
+        beat = faults.Heartbeat(store, rank=0, period=0.02, watched=3).start()
+        deadline = time.monotonic() + 30
+        while not log and time.monotonic() < deadline:
+            store.add(f"{faults.BEAT_KEY}1", 1)
+            time.sleep(0.02)
+        silent = list(log)
+        while len(log) < 2 and time.monotonic() < deadline:
+            for rank in (1, 2):
+                store.add(f"{faults.BEAT_KEY}{rank}", 1)
+            time.sleep(0.02)
+        beat.stop()
+    assert silent == [
+        "sdp4bit: node 2 (rank 2, host c) stopped answering: no beat in the job's store for 0 s, so its processes or "
+        "its node's link are down; collectives with it fail when the job's timeout expires (on NCCL torch's watchdog "
+        "then ends the processes with its own message)"
+    ], silent
+    assert log[1:] == ["sdp4bit: node 2 (rank 2, host c) answers again (its beats resumed)"], log

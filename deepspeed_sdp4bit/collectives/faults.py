@@ -9,6 +9,12 @@ have stopped answering; their nodes are named in the error, with the collective 
 operation and its ranks and nodes) and the backend's own error. Where the store itself does not answer, the error
 says so: the store is served by rank 0, so its node is the one unreachable from here. Without a store that can be
 cloned (a test's HashStore), the error still names the collective and its ranks, without liveness.
+
+Rank 0's heartbeat also watches every rank's counter: a rank whose counter stands still for `SILENT_S` seconds is
+named in rank 0's log at once (and again when it answers again), whatever the backend. This is what an NCCL job gets
+before its collectives fail: there torch's watchdog, not the collective's caller, finds a collective that timed out
+and ends the process with its own message (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), so no error of SDP4Bit's
+can name the lost node then; the line in rank 0's log already has.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ import deepspeed.comm as ds_comm
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..log import logger
+
 BEAT_S = 2.0
 LISTEN_S = 5.0
+SILENT_S = 30.0  # rank 0 names a rank whose beat counter stood still this long
 STORE_TIMEOUT = timedelta(seconds=5)
 MAX_NAMED = 8
 BEAT_KEY = "sdp4bit/beat/"
@@ -68,12 +77,15 @@ class Nodes:
 
 
 class Heartbeat:
-    """A daemon thread adding one to this rank's beat counter in the job's store every `period` seconds."""
+    """A daemon thread adding one to this rank's beat counter in the job's store every `period` seconds; with
+    `watched` (rank 0's: the world size), it also names in the log the ranks whose counters stand still."""
 
-    def __init__(self, store: Any, rank: int, period: float = BEAT_S) -> None:
-        self.store, self.rank, self.period = store, rank, period
+    def __init__(self, store: Any, rank: int, period: float = BEAT_S, watched: int = 0) -> None:
+        self.store, self.rank, self.period, self.watched = store, rank, period, watched
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sdp4bit-heartbeat", daemon=True)
+        self._last: dict[int, tuple[int, float]] = {}
+        self._silent: set[int] = set()
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -90,7 +102,32 @@ class Heartbeat:
         while not self._stop.is_set():
             with contextlib.suppress(Exception):  # the store's node lost: beats resume if it answers again
                 self.store.add(f"{BEAT_KEY}{self.rank}", 1)
+                if self.watched:
+                    self._watch(self.counters(self.watched), time.monotonic())
             self._stop.wait(self.period)
+
+    def _watch(self, counts: list[int], now: float) -> None:
+        """Name the ranks whose counter has not moved for SILENT_S seconds, once, and those that answer again."""
+        gone, back = [], []
+        for rank, count in enumerate(counts):
+            seen = self._last.get(rank)
+            if seen is None or seen[0] != count:
+                self._last[rank] = (count, now)
+                if rank in self._silent:
+                    self._silent.discard(rank)
+                    back.append(rank)
+            elif now - seen[1] >= SILENT_S and rank not in self._silent:
+                self._silent.add(rank)
+                gone.append(rank)
+        where = _nodes.name if _nodes else (lambda ranks: f"ranks {ranks}")
+        if gone:
+            logger.warning(
+                f"sdp4bit: {where(gone)} stopped answering: no beat in the job's store for {SILENT_S:.0f} s, so "
+                "its processes or its node's link are down; collectives with it fail when the job's timeout "
+                "expires (on NCCL torch's watchdog then ends the processes with its own message)"
+            )
+        if back:
+            logger.warning(f"sdp4bit: {where(back)} answers again (its beats resumed)")
 
     def counters(self, world: int) -> list[int]:
         """Every rank's beat count (0 for a rank that never beat)."""
@@ -134,7 +171,8 @@ def _start_beat() -> Heartbeat | None:
         store.set_timeout(STORE_TIMEOUT)
     except (AttributeError, RuntimeError, ValueError, NotImplementedError):
         return None
-    return Heartbeat(store, dist.get_rank()).start()
+    rank = dist.get_rank()
+    return Heartbeat(store, rank, watched=dist.get_world_size() if rank == 0 else 0).start()
 
 
 def _silent(beat: Heartbeat, rank: int, world: int) -> str:
