@@ -31,6 +31,7 @@ from typing import Any
 
 import deepspeed.comm as ds_comm
 import hjson
+import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
@@ -206,19 +207,27 @@ def _log_inactive() -> None:
 
 def _topology(arguments: dict[str, Any], cfg: SDP4BitConfig) -> Topology:
     """The node layout, checked before DeepSpeed builds anything: torch.distributed is initialised first exactly as
-    deepspeed.initialize is about to (its own call then finds it done), since the layout is agreed collectively."""
+    deepspeed.initialize is about to (its own call then finds it done), and this rank's device made current as the
+    engine is about to, since the layout is agreed collectively."""
     ds_comm.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=arguments["distributed_port"],
         dist_init_required=arguments["dist_init_required"],
     )
-    return _build_topology(cfg)
+    _set_device(arguments.get("args"))
+    return build_topology(cfg.ranks_per_node)
 
 
-def _build_topology(cfg: SDP4BitConfig) -> Topology:
-    """The node layout and its groups (collective); on a device whose backend takes no CPU tensors, also the gloo
-    group for the runtime's host-side flags."""
-    return build_topology(cfg.ranks_per_node, host_flags=not get_accelerator().is_synchronized_device())
+def _set_device(args: Any) -> None:
+    """Make this rank's device current as DeepSpeedEngine will (`args.device_rank` if given, else LOCAL_RANK): the
+    layout's object all-gather puts its tensors on the current device, which is cuda:0 on every rank until then,
+    while DeepSpeed binds the NCCL group to cuda:LOCAL_RANK."""
+    device_rank = getattr(args, "device_rank", None) if args is not None else None
+    if device_rank is None:
+        local_rank = os.environ.get("LOCAL_RANK")
+        device_rank = int(local_rank) if local_rank is not None else -1
+    if device_rank >= 0 and get_accelerator().is_available():
+        get_accelerator().set_device(device_rank)
 
 
 def _refuse_served_model(model: Any) -> None:
@@ -260,20 +269,31 @@ def _after_engine_init(engine: Any, activating: bool) -> None:
     shm.release_workspace()
 
 
-def activate_engine(engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None) -> Runtime:
+def prepare_codec(device: torch.device | str) -> str:
+    """Load (building it on first use) the codec for `device`; returns its name and how long it took, for the log.
+
+    Called before SDP4Bit's first collective and before DeepSpeed builds the engine: a rank still compiling the op
+    then keeps the others waiting outside any collective, not inside one under the backend's timeout."""
+    began = time.perf_counter()
+    backend = codec.prepare(device)
+    return f"{backend}, ready in {time.perf_counter() - began:.1f} s"
+
+
+def activate_engine(
+    engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None, codec_status: str | None = None
+) -> Runtime:
     """Install SDP4Bit into a built ZeRO engine and sync the replicas; returns the runtime (engine.sdp4bit).
 
-    `topology` is the layout checked before the engine was built (built here, collectively, when not given)."""
+    `topology` is the layout checked before the engine was built and `codec_status` what loading the codec said
+    (each made here, the topology collectively, when not given)."""
     integration = _integration(engine.zero_optimization_stage())
     integration.check_engine(engine, cfg)
     _refuse_served_model(engine.module)
-    began = time.perf_counter()
-    backend = codec.prepare(engine.device)
-    codec_s = time.perf_counter() - began
-    topology = _build_topology(cfg) if topology is None else topology
+    codec_status = prepare_codec(engine.device) if codec_status is None else codec_status
+    topology = build_topology(cfg.ranks_per_node) if topology is None else topology
     runtime = integration.activate(engine, cfg, topology, next(_CREATED))
     engine.sdp4bit = runtime
-    _log_activation(runtime, f"{backend}, ready in {codec_s:.1f} s", integration.describe(runtime))
+    _log_activation(runtime, codec_status, integration.describe(runtime))
     return runtime
 
 
@@ -336,9 +356,11 @@ def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
         _log_inactive()
         return result
     _check_supported(ds_config, cfg)
+    _set_device(arguments["args"])
+    codec_status = prepare_codec(get_accelerator().current_device_name())
     topology = _topology(arguments, cfg)
     result = engine_patches.activating(original, args, kwargs)
-    activate_engine(result[0], cfg, topology)
+    activate_engine(result[0], cfg, topology, codec_status)
     return result
 
 

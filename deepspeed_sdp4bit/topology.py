@@ -4,7 +4,14 @@ Rank r is (node r // D, local r % D) for D ranks per node. D comes from, in orde
 lets one machine act as several nodes), LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (deepspeed launcher), or the
 hostnames of all ranks. A launcher's value larger than the world (a 1-rank job on a machine the launcher calls
 4-wide) is taken as DeepSpeed takes it: the job's ranks share one node, with a warning. Whatever the source, ranks
-must be numbered node by node with equal nodes.
+must be numbered node by node with equal nodes. The ranks' hostnames and launcher variables travel in one object
+all-gather over the default group.
+
+Groups are made so that their number does not grow with the job: where the default group is bound to this rank's
+device (DeepSpeed binds NCCL to cuda:LOCAL_RANK), torch turns every `new_group` into a split of the default group's
+communicator that every rank of the world must join, so the N node groups and the D cross-node groups are made by
+one split each (`torch.distributed.split_group`); elsewhere each rank makes only the two groups it belongs to, with
+their members alone (`new_group(..., use_local_synchronization=True)`).
 
 SDP4Bit's groups wait as long as the job's default group does (the timeout DeepSpeed's `init_distributed` was given,
 `DEEPSPEED_TIMEOUT` by default): torch's `new_group` would otherwise give them its own default (30 minutes for gloo,
@@ -39,9 +46,7 @@ class Topology:
     """This rank's place in a world of `nodes` x `ranks_per_node` ranks, with its process groups.
 
     `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node; `hosts` is
-    the hostname of every rank, in rank order. `flags` is the group over all ranks for small flags kept in host
-    memory: None, the world group, unless it was built as a gloo group for a world whose backend takes no CPU
-    tensors.
+    the hostname of every rank, in rank order.
     """
 
     world: int
@@ -51,7 +56,6 @@ class Topology:
     intra: ProcessGroup | None
     inter: ProcessGroup | None
     hosts: tuple[str, ...] = ()
-    flags: ProcessGroup | None = None
 
     @property
     def nodes(self) -> int:
@@ -81,7 +85,8 @@ class Topology:
 
 
 def _gather(value: object) -> list:
-    """Every rank's `value`, in rank order (collective over the default group)."""
+    """Every rank's `value`, in rank order (one object all-gather over the default group, whose tensors torch puts on
+    the current device: the caller made this rank's device current first)."""
     values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
@@ -123,13 +128,14 @@ def _launcher_value(name: str, value: str, world: int) -> int:
 
 def _detect(explicit: int | str) -> tuple[int, str, list[str]]:
     """(ranks per node, where it came from, hostnames); collective over the default group."""
-    hosts = _gather(socket.gethostname())
+    ranks = _gather((socket.gethostname(), *(os.environ.get(name) for name in ENV_SOURCES)))
+    hosts = [host for host, *_ in ranks]
     if explicit != "auto":
         if type(explicit) is not int:
             raise TopologyError(f"ranks_per_node = {explicit!r} must be 'auto' or an integer >= 1")
         return explicit, "ranks_per_node setting", hosts
-    for name in ENV_SOURCES:
-        values = _gather(os.environ.get(name))
+    for index, name in enumerate(ENV_SOURCES, start=1):
+        values = [rank[index] for rank in ranks]
         if all(value is None for value in values):
             continue
         if len(set(values)) != 1:
@@ -153,10 +159,12 @@ def _check(ranks_per_node: int, source: str, world: int, hosts: list[str]) -> No
             )
 
 
-# Process groups already created, per backend and layout, for the default group they belong to: torch keeps every
-# group (and NCCL its communicators) until the process group is destroyed, so engines built one after another share
-# them.
-_GROUPS: dict[tuple[str | None, tuple[tuple[int, ...], ...]], list[ProcessGroup]] = {}
+# Process groups already created for the default group they belong to: torch keeps every group (and NCCL its
+# communicators) until the process group is destroyed, so engines built one after another share them. A layout made
+# by one split is kept by its groups (every rank makes the same splits in the same order); a group made by its members
+# alone is kept by its ranks.
+_SPLITS: dict[tuple[tuple[int, ...], ...], ProcessGroup] = {}
+_OWN: dict[tuple[int, ...], ProcessGroup] = {}
 _groups_world: ProcessGroup | None = None
 
 
@@ -176,32 +184,41 @@ def job_timeout() -> timedelta | None:
     return group_timeout(dist.distributed_c10d._get_default_group())
 
 
-def _my_group(groups: list[list[int]], rank: int, backend: str | None = None) -> ProcessGroup | None:
-    """The group holding `rank` among `groups` (of the default backend, or `backend`), creating all of them on first
-    use (creation is collective: every rank builds the same layouts in the same order, so every rank creates or
-    reuses alike)."""
+def splits_default_group() -> bool:
+    """Whether torch makes new groups by splitting the default group's communicator (it is bound to a device), which
+    every rank of the world must join for every group made."""
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return bound is not None and hasattr(dist, "split_group")
+
+
+def _my_group(groups: list[list[int]], rank: int) -> ProcessGroup:
+    """The group holding `rank` among `groups` (disjoint, covering the world), made on first use: by one split of the
+    default group where torch splits it, else by this group's members alone."""
     global _groups_world
     if _groups_world is not dist.group.WORLD:  # a new default group: the old groups died with the old one
-        _GROUPS.clear()
+        _SPLITS.clear()
+        _OWN.clear()
         _groups_world = dist.group.WORLD
-    key = (backend, tuple(map(tuple, groups)))
-    if key not in _GROUPS:
-        timeout = job_timeout()
-        _GROUPS[key] = [dist.new_group(ranks, timeout=timeout, backend=backend) for ranks in groups]
-    return next((group for ranks, group in zip(groups, _GROUPS[key], strict=True) if rank in ranks), None)
+    if splits_default_group():
+        layout = tuple(map(tuple, groups))
+        if layout not in _SPLITS:
+            _SPLITS[layout] = dist.split_group(split_ranks=groups, timeout=job_timeout())
+        return _SPLITS[layout]
+    mine = tuple(next(ranks for ranks in groups if rank in ranks))
+    if mine not in _OWN:
+        _OWN[mine] = dist.new_group(list(mine), timeout=job_timeout(), use_local_synchronization=True)
+    return _OWN[mine]
 
 
-def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False) -> Topology:
-    """Detect and check the node layout and create the intra- and inter-node groups (collective); with
-    `host_flags`, also a gloo group over all ranks for flags kept in host memory (for a device backend that takes
-    no CPU tensors)."""
+def build_topology(ranks_per_node: int | str = "auto") -> Topology:
+    """Detect and check the node layout and create the intra- and inter-node groups (collective over the default
+    group: the caller made this rank's device current)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node, source, hosts = _detect(ranks_per_node)
     _check(per_node, source, world, hosts)
     nodes = world // per_node
     intra = _my_group([list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], rank)
     inter = _my_group([list(range(local, world, per_node)) for local in range(per_node)], rank)
-    flags = _my_group([list(range(world))], rank, backend="gloo") if host_flags else None
     faults.watch(per_node, hosts)
     return Topology(
         world=world,
@@ -211,5 +228,4 @@ def build_topology(ranks_per_node: int | str = "auto", host_flags: bool = False)
         intra=intra,
         inter=inter,
         hosts=tuple(hosts),
-        flags=flags,
     )

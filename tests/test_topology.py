@@ -7,10 +7,13 @@ torch.distributed itself is real.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -154,17 +157,104 @@ import torch.distributed as dist
 from deepspeed_sdp4bit.topology import build_topology, group_timeout
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1],
                         timeout=datetime.timedelta(seconds=77))
-topology = build_topology(1, host_flags=True)
-print([group_timeout(g).total_seconds() for g in (topology.intra, topology.inter, topology.flags)])
+topology = build_topology(1)
+print([group_timeout(g).total_seconds() for g in (topology.intra, topology.inter)])
 """
 
 
 @pytest.mark.compat  # reads the timeout where each torch release keeps it
 def test_sdp4bit_groups_wait_as_long_as_the_jobs_default_group() -> None:
-    """A job whose default group was made with a 77 s timeout gets SDP4Bit's node, cross-node and flag groups with
-    77 s, not torch's 30-minute default for new groups (so a collective stuck on a lost node ends with the job's
+    """A job whose default group was made with a 77 s timeout gets SDP4Bit's node and cross-node groups with 77 s,
+    not torch's 30-minute default for new groups (so a collective stuck on a lost node ends with the job's
     timeout)."""
     done = subprocess.run(
         [sys.executable, "-c", TIMEOUT_PROBE, str(free_port())], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.strip().splitlines()[-1] == "[77.0, 77.0, 77.0]"
+    assert done.stdout.strip().splitlines()[-1] == "[77.0, 77.0]"
+
+
+def _spied(events: list[tuple], module: object, name: str, record: Callable[..., tuple]) -> Callable[[], None]:
+    """Record `record(*args)` in `events` at every call of module.name (still calling it); returns the undo."""
+    real = getattr(module, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        events.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    setattr(module, name, spy)
+    return lambda: setattr(module, name, real)
+
+
+def _initialize_layout_check() -> dict[str, list]:
+    """What deepspeed.initialize's layout check (activate._topology) does, as 2 nodes x 2 ranks: the accelerator's
+    set_device and torch's object collectives in the order they run, and the groups created."""
+    from deepspeed.accelerator import get_accelerator
+
+    from deepspeed_sdp4bit import activate
+    from deepspeed_sdp4bit.config import parse_config
+
+    events: list[tuple] = []
+    groups: list[tuple] = []
+    undo = [
+        _spied(events, get_accelerator(), "set_device", lambda index: ("set_device", index)),
+        _spied(events, dist, "all_gather_object", lambda *a, **k: ("all_gather_object",)),
+        _spied(groups, dist, "new_group", lambda ranks=None, *a, **k: ("new_group", tuple(ranks or ()))),
+    ]
+    try:
+        arguments = {"args": None, "distributed_port": 29500, "dist_init_required": None}
+        activate._topology(arguments, parse_config({"enabled": True, "ranks_per_node": 2}))
+    finally:
+        for restore in reversed(undo):
+            restore()
+    explicit: list[tuple] = []
+    restore = _spied(explicit, get_accelerator(), "set_device", lambda index: ("set_device", index))
+    try:
+        activate._set_device(argparse.Namespace(device_rank=1 - dist.get_rank() % 2))
+    finally:
+        restore()
+    return {"events": events, "groups": groups, "explicit": explicit}
+
+
+def test_initialize_makes_the_ranks_device_current_before_its_layout_check():
+    """DeepSpeed binds the NCCL group to cuda:LOCAL_RANK, and torch's object collectives put their tensors on the
+    current device (cuda:0 on every rank until the engine sets it): the layout check first makes LOCAL_RANK's device
+    current, as the engine is about to (args.device_rank when the script passes one), then runs one object
+    all-gather. Each rank creates only its own node and cross-node groups (never the world's N + D), with their
+    members alone."""
+    for rank, result in enumerate(run_distributed(WORLD, _initialize_layout_check)):
+        assert result["events"] == [("set_device", rank), ("all_gather_object",)], result["events"]
+        assert result["explicit"] == [("set_device", 1 - rank % 2)], result["explicit"]
+        intra, inter = (2 * (rank // 2), 2 * (rank // 2) + 1), (rank % 2, rank % 2 + 2)
+        assert result["groups"] == [("new_group", intra), ("new_group", inter)], result["groups"]
+
+
+def _split_layouts() -> dict[str, list]:
+    """build_topology where the default group is bound to a device (as DeepSpeed binds NCCL): the calls that make
+    groups, on one rank of 8 as 2 nodes x 4 (the split itself stands in for NCCL's, which gloo lacks)."""
+    from deepspeed_sdp4bit import topology
+
+    calls: dict[str, list] = {"split_group": [], "new_group": []}
+    real = (topology.splits_default_group, getattr(dist, "split_group", None), dist.new_group)
+    topology.splits_default_group = lambda: True
+    dist.split_group = lambda split_ranks, timeout=None: calls["split_group"].append(split_ranks) or dist.group.WORLD
+    dist.new_group = lambda *args, **kwargs: calls["new_group"].append(args) or dist.group.WORLD
+    try:
+        for layout in ([list(range(4)), list(range(4, 8))], [[0, 4], [1, 5], [2, 6], [3, 7]]):
+            topology._my_group(layout, 0)
+            topology._my_group(layout, 0)
+    finally:
+        topology.splits_default_group, split, dist.new_group = real
+        if split is not None:
+            dist.split_group = split
+    return calls
+
+
+def test_a_device_bound_world_makes_each_layout_by_one_split():
+    """Where torch splits the default group's communicator for every new group (a collective of the whole world
+    each), the N node groups are made by one split and the D cross-node groups by another, once per default group."""
+    calls = run_distributed(1, _split_layouts)[0]
+    assert calls["split_group"] == [
+        [list(range(4)), list(range(4, 8))],
+        [[0, 4], [1, 5], [2, 6], [3, 7]],
+    ], calls
+    assert calls["new_group"] == [], calls

@@ -125,6 +125,38 @@ def _without_optimizer() -> dict[str, Any]:
     return result
 
 
+def _initialize_order() -> list[str]:
+    """What deepspeed.initialize does first, in order: loading the codec (a JIT build on first use), SDP4Bit's first
+    collective (the layout check's object all-gather) and DeepSpeed building the engine; up to the engine."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import deepspeed_sdp4bit.codec as codec_module
+
+    events: list[str] = []
+    spied = [
+        (codec_module, "prepare", "codec"),
+        (torch.distributed, "all_gather_object", "object all-gather"),
+        (DeepSpeedEngine, "_configure_distributed_model", "engine"),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in spied]
+
+    def spy(real: Callable, event: str) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(event)
+            return real(*args, **kwargs)
+
+        return call
+
+    for (owner, name, event), real in zip(spied, originals, strict=True):
+        setattr(owner, name, spy(real, event))
+    try:
+        H.make_engine(H.ds_config(sdp4bit=TWO_NODES)).destroy()
+    finally:
+        for (owner, name, _), real in zip(spied, originals, strict=True):
+            setattr(owner, name, real)
+    return events[: events.index("engine") + 1] + ["codec"] * events[events.index("engine") :].count("codec")
+
+
 def _cases() -> dict[str, dict[str, Any]]:
     from deepspeed.accelerator import get_accelerator
 
@@ -159,6 +191,7 @@ def _cases() -> dict[str, dict[str, Any]]:
             H.ds_config(sdp4bit={**TWO_NODES, "quantized_gradients": False, "gradient_quantization_bits_intra": 4})
         ),
         "without an optimizer": _without_optimizer(),
+        "initialize order": {"events": _initialize_order()},
     }
 
 
@@ -169,6 +202,16 @@ def cases() -> list[dict[str, dict[str, Any]]]:
 
 def _warned(result: dict[str, Any], *phrases: str) -> bool:
     return any(all(phrase in message for phrase in phrases) for message in result["warnings"])
+
+
+@pytest.mark.slow
+def test_the_codec_is_ready_before_any_collective_and_before_the_engine(cases: list) -> None:
+    """deepspeed.initialize loads the codec (a JIT build of minutes on a new node) before SDP4Bit's first collective
+    and before DeepSpeed builds the engine, whose construction runs collectives of its own: ranks still compiling then
+    keep the others waiting outside any collective, not inside one under the backend's timeout; once, not again
+    after the engine."""
+    for rank, result in enumerate(cases):
+        assert result["initialize order"]["events"] == ["codec", "object all-gather", "engine"], (rank, result)
 
 
 @pytest.mark.slow
