@@ -141,7 +141,10 @@ class SDP4BitConfig(BaseModel):
         le=64,
         description=(
             "split each rank's gradient part into this many slices (1 to 64) so slice i's inter-node all-to-all "
-            "overlaps slice i+1's intra-node one (needs `quantized_gradients`)"
+            "overlaps slice i+1's intra-node one (needs `quantized_gradients`; under `CUDA_DEVICE_MAX_CONNECTIONS=1`, "
+            "which Megatron-style tensor parallelism sets, the GPU has one hardware queue and the two levels' "
+            "kernels start in the order they were issued, the same on every rank, so they cannot deadlock but "
+            "overlap less)"
         ),
         json_schema_extra={"flag": "--gradient-alltoall-pipeline"},
     )

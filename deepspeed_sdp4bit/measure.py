@@ -154,10 +154,10 @@ def pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, device: torch.dev
     """Median seconds of a forward and backward pass on `tokens` (one untimed pass first)."""
     times = []
     for i in range(TIMED_PASSES + 1):
-        probe._synchronize(device)
+        probe.synchronize(device)
         began = time.perf_counter()
         model(input_ids=tokens, labels=tokens).loss.backward()
-        probe._synchronize(device)
+        probe.synchronize(device)
         if i:
             times.append(time.perf_counter() - began)
         model.zero_grad(set_to_none=True)
@@ -212,11 +212,11 @@ def engine_steps(args: argparse.Namespace, model: torch.nn.Module, tokens: torch
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     times = []
     for i in range(args.engine_steps + 1):
-        probe._synchronize(tokens.device)
+        probe.synchronize(tokens.device)
         began = time.perf_counter()
         engine.backward(engine(input_ids=tokens, labels=tokens).loss)
         engine.step()
-        probe._synchronize(tokens.device)
+        probe.synchronize(tokens.device)
         if i:
             times.append(time.perf_counter() - began)
     stage = engine.zero_optimization_stage()

@@ -525,13 +525,27 @@ def mean_over_ranks(values: dict[str, float], group: dist.ProcessGroup) -> dict[
     return {k: sum(d.get(k, 0.0) for d in gathered) / len(gathered) for k in keys}
 
 
+def step_times(rows: list[dict], steady_from: int, tokens_per_step: int, synchronized: bool) -> dict[str, Any]:
+    """The run's speed figures from its steady steps; none where the comms logger was on (`synchronized`): DeepSpeed
+    then synchronizes the device after every collective to time it, so the steps are slower than the run's own."""
+    if synchronized:
+        reason = "not timed: the comms logger synchronizes the device after every collective (run without it to time)"
+        return {"tokens_per_s": None, "step_time_s": None, "step0_time_s": None, "timing": reason}
+    timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
+    steady = [r["step_time_s"] for r in rows if r["step"] >= steady_from and not r["after_eval"]]
+    return {
+        "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed else None,
+        "step_time_s": statistics.median(steady) if steady else None,
+        "step0_time_s": rows[0]["step_time_s"] if rows and rows[0]["step"] == 0 else None,
+        "timing": "median of the steady steps",
+    }
+
+
 def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, extra: dict[str, Any]) -> dict:
     """Final numbers; byte counts per step are means over steady-state steps and over ranks."""
     rows = trainer.rows
     steady_from = args.steady_from if args.steady_from is not None else max(1, settings.train_iters // 10)
     means = mean_over_ranks(steady_means(rows, steady_from), trainer.group)
-    timed = [r["step_time_s"] for r in rows if r["step"] >= steady_from]
-    steady = [r["step_time_s"] for r in rows if r["step"] >= steady_from and not r["after_eval"]]
     link = {f"{k}_per_step": means[k] * trainer.world for k in LINK_FIELDS if k in means}
     tokens_per_step = settings.global_batch * settings.seq_len
     return {
@@ -541,13 +555,11 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
         "initial_loss": rows[0]["loss"] if rows and rows[0]["step"] == 0 else None,
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None),
-        "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed else None,
         "steady_from": steady_from,
         "comm_bytes_per_step": means.get("comm_bytes"),
         "comm_bytes_per_step_by_op": {k[3:]: v for k, v in means.items() if k.startswith("op:")},
         "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k in FIELDS} or None,
-        "step_time_s": statistics.median(steady) if steady else None,
-        "step0_time_s": rows[0]["step_time_s"] if rows and rows[0]["step"] == 0 else None,
+        **step_times(rows, steady_from, tokens_per_step, bool(extra.get("comms_logger"))),
         # rank 0's clock: where a capture of the links (benchmarks/wire.py) finds the steps the means above cover
         "steady_spans_unix": [r["span_unix"] for r in rows if r["step"] >= steady_from and not r["after_eval"]],
         **link,
@@ -636,6 +648,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "sdp4bit": hasattr(engine, "sdp4bit"),
         "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
         "sdp4bit_verified": replicas_verified(engine),
+        "comms_logger": bool(deepspeed.comm.comms_logger.enabled),
         "startup_s": startup_s,
         "train_s": time.perf_counter() - began,
     }

@@ -194,3 +194,26 @@ def test_auto_decides_once_alike_on_every_rank_logs_reports_and_resumes(tmp_path
     assert len(lines) == 3 and "on: qWD + TLq" in lines[0] and "checkpoint" in lines[1]
     assert f"nothing (plain ZeRO-{stage})" in lines[2] and "inter-node 2.0 MB/s per node" in lines[0]
     assert all(not r["lines"] for r in results[1:])  # logged once, by rank 0
+
+
+def test_plain_steps_are_timed_when_the_device_is_done() -> None:
+    """On a GPU the host runs ahead of the device: a plain step's end is read on the host clock only after the
+    device's queued work is done, so auto times the device's step, not the host's."""
+    import torch
+
+    from deepspeed_sdp4bit.collectives import probe
+
+    events: list[str] = []
+    tuner = auto.AutoTuner.__new__(auto.AutoTuner)
+    tuner.device, tuner.decision, tuner.start_step, tuner.step_ends = torch.device("cuda", 0), None, 5, []
+    real = probe.synchronize
+    probe.synchronize = lambda device: events.append(f"synchronize {device}")
+    try:
+        auto.time.perf_counter, clock = (lambda: events.append("clock") or 1.0), auto.time.perf_counter
+        try:
+            assert tuner.after_step(0) is None
+        finally:
+            auto.time.perf_counter = clock
+    finally:
+        probe.synchronize = real
+    assert events == ["synchronize cuda:0", "clock"]

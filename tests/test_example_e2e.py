@@ -208,3 +208,17 @@ def test_prepare_data_tokenizer_sources_agree(tmp_path: Path, monkeypatch: pytes
     as_hf, _ = prepare("hf", "--tokenizer", str(hf_dir))
     assert np.array_equal(trained, as_gpt2)
     assert np.array_equal(trained, as_hf)
+
+
+def test_runs_with_the_comms_logger_report_no_speed():
+    """DeepSpeed's comms logger synchronizes the device after every collective to time it: a run with it on counts
+    bytes and reports no step time or throughput, saying why; without it the steady steps' median is the step."""
+    from sdp4bit_examples.train_gpt import step_times
+
+    rows = [{"step": s, "step_time_s": 0.5 + s, "after_eval": s == 3} for s in range(5)]
+    timed = step_times(rows, 1, 100, synchronized=False)
+    assert (timed["step_time_s"], timed["step0_time_s"]) == (2.5, 0.5)  # step 3 followed an evaluation
+    assert timed["tokens_per_s"] == pytest.approx(400 / (1.5 + 2.5 + 3.5 + 4.5))
+    logged = step_times(rows, 1, 100, synchronized=True)
+    assert (logged["step_time_s"], logged["tokens_per_s"], logged["step0_time_s"]) == (None, None, None)
+    assert "comms logger synchronizes" in logged["timing"]

@@ -22,8 +22,11 @@ Streams (NCCL): every codec kernel runs on the current stream. An async collecti
 group's own stream after waiting on the current stream, so it sees the buffers the kernels wrote; `Work.wait()`
 makes the current stream wait on that collective before the next kernel reads its output. The intra and inter
 groups are separate communicators with separate streams, which is what lets their exchanges overlap. Send and
-receive buffers stay referenced by the exchange (`levels.Exchange`) until it is waited on. On gloo each group has
-its own worker threads, so the same issue order overlaps there too.
+receive buffers stay referenced by the exchange (`levels.Exchange`) until it is waited on. Every rank issues the
+exchanges in the same order, so under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue for every stream, as
+Megatron-style tensor parallelism sets it), where kernels start in issue order, no rank's kernel waits on a peer's
+that is queued behind it: the slices overlap less there, and cannot deadlock. On gloo each group has its own worker
+threads, so the same issue order overlaps there too.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class LinkRates:
     latency: Latencies = Latencies()
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA device; CPU work is done when its call returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -71,10 +72,10 @@ def timed(run: Callable[[], None], device: torch.device, repeats: int = REPEATS)
     times = []
     for _ in range(repeats):
         dist.barrier()
-        _synchronize(device)
+        synchronize(device)
         began = time.perf_counter()
         run()
-        _synchronize(device)
+        synchronize(device)
         times.append(slowest(time.perf_counter() - began, device))
     return statistics.median(times)
 

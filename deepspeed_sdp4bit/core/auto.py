@@ -218,10 +218,10 @@ def codec_bytes_s(device: torch.device) -> float:
     codec.quantize(x, bits=8, group_size=128, stochastic=True, hadamard=True)
     times = []
     for _ in range(3):
-        probe._synchronize(device)
+        probe.synchronize(device)
         began = time.perf_counter()
         codec.quantize(x, bits=8, group_size=128, stochastic=True, hadamard=True)
-        probe._synchronize(device)
+        probe.synchronize(device)
         times.append(time.perf_counter() - began)
     moved = CODEC_PROBE_NUMEL * (4 + 1) + 4 * CODEC_PROBE_NUMEL // 128
     return moved / max(statistics.median(times), 1e-9)
@@ -257,6 +257,7 @@ class AutoTuner:
         decision, or None."""
         if self.decision is not None:
             return None
+        probe.synchronize(self.device)  # the host runs ahead of a GPU: the step ends when its device work does
         self.step_ends.append(time.perf_counter())
         if step + 1 < self.start_step or len(self.step_ends) < 2:  # two step ends time one step
             return None
