@@ -243,23 +243,24 @@ MUTANTS = [
     Mutant(
         "R21",
         REF,
-        "    ref.view(-1).copy_((delta + ref.view(-1).to(torch.float32)).to(ref.dtype))",
-        "    ref.view(-1).copy_(delta.to(ref.dtype) + ref.view(-1))",
+        "        target.copy_((delta + target.to(torch.float32) if add else delta).to(values.dtype))",
+        "        target.copy_((delta.to(values.dtype) + target if add else delta).to(values.dtype))",
         "dequantize_add_: two roundings",
     ),
     Mutant(
         "R22",
         REF,
-        "    d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)",
-        "    d = _prepared(new - ref.to(new.dtype), valid, False, 1, padded)",
+        "        return _prepared(new_tile, live - c.start, False, padded)"
+        " - _prepared(ref_tile, live - c.start, False, padded)",
+        "        return _prepared(new_tile - ref_tile.to(new_tile.dtype), live - c.start, False, padded)",
         "diff_quantize subtracts in the input dtype",
     ),
     Mutant("R23", REF, "    z = n * ranks_per_node + l", "    z = l * nodes + n", "swizzle: node-major partitions"),
     Mutant(
         "R24",
         REF,
-        "    for k in range(1, pieces):\n        acc = acc + values[k]",
-        "    for k in range(2, pieces):\n        acc = acc + values[k]",
+        "    for k in range(1, pieces):\n        acc = acc + _decoded(codes[k : k + 1]",
+        "    for k in range(2, pieces):\n        acc = acc + _decoded(codes[k : k + 1]",
         "reduction drops piece 1",
     ),
     Mutant(
@@ -280,15 +281,15 @@ MUTANTS = [
     Mutant(
         "R27",
         REF,
-        "    out[0].copy_(result[0])\n    out[1].copy_(result[1])",
-        "    out[0].copy_(result[0])",
-        "out=: scales not written",
+        "        check_out_codes(out, device, numel, bits, group_size)\n        return out\n",
+        "        check_out_codes(out, device, numel, bits, group_size)\n",
+        "out=: the caller's buffers checked, then fresh ones written and returned",
     ),
     Mutant(
         "R28",
         REF,
-        "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]",
-        "    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[-numel:]",
+        "    per_elem = groups.repeat_interleave(group_size, dim=1)[:, skip : skip + n]",
+        "    per_elem = groups.repeat_interleave(group_size, dim=1)[:, -n:]",
         "dequantize: scales aligned to the end",
     ),
     # collectives/grad_reduce.py

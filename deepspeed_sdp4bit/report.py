@@ -142,7 +142,7 @@ def toolchain() -> Section:
     default = (
         "unset: a CUDA op build targets the visible GPUs"
         if torch.cuda.is_available()
-        else "unset and no GPU visible: set it (e.g. 9.0 for H100/H200) to build the CUDA op here"
+        else "unset and no GPU visible: a CUDA op build targets the architectures both nvcc and torch support"
     )
     lines = [("TORCH_CUDA_ARCH_LIST", arch or default)]
     try:

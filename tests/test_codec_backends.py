@@ -16,6 +16,8 @@ Covering design, so the file stays near a minute on 2 cores:
   new x ref dtype pairs, group size, bits and rounding rotated.
 - swizzle runs six (nodes, ranks per node, slices) layouts, dequantize-reduce(-quantize) 1, 2, 3 and 8 pieces
   with mixed in/out bits and group sizes; their sizes follow from the layout (whole groups per block/piece).
+- batched decoding (dequantize-add and dequantize of [rows, n] runs in column slices of wider storages) runs four
+  layouts x bits x dtypes and 60 batches Hypothesis draws (sdp4bit_testing/row_checks.py).
 Stochastic rounding uses counter offsets 0, 2^32 - 777 (a carry into the high word inside the call) and
 2^64 - 300 (a wrap of the 64-bit counter), rotated by case.
 """
@@ -28,11 +30,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 from deepspeed_sdp4bit.ops import load_codec_op
 from sdp4bit_testing.builders import PortableCPUBuilder
+from sdp4bit_testing.row_checks import Batch, batches, row_problems, written_batches
 from sdp4bit_testing.tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -256,6 +260,47 @@ def test_dequantize_add(backend, numel, group, dtype, bits):
     out = op.dequantize_add_(got, codes.to(dev), scales.to(dev), bits=bits, group_size=group)
     assert out is got
     assert_bits_equal(got, want, "dequantize_add_")
+
+
+@pytest.mark.parametrize("batch", written_batches(), ids=repr)
+def test_batched_decoding(backend, batch: Batch):
+    """dequantize_add_ and dequantize of [rows, n] runs (column slices of wider storages, partial last groups, NaN
+    and Inf groups, rows on and off 16-byte boundaries) give one reference call per row's bits."""
+    op, dev = backend
+    assert row_problems(op, dev, batch) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches())
+def test_batched_decoding_on_any_batch(backend, batch: Batch):
+    op, dev = backend
+    assert row_problems(op, dev, batch) == []
+
+
+def test_batched_decoding_refuses_bad_rows(backend):
+    """The adapter names the tensor and the shape it needs; the binding, called directly, refuses the same."""
+    op, dev = backend
+    ref = torch.zeros(3, 100, device=dev)
+    codes, scales = torch.zeros(3, 50, dtype=torch.uint8, device=dev), torch.zeros(3, 4, device=dev)
+    overlapping = torch.zeros(300, device=dev).as_strided((3, 100), (50, 1))
+    with pytest.raises(ValueError, match=r"ref must be a .* \[rows, n\] = \[3, 100\] .* do not overlap"):
+        op.dequantize_add_(overlapping, codes, scales, bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"scales must be \[rows, num_groups\(n\)\] = \[3, 4\]"):
+        op.dequantize_add_(ref, codes, scales[:, :3], bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"out must be a .* \[rows, n\] = \[3, 100\]"):
+        op.dequantize(codes, scales, numel=100, bits=4, group_size=32, out=torch.zeros(3, 101, device=dev)[:, 2:])
+    bindings = [
+        (("ref", overlapping, codes, scales), "ref must be \\[rows, n\\] with rows that do not overlap"),
+        (("ref", ref, codes[:, :49], scales), r"codes must be \[rows, codes_nbytes\(n\)\] = \[3, 50\]"),
+        (("ref", ref, codes, scales[:2]), r"scales must be \[rows, num_groups\(n\)\] = \[3, 4\]"),
+        (("ref", ref.t().contiguous().t(), codes, scales), "ref must be 2-D with contiguous rows"),
+        (("out", ref[:, :98], codes, scales), r"codes must be \[rows, codes_nbytes\(n\)\] = \[3, 49\]"),
+    ]
+    for (name, values, c, sc), match in bindings:
+        call = op.op.dequantize_add if name == "ref" else op.op.dequantize
+        args = (values, c, sc, 4, 32) if name == "ref" else (c, sc, values, 4, 32)
+        with pytest.raises(RuntimeError, match=match):
+            call(*args)
 
 
 def diff_cases() -> Iterator:

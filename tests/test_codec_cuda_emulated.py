@@ -3,8 +3,8 @@ reference and rejects bad arguments as on a GPU.
 
 On a GPU-less machine this is the only way to execute the CUDA op's own code: binding.cpp's checks and launches, the
 kernels' team layout, warp shuffles (the Hadamard butterfly and abs-max reductions), 16-byte vector paths and their
-unaligned/tail fall-backs, swizzled addressing, and the three group-index paths. The same comparisons run on a real
-GPU through the 'cuda' backend in test_codec_backends.py.
+unaligned/tail fall-backs, swizzled addressing, the rows of a batched decode, and the three group-index paths. The
+same comparisons run on a real GPU through the 'cuda' backend in test_codec_backends.py.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from types import ModuleType
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from deepspeed_sdp4bit.codec import reference as ref
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend
 from sdp4bit_testing import toolkit
 from sdp4bit_testing.cuda_emulation.emulated_op import Internals, ToolkitMissing, build
+from sdp4bit_testing.row_checks import Batch, batches, row_problems, written_batches
 from sdp4bit_testing.tail_checks import tail_problems
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -606,6 +608,51 @@ def test_dequantize_and_dequantize_add_match_reference(emu: CompiledBackend, dty
                 emu.dequantize_add_(got, codes, scales, **kw)
                 ref.dequantize_add_(want, codes, scales, **kw)
                 assert_same(got, want, f"dequantize_add_ n={n} {kw}")
+
+
+@pytest.mark.parametrize("batch", written_batches(), ids=repr)
+def test_batched_decoding_matches_one_reference_call_per_row(emu: CompiledBackend, batch: Batch) -> None:
+    """[rows, n] runs in column slices of wider storages: a block row per run, rows on and off 16-byte boundaries
+    (the vector and scalar paths), partial last groups, NaN and Inf groups."""
+    assert row_problems(emu, torch.device("cpu"), batch) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_batched_decoding_on_any_batch(emu: CompiledBackend, batch: Batch) -> None:
+    assert row_problems(emu, torch.device("cpu"), batch) == []
+
+
+def test_binding_checks_the_rows_of_a_batched_decode(emulated_op: ModuleType) -> None:
+    """binding.cpp's own checks of 2-D codes: the values, codes and scales named with the shapes they need."""
+    op = emulated_op
+    ref_rows, codes, scales = torch.zeros(3, 100), torch.zeros(3, 50, dtype=torch.uint8), torch.zeros(3, 4)
+    cases = [
+        (op.dequantize_add, (ref_rows.t().contiguous().t(), codes, scales), "dequantize_add: ref must be 2-D"),
+        (
+            op.dequantize_add,
+            (torch.zeros(300).as_strided((3, 100), (50, 1)), codes, scales),
+            r"dequantize_add: ref must be \[rows, n\] with rows that do not overlap for codes of 3 rows",
+        ),
+        (op.dequantize_add, (ref_rows[:2], codes, scales), "dequantize_add: ref must be \\[rows, n\\]"),
+        (
+            op.dequantize_add,
+            (ref_rows, codes[:, :49], scales),
+            r"dequantize_add: codes must be \[rows, codes_nbytes\(n\)\] = \[3, 50\] for rows of 100 elements",
+        ),
+        (
+            op.dequantize_add,
+            (ref_rows, codes, scales[:, :3]),
+            r"dequantize_add: scales must be \[rows, num_groups\(n\)\] = \[3, 4\]",
+        ),
+        (op.dequantize_add, (ref_rows, codes.to(torch.int8), scales), "dequantize_add: codes must be uint8"),
+        (op.dequantize, (codes, scales.to("meta"), ref_rows), "dequantize: scales must be a CUDA tensor"),
+        (op.dequantize, (codes, scales, ref_rows.double()), "dequantize: out dtype Double is not one of"),
+        (op.dequantize, (codes, scales, ref_rows[:, :98]), r"dequantize: codes must be .* = \[3, 49\]"),
+    ]
+    for call, tensors, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call(*tensors, 4, 32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,6 +19,7 @@ from hypothesis.extra.numpy import arrays
 
 from deepspeed_sdp4bit.codec import reference as R
 from deepspeed_sdp4bit.codec.spec import mix32_int, seed_key
+from sdp4bit_testing.row_checks import Batch, batches, row_problems, written_batches
 
 FLT_MIN = float(np.finfo(np.float32).tiny)
 # Near FLT_MAX the product q * scale of the group's abs-max element may round up past FLT_MAX (docs/codec.md).
@@ -387,3 +388,88 @@ def test_out_buffers_receive_every_output():
         same([op(codes, scales, **options, out=out)], [op(codes, scales, **options, dtype=dtype)], [out])
     out = torch.full((4096,), float("nan"))
     same([R.hadamard32(x, out=out)], [R.hadamard32(x)], [out])
+
+
+@pytest.mark.parametrize("batch", written_batches(), ids=repr)
+def test_batched_decoding_equals_one_call_per_row(batch: Batch):
+    """dequantize_add_ and dequantize of [rows, n] runs (column slices of wider storages, partial last groups, NaN
+    and Inf groups) give one call per row's bits."""
+    assert row_problems(R, torch.device("cpu"), batch) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches())
+def test_batched_decoding_equals_one_call_per_row_on_any_batch(batch: Batch):
+    assert row_problems(R, torch.device("cpu"), batch) == []
+
+
+def test_batched_decoding_refuses_bad_rows():
+    """Each wrong tensor of a batch of 3 runs of 100 elements (4 bits, groups of 32: 50 code bytes and 4 scales per
+    row) is named with the shape it needs."""
+    ref, codes, scales = torch.zeros(3, 100), torch.zeros(3, 50, dtype=torch.uint8), torch.zeros(3, 4)
+    kw = dict(bits=4, group_size=32)
+    R.dequantize_add_(ref, codes, scales, **kw)
+    overlapping = torch.zeros(300).as_strided((3, 100), (50, 1))
+    strided_columns = torch.zeros(100, 3).t()
+    cases = [
+        ((overlapping, codes, scales), r"ref must be a .* tensor \[rows, n\] = \[3, 100\] .* do not overlap"),
+        ((strided_columns, codes, scales), r"ref must be .* whose rows are contiguous"),
+        ((ref[:2], codes, scales), r"ref must be .* \[rows, n\] = \[3, 100\]"),
+        ((ref.view(-1), codes, scales), r"ref must be \[rows, n\] with rows = 3, got shape \[300\]"),
+        ((ref, codes[:, :49], scales), r"codes must be \[rows, codes_nbytes\(n\)\] = \[3, 50\]"),
+        ((ref, codes, scales[:2]), r"scales must be \[rows, num_groups\(n\)\] = \[3, 4\]"),
+        ((ref, torch.zeros(100, 3, dtype=torch.uint8).t()[:, :50], scales), r"codes must be .* contiguous rows"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            R.dequantize_add_(*args, **kw)
+    with pytest.raises(TypeError, match="codes must be uint8 and scales float32"):
+        R.dequantize_add_(ref, codes.to(torch.int8), scales, **kw)
+    with pytest.raises(ValueError, match=r"out must be a .* tensor \[rows, n\] = \[3, 100\]"):
+        R.dequantize(codes, scales, numel=100, out=torch.zeros(3, 99), **kw)
+    with pytest.raises(ValueError, match=r"codes must be \[rows, codes_nbytes\(n\)\] = \[3, 51\]"):
+        R.dequantize(codes, scales, numel=101, **kw)
+
+
+def _bits(results: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's bit pattern (NaNs compare equal there), so results can be compared with torch.equal."""
+    views = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return [t.view(views[t.dtype]) if t.dtype in views else t for t in results]
+
+
+def _every_op(x: torch.Tensor, near: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every op of the reference on 6144 elements, with valid lengths, partial groups, pieces and rows."""
+    codes, scales = R.quantize(x[:4608], bits=8, group_size=96, stochastic=True, seed=1)
+    row_codes = codes[:3000].view(3, 1000)
+    row_scales = torch.linspace(-2, 2, 3 * 21).view(3, 21)
+    swizzle = dict(nodes=2, ranks_per_node=2, slices=2, stochastic=True, seed=6, valid=1001, hadamard=True)
+    return [
+        *R.quantize(x, bits=4, group_size=96, stochastic=True, seed=3, offset=2**32 - 1000, valid=5000, hadamard=True),
+        *R.quantize(x[:6001], bits=8, group_size=128, stochastic=True, seed=4, offset=2**64 - 3000),
+        *R.diff_quantize(x, near, bits=4, group_size=128, stochastic=True, seed=5, valid=4001),
+        *R.swizzle_quantize(x, bits=4, group_size=64, **swizzle),
+        *R.dequantize_reduce_quantize(
+            codes, scales, pieces=3, in_bits=8, in_group=96, out_bits=4, out_group=128, stochastic=True, seed=7
+        ),
+        R.dequantize_reduce(codes, scales, pieces=3, bits=8, group_size=96, hadamard=True, mul=1 / 3, valid=1001),
+        R.dequantize(row_codes, row_scales, numel=1999, bits=4, group_size=96, dtype=torch.bfloat16),
+        R.dequantize_add_(rows.clone()[:, 5:2004], row_codes, row_scales, bits=4, group_size=96),
+        R.hadamard32(x, inverse=True),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [32, 96, 1000, 4096])
+def test_tiles_change_no_bit(monkeypatch, chunk):
+    """Every op works through its input in tiles of about reference.CHUNK elements (whole groups and 32-blocks,
+    whole rows while one fits): tiles smaller than a group, of a few groups or of a few rows give the bits of one
+    tile, counters, valid lengths, Hadamard blocks, swizzled places and pieces included."""
+    gen = torch.Generator().manual_seed(chunk)
+    x = (torch.randn(6144, generator=gen) * torch.randn(6144, generator=gen).exp()).to(torch.bfloat16)
+    x[[77, 3000]] = torch.tensor([float("nan"), float("inf")], dtype=torch.bfloat16)
+    near = x.float() + torch.randn(6144, generator=gen) * 1e-2
+    rows = torch.randn(3, 2100, generator=gen).to(torch.float16)
+    want = _bits(_every_op(x, near, rows))
+    monkeypatch.setattr(R, "CHUNK", chunk)
+    got = _bits(_every_op(x, near, rows))
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape and torch.equal(g, w), f"result {k} differs with CHUNK = {chunk}"

@@ -74,11 +74,15 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "sdp4bit codec (cpu): ", name, " must be contiguous");
 }
 
-void check_float(const at::Tensor& t, const char* name) {
-  check_cpu(t, name);
+void check_float_dtype(const at::Tensor& t, const char* name) {
   const auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "sdp4bit codec (cpu): ", name,
               " dtype must be float32, bfloat16 or float16, got ", dt);
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  check_float_dtype(t, name);
 }
 
 void check_bits_group(int64_t bits, int64_t group, const char* bits_name, const char* group_name) {
@@ -382,28 +386,77 @@ void diff_quantize(const at::Tensor& new_values, const at::Tensor& ref, const at
   });
 }
 
-// dst = the dequantized codes, or (Add) dst += them with one fp32 add and one rounding to dst's dtype.
+// The runs of a decoding call: `count` rows of n elements, row r's codes, scales and values starting r times
+// `codes`, `scales` and `values` entries after row 0's (a call on 1-D codes is one row).
+struct Rows {
+  int64_t count;
+  int64_t n;
+  int64_t codes;
+  int64_t scales;
+  int64_t values;
+};
+
+// A 2-D CPU tensor whose rows are contiguous (at any stride between them).
+void check_rows_layout(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "sdp4bit codec (cpu): ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), "sdp4bit codec (cpu): ", name,
+              " must be 2-D with contiguous rows, got shape ", t.sizes(), " with strides ", t.strides());
+}
+
+// The rows of a decode into `dst`: one contiguous run for codes that are not 2-D, else dst [rows, n] (rows that do
+// not overlap), codes [rows, codes_nbytes(n)] and scales [rows, num_groups(n)], each with contiguous rows.
+Rows decode_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& dst, int64_t bits,
+                 int64_t group, const char* dst_name) {
+  if (codes.dim() != 2) {
+    check_float(dst, dst_name);
+    check_codes(codes, scales, dst.numel(), bits, group, "codes", "scales");
+    return {1, dst.numel(), 0, 0, 0};
+  }
+  check_rows_layout(dst, dst_name);
+  check_float_dtype(dst, dst_name);
+  check_rows_layout(codes, "codes");
+  check_rows_layout(scales, "scales");
+  const int64_t rows = codes.size(0);
+  const int64_t n = dst.size(1);
+  TORCH_CHECK(dst.size(0) == rows && (rows <= 1 || dst.stride(0) >= n), "sdp4bit codec (cpu): ", dst_name,
+              " must be [rows, n] with rows that do not overlap for codes of ", rows, " rows, got shape ",
+              dst.sizes(), " with strides ", dst.strides());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat,
+              "sdp4bit codec (cpu): codes must be uint8 and scales float32, got ", codes.scalar_type(), " and ",
+              scales.scalar_type());
+  TORCH_CHECK(codes.size(1) == codes_nbytes(n, bits), "sdp4bit codec (cpu): codes must be [rows, codes_nbytes(n)] = [",
+              rows, ", ", codes_nbytes(n, bits), "] for rows of ", n, " elements at ", bits, " bits, got ",
+              codes.sizes());
+  TORCH_CHECK(scales.size(0) == rows && scales.size(1) == num_groups(n, group),
+              "sdp4bit codec (cpu): scales must be [rows, num_groups(n)] = [", rows, ", ", num_groups(n, group),
+              "] for rows of ", n, " elements in groups of ", group, ", got ", scales.sizes());
+  return {rows, n, codes.stride(0), scales.stride(0), dst.stride(0)};
+}
+
+// dst = the dequantized codes, or (Add) dst += them with one fp32 add and one rounding to dst's dtype; each row of
+// a 2-D call is its own run.
 template <bool Add>
 void decode_into(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& dst, int64_t bits,
                  int64_t group, const char* dst_name) {
-  check_float(dst, dst_name);
   check_bits_group(bits, group, "bits", "group_size");
-  const int64_t n = dst.numel();
-  check_codes(codes, scales, n, bits, group, "codes", "scales");
+  const Rows rows = decode_rows(codes, scales, dst, bits, group, dst_name);
+  const int64_t n = rows.n;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   const int64_t groups = num_groups(n, group);
+  const int64_t tasks = rows.count * groups;
   with_float_type(dst, [&](auto tag) {
     using T = decltype(tag);
     T* base = reinterpret_cast<T*>(dst.data_ptr());
     with_bits(static_cast<int>(bits), [&](auto b) {
       constexpr int kBits = decltype(b)::value;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups, n))
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t start = g * group;
-        const float s = sc[g];
-        T* o = base + start;
-        for_levels<kBits>(cp + start * kBits / 8, std::min(group, n - start), [&](int64_t i, int q) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(tasks, rows.count * n))
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t r = task / groups;
+        const int64_t start = (task - r * groups) * group;
+        const float s = sc[r * rows.scales + start / group];
+        T* o = base + r * rows.values + start;
+        for_levels<kBits>(cp + r * rows.codes + start * kBits / 8, std::min(group, n - start), [&](int64_t i, int q) {
           const float v = sdp4bit::dequant(q, s);
           o[i] = from_f32<T>(Add ? v + to_f32(o[i]) : v);
         });

@@ -1,7 +1,8 @@
 // Python bindings of the CUDA codec: the same eight functions and argument orders as the CPU op (see
 // deepspeed_sdp4bit/codec/compiled.py). Each checks every tensor (device, dtype, contiguity, size) with a message
 // naming it, launches on the current stream of the input's device (codec_cuda.cu) and checks the launch. Outputs
-// are allocated by the caller; nothing here allocates device memory or synchronises.
+// are allocated by the caller; nothing here allocates device memory or synchronises. Two more say what the kernels
+// were compiled for and whether a device can run them (the loader's check, deepspeed_sdp4bit/ops/builder.py).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,6 +10,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "codec_cuda.cuh"
 #include "sdp4bit_codec_math.h"
@@ -25,12 +28,24 @@ using sdp4bit::num_groups;
 
 constexpr int64_t kMaxSwizzleNumel = int64_t{1} << 37;
 
-// A CUDA tensor, contiguous, on the same device as `first` (the call's first tensor).
-void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& first) {
+// A CUDA tensor on the same device as `first` (the call's first tensor).
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& first) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == first.device(), name, " is on ", t.device(), " but the first input is on ",
               first.device());
+}
+
+// A CUDA tensor, contiguous, on the same device as `first` (the call's first tensor).
+void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& first) {
+  check_device(t, name, first);
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A CUDA tensor on the same device as `first`, 2-D, each row contiguous (at any stride between rows).
+void check_rows_tensor(const at::Tensor& t, const std::string& name, const at::Tensor& first) {
+  check_device(t, name.c_str(), first);
+  TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), name,
+              " must be 2-D with contiguous rows, got shape ", t.sizes(), " with strides ", t.strides());
 }
 
 gpu::DType float_dtype(const at::Tensor& t, const char* name) {
@@ -192,35 +207,63 @@ void dequantize_reduce_quantize(const at::Tensor& codes, const at::Tensor& scale
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The runs of `op`'s decode into `dst` (named `dst_name`): for codes that are not 2-D one run over all of dst
+// (contiguous); for codes [rows, codes_nbytes(n)] one per row of dst [rows, n] (rows that do not overlap) and of scales
+// [rows, num_groups(n)], each of the three with contiguous rows at any stride between them.
+gpu::Rows decode_rows(const std::string& op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& dst,
+                      const char* dst_name, int64_t bits, int64_t group_size, const at::Tensor& first) {
+  const std::string codes_name = op + ": codes";
+  const std::string scales_name = op + ": scales";
+  const std::string values_name = op + ": " + dst_name;
+  if (codes.dim() != 2) {
+    check_tensor(dst, values_name.c_str(), first);
+    check_codes(codes, scales, dst.numel(), bits, group_size, first, codes_name.c_str(), scales_name.c_str());
+    return {1, dst.numel(), 0, 0, 0};
+  }
+  check_rows_tensor(dst, values_name, first);
+  check_rows_tensor(codes, codes_name, first);
+  check_rows_tensor(scales, scales_name, first);
+  const int64_t rows = codes.size(0);
+  const int64_t n = dst.size(1);
+  TORCH_CHECK(dst.size(0) == rows && (rows <= 1 || dst.stride(0) >= n), values_name,
+              " must be [rows, n] with rows that do not overlap for codes of ", rows, " rows, got shape ", dst.sizes(),
+              " with strides ", dst.strides());
+  TORCH_CHECK(codes.scalar_type() == at::kByte, codes_name, " must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, scales_name, " must be float32, got ", scales.scalar_type());
+  TORCH_CHECK(codes.size(1) == codes_nbytes(n, bits), codes_name, " must be [rows, codes_nbytes(n)] = [", rows, ", ",
+              codes_nbytes(n, bits), "] for rows of ", n, " elements at ", bits, " bits, got ", codes.sizes());
+  TORCH_CHECK(scales.size(0) == rows && scales.size(1) == num_groups(n, group_size), scales_name,
+              " must be [rows, num_groups(n)] = [", rows, ", ", num_groups(n, group_size), "] for rows of ", n,
+              " elements in groups of ", group_size, ", got ", scales.sizes());
+  return {rows, n, codes.stride(0), scales.stride(0), dst.stride(0)};
+}
+
 void dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out, int64_t bits,
                 int64_t group_size) {
   check_bits(bits, "dequantize: bits");
   check_group(group_size, "dequantize: group_size");
-  check_tensor(out, "dequantize: out", codes);
+  const gpu::Rows rows = decode_rows("dequantize", codes, scales, out, "out", bits, group_size, codes);
   const gpu::DType dtype = float_dtype(out, "dequantize: out");
-  const int64_t numel = out.numel();
-  check_codes(codes, scales, numel, bits, group_size, codes, "dequantize: codes", "dequantize: scales");
-  if (numel == 0) return;
+  if (rows.count == 0 || rows.numel == 0) return;
   const c10::cuda::CUDAGuard guard(codes.device());
   gpu::launch_dequantize(
       {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), static_cast<int>(bits), static_cast<int>(group_size)},
-      numel, out.data_ptr(), dtype, stream());
+      rows, out.data_ptr(), dtype, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void dequantize_add(const at::Tensor& ref, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                     int64_t group_size) {
-  check_tensor(ref, "dequantize_add: ref", ref);
+  check_device(ref, "dequantize_add: ref", ref);
   const gpu::DType dtype = float_dtype(ref, "dequantize_add: ref");
   check_bits(bits, "dequantize_add: bits");
   check_group(group_size, "dequantize_add: group_size");
-  const int64_t numel = ref.numel();
-  check_codes(codes, scales, numel, bits, group_size, ref, "dequantize_add: codes", "dequantize_add: scales");
-  if (numel == 0) return;
+  const gpu::Rows rows = decode_rows("dequantize_add", codes, scales, ref, "ref", bits, group_size, ref);
+  if (rows.count == 0 || rows.numel == 0) return;
   const c10::cuda::CUDAGuard guard(ref.device());
   gpu::launch_dequantize_add(
       {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), static_cast<int>(bits), static_cast<int>(group_size)},
-      numel, ref.data_ptr(), dtype, stream());
+      rows, ref.data_ptr(), dtype, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -262,6 +305,15 @@ void hadamard32(const at::Tensor& x, const at::Tensor& out, bool inverse) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+std::vector<int> compiled_archs() { return gpu::compiled_archs(); }
+
+// Empty where CUDA device `device` can run the kernels, else the CUDA runtime's error (codec_cuda.cu).
+std::string device_error(int64_t device) {
+  TORCH_CHECK(device >= 0, "device_error: device must be a CUDA device index, got ", device);
+  const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  return gpu::kernel_image_error();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -290,4 +342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("hadamard"), py::arg("mul"), py::arg("valid"));
   m.def("hadamard32", &hadamard32, "Walsh-Hadamard transform of every 32-block, in fp32", py::arg("x"),
         py::arg("out"), py::arg("inverse"));
+  m.def("compiled_archs", &compiled_archs,
+        "Architectures the kernels were compiled for, as __CUDA_ARCH__ values (900 for 9.0); none for a host build");
+  m.def("device_error", &device_error,
+        "Empty where the CUDA device can run the kernels, else the CUDA error (no kernel image for its architecture)",
+        py::arg("device"));
 }

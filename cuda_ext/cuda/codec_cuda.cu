@@ -17,7 +17,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "codec_cuda.cuh"
 #include "fast_div.cuh"
@@ -32,6 +35,7 @@ constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: kMagic + n holds the integ
 constexpr uint32_t kMagicBits = 0x4B400000u;
 constexpr int kEwThreads = 256;  // element-wise kernels: threads per block
 constexpr int kEwChunks = 4;     // element-wise kernels: chunks per thread, block-strided (4 loads in flight)
+constexpr int64_t kMaxGrid = 0x7FFFFFFF;  // blocks a launch may have (gridDim.x)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -579,27 +583,46 @@ void launch_groups(const Source& src, const QuantTarget& t, int64_t num_groups, 
 // ---------------------------------------------------------------------------------------------------------------
 // Element-wise kernels: kEwChunks chunks per thread, chunk (block * kEwChunks + u) * kEwThreads + thread.
 
-__device__ __forceinline__ int64_t ew_element(int u) {
-  return ((int64_t(blockIdx.x) * kEwChunks + u) * kEwThreads + threadIdx.x) * kChunk;
+__device__ __forceinline__ int64_t ew_element(int64_t block, int u) {
+  return ((block * kEwChunks + u) * kEwThreads + threadIdx.x) * kChunk;
 }
+
+__device__ __forceinline__ int64_t ew_element(int u) { return ew_element(blockIdx.x, u); }
 
 unsigned ew_blocks(int64_t numel) {
   constexpr int64_t kPerBlock = int64_t(kEwThreads) * kEwChunks * kChunk;
   return static_cast<unsigned>((numel + kPerBlock - 1) / kPerBlock);
 }
 
-// dst = dequantized codes, or (kAdd) dst += them: an fp32 multiply, an fp32 add, one rounding to D (no FMA).
+// Where the rows of a decoding launch lie: grid blocks per row, and the strides between rows (code bytes, scales,
+// values).
+struct RowLayout {
+  unsigned blocks;
+  int64_t codes;
+  int64_t scales;
+  int64_t values;
+};
+
+// dst = dequantized codes, or (kAdd) dst += them: an fp32 multiply, an fp32 add, one rounding to D (no FMA). Block b
+// decodes part b % rows.blocks of row b / rows.blocks, each row a run of numel elements of its own.
 template <DType D, bool kAdd>
 __global__ void __launch_bounds__(kEwThreads)
-    decode_kernel(const CodesInput in, const GroupIndex gi, int64_t numel, void* dst, bool vec_codes, bool vec_dst) {
+    decode_kernel(const CodesInput batch, const GroupIndex gi, int64_t numel, void* first_row, const RowLayout rows,
+                  bool vec_codes, bool vec_dst) {
   constexpr int kSize = D == DType::kFloat32 ? 4 : 2;
+  const int64_t row = blockIdx.x / rows.blocks;
+  const int64_t block = blockIdx.x - row * rows.blocks;
+  CodesInput in = batch;
+  in.codes += row * rows.codes;
+  in.scales += row * rows.scales;
+  void* dst = static_cast<uint8_t*>(first_row) + row * rows.values * kSize;
   const int64_t byte_limit = codes_nbytes(numel, in.bits);
   uint32_t w[kEwChunks][2];
   uint32_t r[kEwChunks][8];
   float sc[kEwChunks];
 #pragma unroll
   for (int u = 0; u < kEwChunks; ++u) {
-    const int64_t e = ew_element(u);
+    const int64_t e = ew_element(block, u);
     const bool on = e < numel;
     load_codes8(in.codes, in.bits, e, on ? byte_limit : 0, vec_codes, w[u]);
     if constexpr (kAdd) load_raw8(static_cast<const uint8_t*>(dst), kSize, e, on ? numel : 0, vec_dst, r[u]);
@@ -607,7 +630,7 @@ __global__ void __launch_bounds__(kEwThreads)
   }
 #pragma unroll
   for (int u = 0; u < kEwChunks; ++u) {
-    const int64_t e = ew_element(u);
+    const int64_t e = ew_element(block, u);
     if (e >= numel) continue;
     float v[8];
     code_levels(w[u], in.bits, v);
@@ -719,12 +742,27 @@ void dispatch_dtype(DType dtype, Args&&... args) {
   }
 }
 
+// Decode every row, as many rows per launch as the grid holds. Rows take the 16-byte paths only where every row
+// starts on a 16-byte boundary.
 template <DType D>
 struct Decode {
-  static void run(const CodesInput& in, int64_t numel, void* dst, bool add, cudaStream_t stream) {
+  static void run(const CodesInput& in, const Rows& rows, void* dst, bool add, cudaStream_t stream) {
+    constexpr int64_t kSize = D == DType::kFloat32 ? 4 : 2;
     const auto kernel = add ? decode_kernel<D, true> : decode_kernel<D, false>;
-    kernel<<<ew_blocks(numel), kEwThreads, 0, stream>>>(in, group_index(in.group_size, numel), numel, dst,
-                                                        aligned16(in.codes), aligned16(dst));
+    const RowLayout layout{ew_blocks(rows.numel), rows.codes, rows.scales, rows.values};
+    const bool one = rows.count == 1;
+    const bool vec_codes = aligned16(in.codes) && (one || rows.codes % 16 == 0);
+    const bool vec_dst = aligned16(dst) && (one || rows.values * kSize % 16 == 0);
+    const int64_t per_launch = std::max<int64_t>(1, kMaxGrid / layout.blocks);
+    for (int64_t first = 0; first < rows.count; first += per_launch) {
+      CodesInput part = in;
+      part.codes += first * rows.codes;
+      part.scales += first * rows.scales;
+      const int64_t count = std::min(per_launch, rows.count - first);
+      kernel<<<static_cast<unsigned>(count * layout.blocks), kEwThreads, 0, stream>>>(
+          part, group_index(in.group_size, rows.numel), rows.numel,
+          static_cast<uint8_t*>(dst) + first * rows.values * kSize, layout, vec_codes, vec_dst);
+    }
   }
 };
 
@@ -768,12 +806,12 @@ void launch_dequantize_reduce_quantize(CodesInput in, int64_t pieces, const Quan
   launch_groups(src, t, groups_of(t.numel, t.group_size), stream);
 }
 
-void launch_dequantize(CodesInput in, int64_t numel, void* out, DType out_dtype, cudaStream_t stream) {
-  dispatch_dtype<Decode>(out_dtype, in, numel, out, false, stream);
+void launch_dequantize(CodesInput in, Rows rows, void* out, DType out_dtype, cudaStream_t stream) {
+  dispatch_dtype<Decode>(out_dtype, in, rows, out, false, stream);
 }
 
-void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dtype, cudaStream_t stream) {
-  dispatch_dtype<Decode>(ref_dtype, in, numel, ref, true, stream);
+void launch_dequantize_add(CodesInput in, Rows rows, void* ref, DType ref_dtype, cudaStream_t stream) {
+  dispatch_dtype<Decode>(ref_dtype, in, rows, ref, true, stream);
 }
 
 void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel, void* out, DType out_dtype,
@@ -784,6 +822,27 @@ void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel
 
 void launch_hadamard32(FloatInput x, int64_t numel, float* out, bool inverse, cudaStream_t stream) {
   dispatch_dtype<Hadamard>(x.dtype, x, numel, out, inverse, stream);
+}
+
+std::vector<int> compiled_archs() {
+#ifdef __CUDA_ARCH_LIST__
+  return {__CUDA_ARCH_LIST__};
+#else
+  return {};
+#endif
+}
+
+std::string kernel_image_error() {
+#ifdef __CUDACC__
+  // Every kernel is compiled for the same architectures, so one kernel's attributes answer for all of them.
+  cudaFuncAttributes attributes;
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, hadamard32_kernel<DType::kFloat32>);
+  if (status == cudaSuccess) return "";
+  (void)cudaGetLastError();  // clear it, or the next launch check would report it
+  return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+#else
+  return "";
+#endif
 }
 
 }  // namespace sdp4bit::gpu

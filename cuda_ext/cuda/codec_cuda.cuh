@@ -1,4 +1,5 @@
-// Launchers of the CUDA codec kernels: plain pointers, sizes and a stream, no torch types.
+// Launchers of the CUDA codec kernels: plain pointers, sizes and a stream, no torch types; and what the kernels were
+// compiled for, and whether the current device can run them.
 //
 // binding.cpp validates the tensors and calls these; codec_cuda.cu implements them. Keeping torch out of the
 // .cu file keeps the nvcc part of the build short. Every launcher enqueues its kernels on `stream` and returns
@@ -8,6 +9,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace sdp4bit::gpu {
 
@@ -57,11 +60,22 @@ void launch_diff_quantize(FloatInput next, FloatInput ref, int64_t valid, const 
 // Sum `pieces` consecutive pieces of t.numel elements each (in fp32, piece 0 first) and quantize the sum into t.
 void launch_dequantize_reduce_quantize(CodesInput in, int64_t pieces, const QuantTarget& t, cudaStream_t stream);
 
-// out[i] = dtype(fp32(q_i) * scale) for i < numel.
-void launch_dequantize(CodesInput in, int64_t numel, void* out, DType out_dtype, cudaStream_t stream);
+// The runs of a decoding launch: `count` rows of `numel` elements each, each its own run (group tiling from its first
+// element, a partial last group); row r's codes, scales and values start r times `codes` bytes, `scales` entries and
+// `values` elements after row 0's. A 1-D call is one row.
+struct Rows {
+  int64_t count;
+  int64_t numel;
+  int64_t codes;
+  int64_t scales;
+  int64_t values;
+};
 
-// ref[i] = dtype(fp32(q_i) * scale + fp32(ref[i])) for i < numel, in place.
-void launch_dequantize_add(CodesInput in, int64_t numel, void* ref, DType ref_dtype, cudaStream_t stream);
+// out[r][i] = dtype(fp32(q_ri) * scale) for every row r and i < rows.numel.
+void launch_dequantize(CodesInput in, Rows rows, void* out, DType out_dtype, cudaStream_t stream);
+
+// ref[r][i] = dtype(fp32(q_ri) * scale + fp32(ref[r][i])) for every row r and i < rows.numel, in place.
+void launch_dequantize_add(CodesInput in, Rows rows, void* ref, DType ref_dtype, cudaStream_t stream);
 
 // out = dtype(H(sum of pieces) * transformed) on the 32-blocks lying wholly below `inverse_below`, and
 // dtype(sum of pieces * plain) on the others, over piece_numel elements (a multiple of 32).
@@ -70,5 +84,14 @@ void launch_dequantize_reduce(CodesInput in, int64_t pieces, int64_t piece_numel
 
 // out = fp32 Walsh-Hadamard transform of every 32-block of x (numel a multiple of 32), times 1/32 if inverse.
 void launch_hadamard32(FloatInput x, int64_t numel, float* out, bool inverse, cudaStream_t stream);
+
+// The architectures nvcc compiled the kernels for (__CUDA_ARCH_LIST__), as __CUDA_ARCH__ values: 900 for 9.0. Empty
+// for a host build (the emulation), which nvcc did not compile.
+std::vector<int> compiled_archs();
+
+// Empty where the current device can run the kernels, else the CUDA runtime's error for one of them, e.g.
+// cudaErrorNoKernelImageForDevice where they hold no code the device's architecture runs. A host build runs
+// every kernel itself: empty.
+std::string kernel_image_error();
 
 }  // namespace sdp4bit::gpu

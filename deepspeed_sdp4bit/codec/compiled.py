@@ -15,7 +15,9 @@ from .spec import (
     MASK64,
     CodecOp,
     Codes,
-    check_codes,
+    check_add_args,
+    check_decode,
+    check_decode_out,
     check_group_args,
     check_out_codes,
     check_out_values,
@@ -107,8 +109,13 @@ class CompiledBackend:
         dtype: torch.dtype = torch.float32,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_codes(codes, scales, numel, bits, group_size)
-        out = _values(codes.device, numel, dtype, out)
+        rows = check_decode(codes, scales, numel, bits, group_size)
+        if rows is None:
+            out = _values(codes.device, numel, dtype, out)
+        elif out is not None:
+            check_decode_out(out, rows, numel, codes.device)
+        else:
+            out = _values(codes.device, rows * numel, dtype, None).view(rows, numel)
         self.op.dequantize(codes, scales, out, bits, group_size)
         return out
 
@@ -153,8 +160,7 @@ class CompiledBackend:
     def dequantize_add_(
         self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int
     ) -> torch.Tensor:
-        check_group_args(ref, bits, group_size, None, False)
-        check_codes(codes, scales, ref.numel(), bits, group_size)
+        check_add_args(ref, codes, scales, bits, group_size)
         self.op.dequantize_add(ref, codes, scales, bits, group_size)
         return ref
 

@@ -3,9 +3,15 @@
 Every arithmetic step below is a single IEEE fp32 operation rounded to nearest-even (torch runs each
 elementwise op as its own kernel, so nothing is fused), and the compiled backends do the same steps in the
 same order with contraction (FMA) disabled. See docs/codec.md for the prose version of the contract.
+
+Every op works through its input about CHUNK elements at a time, in tiles of whole groups and whole 32-blocks, so its
+temporaries (int64 counters, fp32 steps) take a bounded amount of memory whatever the size of the input; the
+results do not depend on the tiling, since no value depends on elements outside its own group and 32-block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -14,12 +20,16 @@ from .spec import (
     HADAMARD_BLOCK,
     MASK32,
     Codes,
-    check_codes,
+    check_add_args,
+    check_decode,
+    check_decode_out,
     check_group_args,
     check_out_codes,
     check_out_values,
+    check_quantizer,
     check_swizzle_args,
     check_valid,
+    codes_nbytes,
     mix32,
     num_groups,
     pieces_numel,
@@ -29,6 +39,7 @@ from .spec import (
 )
 
 _FLT_MIN = torch.finfo(torch.float32).tiny
+CHUNK = 1 << 22  # elements per tile: an op's temporaries take up to about 84 bytes per element of one tile
 
 
 def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -45,13 +56,26 @@ def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cp
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Walsh-Hadamard transform of every contiguous 32-block (fp32 butterfly, strides 1..16); inverse adds x 1/32.
+def _tiles(rows: int, cols: int, unit: int) -> Iterator[tuple[slice, slice]]:
+    """(rows, columns) of the tiles that cover a [rows, cols] layout in row-major order, about CHUNK elements each:
+    whole rows while one fits, else one row at a time in steps of whole `unit`s (every tile starts at a multiple)."""
+    if rows == 0 or cols == 0:
+        return
+    if cols <= CHUNK:
+        per = CHUNK // cols
+        for r in range(0, rows, per):
+            yield slice(r, min(r + per, rows)), slice(0, cols)
+        return
+    step = max(CHUNK // unit, 1) * unit
+    for r in range(rows):
+        for c in range(0, cols, step):
+            yield slice(r, r + 1), slice(c, min(c + step, cols))
 
-    The result is fp32; `out`, if given, must be an fp32 tensor of x's size."""
-    if x.numel() % HADAMARD_BLOCK:
-        raise ValueError(f"hadamard32 needs a multiple of {HADAMARD_BLOCK} elements, got {x.numel()}")
-    y = x.reshape(-1).to(torch.float32)
+
+def _butterflies(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The fp32 Walsh-Hadamard transform of every contiguous 32-block of a flat tensor (strides 1..16), x 1/32 if
+    inverse."""
+    y = x.to(torch.float32)
     h = 1
     while h < HADAMARD_BLOCK:
         v = y.view(-1, HADAMARD_BLOCK // (2 * h), 2, h)
@@ -60,29 +84,41 @@ def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None 
         h *= 2
     if inverse:
         y = y * (1.0 / HADAMARD_BLOCK)
-    return _into_values(y, out, dtypes=frozenset({torch.float32}))
+    return y
 
 
-def _into_codes(
-    result: Codes, out: Codes | None, device: torch.device, numel: int, bits: int, group_size: int
-) -> Codes:
-    """Return `result`, copied into the caller's (codes, scales) buffers when it gave some."""
-    if out is None:
-        return result
-    check_out_codes(out, device, numel, bits, group_size)
-    out[0].copy_(result[0])
-    out[1].copy_(result[1])
-    return out
+def hadamard32(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Walsh-Hadamard transform of every contiguous 32-block (fp32 butterfly, strides 1..16); inverse adds x 1/32.
+
+    The result is fp32; `out`, if given, must be an fp32 tensor of x's size."""
+    numel = x.numel()
+    if numel % HADAMARD_BLOCK:
+        raise ValueError(f"hadamard32 needs a multiple of {HADAMARD_BLOCK} elements, got {numel}")
+    if out is not None:
+        check_out_values(out, x.device, numel, dtypes=frozenset({torch.float32}))
+    result = torch.empty(numel, dtype=torch.float32, device=x.device) if out is None else out.view(-1)
+    flat = x.reshape(-1)
+    for _, cols in _tiles(1, numel, HADAMARD_BLOCK):
+        result[cols] = _butterflies(flat[cols], inverse)
+    return result if out is None else out
 
 
-def _into_values(
-    result: torch.Tensor, out: torch.Tensor | None, dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
-) -> torch.Tensor:
-    """Return `result`, copied into the caller's tensor (of one of `dtypes`) when it gave one."""
-    if out is None:
-        return result
-    check_out_values(out, result.device, result.numel(), dtypes)
-    return out.copy_(result)
+def _codes_out(out: Codes | None, device: torch.device, numel: int, bits: int, group_size: int) -> Codes:
+    """The caller's (codes, scales) buffers after checking them, or new ones for `numel` elements."""
+    if out is not None:
+        check_out_codes(out, device, numel, bits, group_size)
+        return out
+    codes = torch.empty(codes_nbytes(numel, bits), dtype=torch.uint8, device=device)
+    return codes, torch.empty(num_groups(numel, group_size), dtype=torch.float32, device=device)
+
+
+def _values_out(out: torch.Tensor | None, dtype: torch.dtype, device: torch.device, *shape: int) -> torch.Tensor:
+    """The caller's (already checked) output tensor, or a new one of `dtype` and `shape`."""
+    if out is not None:
+        return out
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype {dtype} is not one of float32, bfloat16, float16")
+    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 def _whole_blocks(valid: int) -> int:
@@ -90,21 +126,19 @@ def _whole_blocks(valid: int) -> int:
     return valid // HADAMARD_BLOCK * HADAMARD_BLOCK
 
 
-def _prepared(x: torch.Tensor, valid: int | None, hadamard: bool, partitions: int, padded: int) -> torch.Tensor:
-    """x as fp32 in a zero buffer of `padded` elements, split into `partitions` equal partitions of which each holds
-    `valid` real elements at its start (the rest read as zero, never read); with `hadamard`, each partition's
-    32-blocks lying wholly below `valid` transformed. A block that `valid` cuts stays as it is: transformed, the
-    zeros standing in for its missing elements would spread its values over the whole block."""
-    part = x.numel() // partitions
-    valid = part if valid is None else valid
-    rows = x.reshape(partitions, part)
-    out = torch.zeros(padded, dtype=torch.float32, device=x.device)
-    view = out[: x.numel()].view(partitions, part)
-    view[:, :valid] = rows[:, :valid].to(torch.float32)
+def _prepared(tile: torch.Tensor, valid: int, hadamard: bool, padded: int) -> torch.Tensor:
+    """A [partitions, n] tile as fp32 in a zero buffer of [partitions, padded] in which each row holds the first
+    `valid` elements of the tile's row (the rest read as zero, never read); with `hadamard`, each row's 32-blocks
+    lying wholly below `valid` transformed. A block that `valid` cuts stays as it is: transformed, the zeros standing
+    in for its missing elements would spread its values over the whole block."""
+    partitions, n = tile.shape
+    valid = min(max(valid, 0), n)
+    view = torch.zeros(partitions, padded, dtype=torch.float32, device=tile.device)
+    view[:, :valid] = tile[:, :valid].to(torch.float32)
     if hadamard:
         whole = _whole_blocks(valid)
         view[:, :whole] = hadamard32(view[:, :whole].reshape(-1)).view(partitions, whole)
-    return out
+    return view
 
 
 def _scales(groups: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -138,15 +172,16 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """uint8 codes -> signed integer levels as fp32, the inverse of `pack`."""
-    c = codes.reshape(-1).to(torch.int16)
+    """uint8 codes -> signed integer levels as fp32, the inverse of `pack`: the first `numel` of each row (of the
+    last dimension)."""
+    c = codes.to(torch.int16)
     if bits == 8:
         q = torch.where(c >= 128, c - 256, c)
     else:
         hi, lo = c >> 4, c & 0xF
-        q = torch.stack((hi, lo), dim=1).reshape(-1)
+        q = torch.stack((hi, lo), dim=-1).flatten(-2)
         q = torch.where(q >= 8, q - 16, q)
-    return q[:numel].to(torch.float32)
+    return q[..., :numel].to(torch.float32)
 
 
 def _quantize_fp32(
@@ -164,6 +199,44 @@ def _quantize_fp32(
     return pack(q.reshape(-1)[:numel], bits), scale
 
 
+Source = Callable[[slice, slice, int], torch.Tensor]  # (rows, columns, padded) -> a tile's fp32 values
+Sink = Callable[[int, Codes], None]  # (input index of a tile's first element, its codes and scales)
+
+
+def _encode(
+    rows: int,
+    cols: int,
+    source: Source,
+    sink: Sink,
+    *,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    seed: int,
+    offset: int,
+) -> None:
+    """Quantize a [rows, cols] layout of inputs tile by tile: source(rows, columns, padded) gives a tile's fp32
+    values as rows zero-padded to `padded` elements (whole groups), sink stores its codes and scales. Element
+    (r, c) is input index r * cols + c: its stochastic-rounding counter is offset plus that index."""
+    for r, c in _tiles(rows, cols, group_size):
+        padded = num_groups(c.stop - c.start, group_size) * group_size
+        start = r.start * cols + c.start
+        numel = (r.stop - r.start) * (c.stop - c.start)
+        xf = source(r, c, padded).view(-1)
+        sink(start, _quantize_fp32(xf, numel, bits, group_size, stochastic, seed, offset + start))
+
+
+def _in_order(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int) -> Sink:
+    """A sink writing each tile's codes and scales where its elements stand (tiles start at whole groups)."""
+
+    def sink(start: int, result: Codes) -> None:
+        at, group = start * bits // 8, start // group_size
+        codes[at : at + result[0].numel()] = result[0]
+        scales[group : group + result[1].numel()] = result[1]
+
+    return sink
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -179,19 +252,45 @@ def quantize(
     """Groupwise symmetric abs-max quantization of a 1-D tensor -> (uint8 codes, fp32 scales)."""
     numel = x.numel()
     check_group_args(x, bits, group_size, valid, hadamard)
-    xf = _prepared(x, valid, hadamard, 1, num_groups(numel, group_size) * group_size)
-    result = _quantize_fp32(xf, numel, bits, group_size, stochastic, seed, offset)
-    return _into_codes(result, out, x.device, numel, bits, group_size)
+    codes, scales = _codes_out(out, x.device, numel, bits, group_size)
+    row = x.view(1, numel)
+    live = numel if valid is None else valid
+
+    def source(r: slice, c: slice, padded: int) -> torch.Tensor:
+        return _prepared(row[r, c], live - c.start, hadamard, padded)
+
+    sink = _in_order(codes, scales, bits=bits, group_size=group_size)
+    _encode(1, numel, source, sink, bits=bits, group_size=group_size, stochastic=stochastic, seed=seed, offset=offset)
+    return codes, scales
 
 
-def dequantize_fp32(
-    codes: torch.Tensor, scales: torch.Tensor, *, numel: int, bits: int, group_size: int
-) -> torch.Tensor:
-    """Codes and scales -> fp32 values fp32(q) * scale (one rounding)."""
-    check_codes(codes, scales, numel, bits, group_size)
-    q = unpack(codes, bits, numel)
-    per_elem = scales.to(torch.float32).repeat_interleave(group_size)[:numel]
+def _decoded(codes: torch.Tensor, scales: torch.Tensor, cols: slice, *, bits: int, group_size: int) -> torch.Tensor:
+    """fp32(q) * scale (one rounding) of the columns `cols` (starting at an even one) of each row of codes and
+    scales, every row a run of its own: [rows, columns]."""
+    n = cols.stop - cols.start
+    first = cols.start // group_size
+    skip = cols.start - first * group_size
+    q = unpack(codes[:, cols.start * bits // 8 : codes_nbytes(cols.stop, bits)], bits, n)
+    groups = scales[:, first : num_groups(cols.stop, group_size)].to(torch.float32)
+    per_elem = groups.repeat_interleave(group_size, dim=1)[:, skip : skip + n]
     return q * per_elem
+
+
+def _decode_into(
+    values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, add: bool, bits: int, group_size: int
+) -> None:
+    """values <- dtype(fp32(q) * scale), or with `add` dtype(fp32(q) * scale + fp32(values)), one rounding to values'
+    dtype, for every row of [rows, n] values, codes and scales: one run per row."""
+    rows, n = values.shape
+    for r, c in _tiles(rows, n, group_size):
+        delta = _decoded(codes[r], scales[r], c, bits=bits, group_size=group_size)
+        target = values[r, c]
+        target.copy_((delta + target.to(torch.float32) if add else delta).to(values.dtype))
+
+
+def _as_rows(rows: int | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a decoding call as [rows, width]: as they are for a batch, one row for a single run."""
+    return list(tensors) if rows is not None else [t.reshape(1, -1) for t in tensors]
 
 
 def dequantize(
@@ -204,9 +303,16 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Codes and scales -> values in `dtype` (or out's dtype): fp32 product, one rounding to the dtype."""
-    values = dequantize_fp32(codes, scales, numel=numel, bits=bits, group_size=group_size)
-    return _into_values(values.to(dtype if out is None else out.dtype), out)
+    """Codes and scales -> values in `dtype` (or out's dtype): fp32 product, one rounding to the dtype; 2-D codes
+    and scales decode one run of `numel` elements per row into [rows, numel]."""
+    rows = check_decode(codes, scales, numel, bits, group_size)
+    if out is not None:
+        check_decode_out(out, rows, numel, codes.device)
+    shape = (numel,) if rows is None else (rows, numel)
+    result = _values_out(out, dtype, codes.device, *shape)
+    values, codes, scales = _as_rows(rows, result, codes, scales)
+    _decode_into(values, codes, scales, add=False, bits=bits, group_size=group_size)
+    return result
 
 
 def diff_quantize(
@@ -227,21 +333,27 @@ def diff_quantize(
     check_group_args(new, bits, group_size, valid, False)
     check_group_args(ref, bits, group_size, valid, False)
     numel = new.numel()
-    padded = num_groups(numel, group_size) * group_size
-    d = _prepared(new, valid, False, 1, padded) - _prepared(ref, valid, False, 1, padded)
-    return _into_codes(
-        _quantize_fp32(d, numel, bits, group_size, stochastic, seed, offset), out, new.device, numel, bits, group_size
-    )
+    codes, scales = _codes_out(out, new.device, numel, bits, group_size)
+    new_row, ref_row = new.view(1, numel), ref.view(1, numel)
+    live = numel if valid is None else valid
+
+    def source(r: slice, c: slice, padded: int) -> torch.Tensor:
+        new_tile, ref_tile = new_row[r, c], ref_row[r, c]
+        return _prepared(new_tile, live - c.start, False, padded) - _prepared(ref_tile, live - c.start, False, padded)
+
+    sink = _in_order(codes, scales, bits=bits, group_size=group_size)
+    _encode(1, numel, source, sink, bits=bits, group_size=group_size, stochastic=stochastic, seed=seed, offset=offset)
+    return codes, scales
 
 
 def dequantize_add_(
     ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int
 ) -> torch.Tensor:
-    """ref <- dtype(fp32(q) * scale + fp32(ref)): fp32 multiply, fp32 add, one rounding to ref's dtype."""
-    if ref.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dequantize_add_: ref dtype {ref.dtype} is not one of {sorted(map(str, FLOAT_DTYPES))}")
-    delta = dequantize_fp32(codes, scales, numel=ref.numel(), bits=bits, group_size=group_size)
-    ref.view(-1).copy_((delta + ref.view(-1).to(torch.float32)).to(ref.dtype))
+    """ref <- dtype(fp32(q) * scale + fp32(ref)): fp32 multiply, fp32 add, one rounding to ref's dtype; 2-D codes
+    and scales add one run per row of a [rows, n] ref."""
+    rows = check_add_args(ref, codes, scales, bits, group_size)
+    values, codes, scales = _as_rows(rows, ref, codes, scales)
+    _decode_into(values, codes, scales, add=True, bits=bits, group_size=group_size)
     return ref
 
 
@@ -257,6 +369,25 @@ def swizzle_permutation(nodes: int, ranks_per_node: int, slices: int) -> torch.T
     n = torch.arange(nodes).view(1, 1, nodes)
     z = n * ranks_per_node + local
     return (z * slices + y).reshape(-1)
+
+
+def _swizzled(
+    codes: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor, *, block: int, bits: int, group_size: int
+) -> Sink:
+    """A sink moving each group of a tile to the place of its (partition, slice) block in the swizzled layout:
+    output block b holds input block perm[b]."""
+    per_block = block // group_size
+    destination = torch.argsort(perm).to(codes.device)
+    code_rows = codes.view(-1, group_size * bits // 8)
+
+    def sink(start: int, result: Codes) -> None:
+        first = start // group_size
+        group = torch.arange(first, first + result[1].numel(), device=codes.device)
+        at = destination[group // per_block] * per_block + group % per_block
+        code_rows.index_copy_(0, at, result[0].view(-1, code_rows.shape[1]))
+        scales.index_copy_(0, at, result[1])
+
+    return sink
 
 
 def swizzle_quantize(
@@ -283,22 +414,29 @@ def swizzle_quantize(
     """
     world = nodes * ranks_per_node
     block = check_swizzle_args(x, bits, group_size, world, slices, valid)
-    xf = _prepared(x, valid, hadamard, world, x.numel())
-    codes, scales = _quantize_fp32(xf, x.numel(), bits, group_size, stochastic, seed, offset)
-    perm = swizzle_permutation(nodes, ranks_per_node, slices).to(x.device)
-    code_block = block * bits // 8
-    codes = codes.view(world * slices, code_block)[perm].reshape(-1)
-    scales = scales.view(world * slices, block // group_size)[perm].reshape(-1)
-    return _into_codes((codes, scales), out, x.device, x.numel(), bits, group_size)
+    codes, scales = _codes_out(out, x.device, x.numel(), bits, group_size)
+    part = x.numel() // world
+    partitions = x.view(world, part)
+    valid = part if valid is None else valid
+
+    def source(r: slice, c: slice, padded: int) -> torch.Tensor:
+        return _prepared(partitions[r, c], valid - c.start, hadamard, padded)
+
+    perm = swizzle_permutation(nodes, ranks_per_node, slices)
+    sink = _swizzled(codes, scales, perm, block=block, bits=bits, group_size=group_size)
+    _encode(
+        world, part, source, sink, bits=bits, group_size=group_size, stochastic=stochastic, seed=seed, offset=offset
+    )
+    return codes, scales
 
 
-def _sum_pieces(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> torch.Tensor:
-    """Dequantize `pieces` equal consecutive pieces and sum them in fp32, piece 0 first."""
-    numel = pieces_numel(codes, scales, pieces, bits, group_size) * pieces
-    values = dequantize_fp32(codes, scales, numel=numel, bits=bits, group_size=group_size).view(pieces, -1)
-    acc = values[0].clone()
+def _sum_pieces(codes: torch.Tensor, scales: torch.Tensor, cols: slice, *, bits: int, group_size: int) -> torch.Tensor:
+    """The columns `cols` of every piece (a row of codes and scales) dequantized and summed in fp32, piece 0 first:
+    [1, columns]."""
+    pieces = codes.shape[0]
+    acc = _decoded(codes[0:1], scales[0:1], cols, bits=bits, group_size=group_size)
     for k in range(1, pieces):
-        acc = acc + values[k]
+        acc = acc + _decoded(codes[k : k + 1], scales[k : k + 1], cols, bits=bits, group_size=group_size)
     return acc
 
 
@@ -317,12 +455,21 @@ def dequantize_reduce_quantize(
     out: Codes | None = None,
 ) -> Codes:
     """Sum `pieces` quantized pieces in fp32 and quantize the sum again with other bits and group size."""
-    total = _sum_pieces(codes, scales, pieces, in_bits, in_group)
-    check_group_args(total, out_bits, out_group, None, False)
-    if total.numel() % out_group:
-        raise ValueError(f"piece of {total.numel()} elements is not a multiple of out_group {out_group}")
-    result = _quantize_fp32(total, total.numel(), out_bits, out_group, stochastic, seed, offset)
-    return _into_codes(result, out, codes.device, total.numel(), out_bits, out_group)
+    piece = pieces_numel(codes, scales, pieces, in_bits, in_group)
+    check_quantizer(out_bits, out_group)
+    if piece % out_group:
+        raise ValueError(f"piece of {piece} elements is not a multiple of out_group {out_group}")
+    out_codes, out_scales = _codes_out(out, codes.device, piece, out_bits, out_group)
+    rows_codes, rows_scales = codes.view(pieces, -1), scales.view(pieces, -1)
+
+    def source(r: slice, c: slice, padded: int) -> torch.Tensor:
+        return _sum_pieces(rows_codes, rows_scales, c, bits=in_bits, group_size=in_group)
+
+    sink = _in_order(out_codes, out_scales, bits=out_bits, group_size=out_group)
+    _encode(
+        1, piece, source, sink, bits=out_bits, group_size=out_group, stochastic=stochastic, seed=seed, offset=offset
+    )
+    return out_codes, out_scales
 
 
 def dequantize_reduce(
@@ -340,11 +487,20 @@ def dequantize_reduce(
 ) -> torch.Tensor:
     """Sum `pieces` quantized pieces in fp32, optionally undo the Hadamard transform of the 32-blocks lying wholly
     below `valid` (the ones the quantizer transformed), scale by `mul`, cast to `dtype` (or out's dtype)."""
-    total = _sum_pieces(codes, scales, pieces, bits, group_size)
-    check_valid(valid, total.numel(), "a piece")
-    factor = torch.full_like(total, mul)
-    if hadamard:
-        whole = _whole_blocks(total.numel() if valid is None else valid)
-        total = torch.cat((hadamard32(total[:whole]), total[whole:]))
-        factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)
-    return _into_values((total * factor).to(dtype if out is None else out.dtype), out)
+    piece = pieces_numel(codes, scales, pieces, bits, group_size)
+    check_valid(valid, piece, "a piece")
+    if out is not None:
+        check_out_values(out, codes.device, piece)
+    result = _values_out(out, dtype, codes.device, piece)
+    flat = result.view(-1)
+    end = _whole_blocks(piece if valid is None else valid) if hadamard else 0
+    rows_codes, rows_scales = codes.view(pieces, -1), scales.view(pieces, -1)
+    for _, c in _tiles(1, piece, group_size):
+        total = _sum_pieces(rows_codes, rows_scales, c, bits=bits, group_size=group_size).view(-1)
+        factor = torch.full_like(total, mul)
+        if hadamard:
+            whole = min(max(end - c.start, 0), total.numel())
+            total = torch.cat((hadamard32(total[:whole]), total[whole:]))
+            factor[:whole] = factor[:whole] * (1.0 / HADAMARD_BLOCK)
+        flat[c] = (total * factor).to(result.dtype)
+    return result

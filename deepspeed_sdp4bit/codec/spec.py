@@ -2,7 +2,8 @@
 
 `CodecBackend` is the Python API of the ops (the reference module, the compiled backend over a CPU or CUDA op, and
 the host-emulated CUDA kernels in the tests all satisfy it; `deepspeed_sdp4bit.codec`'s public functions are made
-from it). `CodecOp` is the binding API of a compiled op module (the C++ and CUDA ops, and the emulation).
+from it). `CodecOp` is the binding API of a compiled op module (the C++ and CUDA ops, and the emulation);
+`CudaCodecOp` adds the CUDA op's two bindings that say which GPUs it runs on.
 """
 
 from __future__ import annotations
@@ -132,6 +133,84 @@ def check_out_values(
         )
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether `t` is 2-D with the elements of each row contiguous (at any stride between rows)."""
+    return t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1)
+
+
+def check_decode(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, group_size: int) -> int | None:
+    """Validate the codes and scales of a decoding call and say how many runs they hold: codes of any shape but 2-D
+    hold one run of `numel` elements (None); codes [rows, codes_nbytes(numel)] and scales [rows, num_groups(numel)]
+    hold one independent run per row (each row contiguous, any stride between rows), and `rows` is returned."""
+    if codes.dim() != 2:
+        check_codes(codes, scales, numel, bits, group_size)
+        return None
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"codes must be uint8 and scales float32, got {codes.dtype} and {scales.dtype}")
+    check_quantizer(bits, group_size)
+    rows = codes.shape[0]
+    for name, tensor, width, formula in (
+        ("codes", codes, codes_nbytes(numel, bits), "codes_nbytes(n)"),
+        ("scales", scales, num_groups(numel, group_size), "num_groups(n)"),
+    ):
+        if tuple(tensor.shape) != (rows, width) or not _rows_contiguous(tensor):
+            raise ValueError(
+                f"{name} must be [rows, {formula}] = [{rows}, {width}] with contiguous rows for rows of n = {numel} "
+                f"elements at {bits} bits in groups of {group_size}, got shape {list(tensor.shape)} with strides "
+                f"{tensor.stride()}"
+            )
+    return rows
+
+
+def check_row_values(
+    values: torch.Tensor,
+    name: str,
+    rows: int,
+    numel: int,
+    device: torch.device,
+    dtypes: frozenset[torch.dtype] = FLOAT_DTYPES,
+) -> None:
+    """The values of a batch of runs (`name`: ref or out) must be [rows, numel], of one of `dtypes`, on `device`, each
+    row contiguous and no two rows overlapping, at any stride between rows (a column slice of a row-major storage)."""
+    shaped = tuple(values.shape) == (rows, numel) and _rows_contiguous(values)
+    if not shaped or (rows > 1 and values.stride(0) < numel) or values.dtype not in dtypes or values.device != device:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise ValueError(
+            f"{name} must be a {names} tensor [rows, n] = [{rows}, {numel}] on {device} whose rows are contiguous and "
+            f"do not overlap (any stride between rows), got {values.dtype} of shape {list(values.shape)} with strides "
+            f"{values.stride()} on {values.device}"
+        )
+
+
+def check_decode_out(out: torch.Tensor, rows: int | None, numel: int, device: torch.device) -> None:
+    """A caller's output for a decoding call of one run (`rows` None) or of `rows` runs of `numel` elements each."""
+    if rows is None:
+        check_out_values(out, device, numel)
+    else:
+        check_row_values(out, "out", rows, numel, device)
+
+
+def check_add_args(
+    ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+) -> int | None:
+    """Validate a dequantize_add_ call: an fp32/bf16/fp16 ref, contiguous for codes not 2-D (one run: None), else
+    [rows, n] with codes [rows, codes_nbytes(n)] and scales [rows, num_groups(n)] (`rows` is returned)."""
+    if ref.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dequantize_add_: ref dtype {ref.dtype} is not one of float32, bfloat16, float16")
+    if codes.dim() != 2:
+        if not ref.is_contiguous():
+            raise ValueError("dequantize_add_: ref must be contiguous, or [rows, n] with codes [rows, codes_nbytes(n)]")
+        check_codes(codes, scales, ref.numel(), bits, group_size)
+        return None
+    if ref.dim() != 2:
+        raise ValueError(
+            f"dequantize_add_: codes of shape {list(codes.shape)} are [rows, codes_nbytes(n)], so ref must be "
+            f"[rows, n] with rows = {codes.shape[0]}, got shape {list(ref.shape)}"
+        )
+    check_row_values(ref, "ref", codes.shape[0], ref.shape[1], ref.device)
+    return check_decode(codes, scales, ref.shape[1], bits, group_size)
+
+
 def pieces_numel(codes: torch.Tensor, scales: torch.Tensor, pieces: int, bits: int, group_size: int) -> int:
     """Elements per piece of a buffer holding `pieces` equal pieces, each a whole number of groups."""
     check_quantizer(bits, group_size)
@@ -216,7 +295,11 @@ class CodecBackend(Protocol):
         dtype: torch.dtype = torch.float32,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Codes and scales -> `numel` values in `dtype` (or in `out`, in its dtype): fp32 product, one rounding."""
+        """Codes and scales -> `numel` values in `dtype` (or in `out`, in its dtype): fp32 product, one rounding.
+
+        Codes [rows, codes_nbytes(numel)] and scales [rows, num_groups(numel)] decode `rows` independent runs of
+        `numel` elements at once, into [rows, numel] values (`out` may be a column slice of a larger storage: rows
+        contiguous, any stride between them); each row equals a call on that row alone."""
 
     def hadamard32(self, x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """32-point Walsh-Hadamard transform of each contiguous 32-block, in fp32; the inverse includes the 1/32."""
@@ -239,7 +322,10 @@ class CodecBackend(Protocol):
     def dequantize_add_(
         self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int
     ) -> torch.Tensor:
-        """ref <- dtype(fp32(q) * scale + fp32(ref)) in place, bit-identical on every backend (qWD receiver)."""
+        """ref <- dtype(fp32(q) * scale + fp32(ref)) in place, bit-identical on every backend (qWD receiver).
+
+        With codes [rows, codes_nbytes(n)] and scales [rows, num_groups(n)], ref is [rows, n] (rows contiguous, any
+        stride between them: a column slice of a larger storage) and each row is its own run, as a call on it alone."""
 
     def swizzle_quantize(
         self,
@@ -373,12 +459,12 @@ class CodecOp(Protocol):
     def dequantize(
         self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int, group_size: int, /
     ) -> None:
-        """out <- dequantize(codes, scales)."""
+        """out <- dequantize(codes, scales); with 2-D codes, each row of out from that row of codes and scales."""
 
     def dequantize_add(
         self, ref: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, /
     ) -> None:
-        """ref += dequantize(codes, scales)."""
+        """ref += dequantize(codes, scales); with 2-D codes, each row of ref from that row of codes and scales."""
 
     def dequantize_reduce(
         self,
@@ -397,3 +483,16 @@ class CodecOp(Protocol):
 
     def hadamard32(self, x: torch.Tensor, out: torch.Tensor, inverse: bool, /) -> None:
         """out <- hadamard32(x)."""
+
+
+@runtime_checkable
+class CudaCodecOp(CodecOp, Protocol):
+    """The CUDA op's bindings (cuda_ext/cuda/binding.cpp, also in its host-emulated build): `CodecOp`'s, and what its
+    loader checks before it hands the op out (deepspeed_sdp4bit/ops/builder.py)."""
+
+    def compiled_archs(self, /) -> list[int]:
+        """The architectures the kernels were compiled for, as __CUDA_ARCH__ values (900 for 9.0); empty for the
+        host-emulated build."""
+
+    def device_error(self, device: int, /) -> str:
+        """'' where CUDA device `device` can run the kernels, else the CUDA runtime's error (no kernel image)."""

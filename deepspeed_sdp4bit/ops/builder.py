@@ -1,16 +1,21 @@
 """OpBuilder subclasses that build the codec op from cuda_ext/ the way DeepSpeed builds its own ops.
 
 Both builders share one `.load()`: the module prebuilt at `pip install` time (SDP4BIT_BUILD_OPS=1, see setup.py)
-if there is one, else a JIT build into the torch extensions cache (TORCH_EXTENSIONS_DIR), reused from there.
-Sources are absolute paths because DeepSpeed resolves relative ones inside its own package.
+if there is one, else a JIT build into the torch extensions cache (TORCH_EXTENSIONS_DIR), reused from there; the
+CUDA op is checked to hold code for the current GPU first. Sources are absolute paths because DeepSpeed resolves
+relative ones inside its own package. setup.py loads this file on its own, outside the package, so nothing here
+imports the rest of the package at import time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,16 +23,17 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from deepspeed.ops.op_builder import builder as ds_builder
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
-
-from .. import adapter
 
 if TYPE_CHECKING:
     from setuptools import Extension
 
 _PACKAGE = Path(__file__).resolve().parents[1]
+ARCH_VAR = "TORCH_CUDA_ARCH_LIST"
+_logger = logging.getLogger("deepspeed_sdp4bit")
 
 
 def sources_root() -> Path:
@@ -112,38 +118,63 @@ class _CodecOp:
     def check_buildable(self) -> None:
         """Raise RuntimeError naming what a JIT build here lacks; nothing is needed beyond DeepSpeed's own checks."""
 
+    def device_problem(self, module: ModuleType) -> str | None:
+        """Why `module` cannot run on this process's device, or None: a CPU op runs wherever it imports."""
+        return None
+
     def load(self, verbose: bool = False) -> ModuleType:
         """The op: already loaded, else the install-time build, else JIT-built (or taken from the JIT cache).
 
-        An install-time build that no longer imports (built for another torch, say) is reported by a warning and
-        replaced by a JIT build. The JIT build runs with the pinned ninja; RuntimeError names the cause where it
-        cannot build here.
+        An install-time build that does not import (built for another torch, say) or cannot run on this device is
+        reported by a warning and replaced by a JIT build. The JIT build runs with the pinned ninja; RuntimeError
+        names the cause where it cannot build here or cannot run on this device.
         """
         if self.name in OpBuilder._loaded_ops:
             return OpBuilder._loaded_ops[self.name]
         module = self._prebuilt()
         if module is None:
-            self.check_buildable()
-            with pinned_ninja():
-                module = self.jit_load(verbose)
+            module = self._jit_built(verbose)
         OpBuilder._loaded_ops[self.name] = module
         return module
 
     def _prebuilt(self) -> ModuleType | None:
-        """The install-time build imported, or None where there is none or it fails to import (with a warning)."""
+        """The install-time build imported, or None (with a warning where it does not import or cannot run here)."""
         path = self.prebuilt_path()
         if path is None:
             return None
         try:
-            return importlib.import_module(self.absolute_name())
+            module = importlib.import_module(self.absolute_name())
         except ImportError as err:
-            warnings.warn(
-                f"deepspeed_sdp4bit: the prebuilt {self.NAME} op at {path} does not import ({err}); "
-                f"building it just in time instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self._skip_prebuilt(path, f"does not import ({err})")
             return None
+        problem = self.device_problem(module)
+        if problem is None:
+            return module
+        self._skip_prebuilt(path, problem)
+        return None
+
+    def _skip_prebuilt(self, path: str, reason: str) -> None:
+        """Warn that the install-time build at `path` is not used, and why; a JIT build takes its place."""
+        warnings.warn(
+            f"deepspeed_sdp4bit: the prebuilt {self.NAME} op at {path} {reason}; building it just in time instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _jit_built(self, verbose: bool) -> ModuleType:
+        """The JIT build (or the JIT cache's), with RuntimeError where it cannot run on this device."""
+        self.check_buildable()
+        with pinned_ninja():
+            module: ModuleType = self.jit_load(verbose)
+        problem = self.device_problem(module)
+        if problem is not None:
+            OpBuilder._loaded_ops.pop(self.name, None)
+            raise RuntimeError(
+                f"deepspeed_sdp4bit: the {self.NAME} op built just in time at {module.__file__} {problem}; "
+                f"{ARCH_VAR} is {_quoted_env(ARCH_VAR)}: name this GPU's architecture in it (or unset it to "
+                "build for the visible GPUs) and run again"
+            )
+        return module
 
 
 class CodecCPUBuilder(_CodecOp, OpBuilder):
@@ -180,6 +211,7 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
     bit-exactness, and buildable where no GPU is visible (a compile check) as long as a CUDA toolkit is."""
 
     NAME = "sdp4bit_codec_cuda"
+    _requested_archs: str | None = None  # TORCH_CUDA_ARCH_LIST as a JIT build found it
 
     def sources(self) -> list[str]:
         cuda = sources_root() / "cuda"
@@ -194,7 +226,7 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
 
     def nvcc_args(self) -> list[str]:
         """Our flags whether or not a GPU is visible (DeepSpeed drops its own without one), plus the architectures
-        from TORCH_CUDA_ARCH_LIST (or the visible GPUs)."""
+        `arch_list` names."""
         return [
             "-O3",
             "-fmad=false",
@@ -207,11 +239,65 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
             "-U__CUDA_NO_BFLOAT16_OPERATORS__",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT162_OPERATORS__",
-        ] + adapter.cuda_arch_args(self)
+        ] + self._arch_args()
+
+    def _arch_args(self) -> list[str]:
+        """DeepSpeed's -gencode flags; a JIT build's through the adapter, as DeepSpeed releases differ there (the
+        install-time build, where setup.py loads this file outside the package, needs no adapter)."""
+        if not self.jit_mode:
+            return self.compute_capability_args()
+        from .. import adapter
+
+        return adapter.cuda_arch_args(self)
+
+    def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
+        """DeepSpeed's flags for the architectures `arch_list` names, handed to it in TORCH_CUDA_ARCH_LIST, which
+        every release reads (DeepSpeed sets the variable there itself)."""
+        archs = self.arch_list()
+        if archs is not None:
+            os.environ[ARCH_VAR] = archs
+        flags: list[str] = super().compute_capability_args(cross_compile_archs)
+        return flags
+
+    def arch_list(self) -> str | None:
+        """TORCH_CUDA_ARCH_LIST as set, checked against nvcc; unset with no GPU visible, the architectures both nvcc
+        and this torch support, the newest also as PTX; unset with GPUs visible, None: DeepSpeed takes theirs.
+
+        DeepSpeed's own default for the no-GPU case (6.0;6.1;7.0 under CUDA 13) is refused by nvcc 13.
+        """
+        import torch
+
+        requested = self._requested_archs
+        requested = (os.environ.get(ARCH_VAR, "") if requested is None else requested).strip()
+        nvcc = cuda_toolkit_root() / "bin" / "nvcc"
+        if requested:
+            check_arch_list(requested, nvcc)
+            return requested
+        if torch.cuda.device_count() > 0:
+            return None
+        archs = default_arch_list(nvcc)
+        _logger.info(
+            f"{ARCH_VAR} is unset and no GPU is visible: the {self.NAME} op is built for {archs}, the architectures "
+            f"both {nvcc} and torch {torch.__version__} support (set {ARCH_VAR} to choose others)"
+        )
+        return archs
+
+    def jit_load(self, verbose: bool = True) -> ModuleType:
+        """DeepSpeed's JIT build, with TORCH_CUDA_ARCH_LIST read first (DeepSpeed before 0.19 empties it while it
+        builds) and as it was afterwards."""
+        self._requested_archs = os.environ.get(ARCH_VAR)
+        try:
+            module: ModuleType = super().jit_load(verbose)
+            return module
+        finally:
+            _restore_env(ARCH_VAR, self._requested_archs)
+            self._requested_archs = None
 
     def check_buildable(self) -> None:
-        """A CUDA build of torch and a CUDA toolkit; points torch's extension builder at that toolkit."""
+        """A CUDA build of torch and a CUDA toolkit of its major release; points torch's extension builder at that
+        toolkit."""
         _use_cuda_toolkit(self.NAME)
+        cuda_versions(self.NAME)
 
     def is_compatible(self, verbose: bool = False) -> bool:
         try:
@@ -224,9 +310,161 @@ class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
         return super().is_compatible(verbose)
 
     def builder(self) -> Extension:
-        """The setup.py extension (prebuild at install time), built against the same toolkit as a JIT build."""
+        """The setup.py extension (prebuild at install time), built against the same toolkit as a JIT build, which
+        DeepSpeed's CUDA check accepts where only the minor releases of nvcc and torch differ."""
         self.check_buildable()
-        return super().builder()
+        with _deepspeed_accepts(*cuda_versions(self.NAME)):
+            return super().builder()
+
+    def device_problem(self, module: ModuleType) -> str | None:
+        """Why `module` cannot run on the current GPU (no code for its architecture), or None where it can or no GPU
+        is visible (a compile check has nothing to run on)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        check = getattr(module, "device_error", None)
+        if check is None:
+            return "has no device check (built from older sources)"
+        device = torch.cuda.current_device()
+        error = check(device)
+        if not error:
+            return None
+        major, minor = torch.cuda.get_device_capability(device)
+        return (
+            f"cannot run on CUDA device {device} (compute capability {major}.{minor}): it was compiled for "
+            f"{_module_archs(module)} ({error})"
+        )
+
+
+class NvccArchs(NamedTuple):
+    """The architectures an nvcc builds, as XY numbers (90 for 9.0): real ones (sm_XY) and virtual ones (PTX)."""
+
+    real: tuple[int, ...]
+    virtual: tuple[int, ...]
+
+
+@functools.cache
+def nvcc_archs(nvcc: Path) -> NvccArchs:
+    """What `nvcc --list-gpu-code` and `--list-gpu-arch` print (plain sm_XY and compute_XY; suffixed ones skipped)."""
+
+    def listed(flag: str, prefix: str) -> tuple[int, ...]:
+        try:
+            out = subprocess.run([str(nvcc), flag], capture_output=True, text=True, timeout=60, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as err:
+            raise RuntimeError(f"cannot list the architectures {nvcc} builds ({flag}): {err}") from err
+        return tuple(sorted(int(m) for m in re.findall(rf"^{prefix}_(\d+)$", out, flags=re.M)))
+
+    return NvccArchs(listed("--list-gpu-code", "sm"), listed("--list-gpu-arch", "compute"))
+
+
+def arch_name(arch: int) -> str:
+    """An XY architecture number as TORCH_CUDA_ARCH_LIST writes it: 90 -> '9.0', 120 -> '12.0'."""
+    return f"{arch // 10}.{arch % 10}"
+
+
+def torch_archs() -> set[int]:
+    """The architectures this torch has kernels for, as XY numbers (from its sm_XY and compute_XY list); a torch
+    that lists them only with a GPU visible is read from its build flags."""
+    import torch
+
+    build_flags = getattr(torch._C, "_cuda_getArchFlags", lambda: None)
+    names = torch.cuda.get_arch_list() or (build_flags() or "").split()
+    return {int(m) for name in names for m in re.findall(r"^(?:sm|compute)_(\d+)$", name)}
+
+
+def default_arch_list(nvcc: Path) -> str:
+    """TORCH_CUDA_ARCH_LIST for a build with none set and no GPU visible: the real architectures both `nvcc` and
+    this torch support, the newest also as PTX (where nvcc has it) so that newer GPUs can run the op too."""
+    listed = nvcc_archs(nvcc)
+    shared = sorted(set(listed.real) & torch_archs())
+    if not shared:
+        raise RuntimeError(
+            f"{ARCH_VAR} is unset, no GPU is visible and {nvcc} builds none of the architectures this torch supports "
+            f"({', '.join(map(arch_name, sorted(torch_archs()))) or 'none listed'}): set {ARCH_VAR}, e.g. 9.0"
+        )
+    names = [arch_name(a) for a in shared]
+    if shared[-1] in listed.virtual:
+        names[-1] += "+PTX"
+    return ";".join(names)
+
+
+def check_arch_list(value: str, nvcc: Path) -> None:
+    """RuntimeError naming TORCH_CUDA_ARCH_LIST, its entries `nvcc` cannot build and those it can, before any
+    compile: each entry is X.Y, or X.Y+PTX to add the PTX that newer GPUs compile when they load the op."""
+    listed = nvcc_archs(nvcc)
+    bad = [entry for entry in re.split(r"[;\s]+", value) if entry and not _buildable(entry, listed)]
+    if bad:
+        raise RuntimeError(
+            f"{ARCH_VAR}={value!r}: {nvcc} cannot build {', '.join(map(repr, bad))}; it builds "
+            f"{', '.join(map(arch_name, listed.real))} (each written X.Y, or X.Y+PTX to add its PTX)"
+        )
+
+
+def _buildable(entry: str, listed: NvccArchs) -> bool:
+    """Whether one TORCH_CUDA_ARCH_LIST entry is an architecture nvcc builds (and, with +PTX, one it has PTX for)."""
+    match = re.fullmatch(r"(\d+)\.(\d)(\+PTX)?", entry)
+    if match is None:
+        return False
+    arch = int(match[1]) * 10 + int(match[2])
+    return arch in listed.real and (match[3] is None or arch in listed.virtual)
+
+
+def cuda_versions(op_name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """nvcc's and torch's CUDA (major, minor), read as DeepSpeed reads them; RuntimeError where the majors differ.
+
+    A different minor release is fine (CUDA's minor-version compatibility within a major release, which DeepSpeed's
+    own table of accepted pairs, `cuda_minor_mismatch_ok`, lists only up to CUDA 12); a different major is not.
+    """
+    import torch
+
+    try:
+        nvcc = ds_builder.installed_cuda_version(op_name)
+    except ds_builder.MissingCUDAException as err:
+        raise RuntimeError(f"cannot build the {op_name} op: {err}") from err
+    major, minor = (int(part) for part in str(torch.version.cuda).split(".")[:2])
+    if nvcc[0] != major:
+        raise RuntimeError(
+            f"cannot build the {op_name} op: nvcc is CUDA {nvcc[0]}.{nvcc[1]} but torch {torch.__version__} was "
+            f"built with CUDA {torch.version.cuda}; install a CUDA {major}.x toolkit or point CUDA_HOME at one"
+        )
+    return nvcc, (major, minor)
+
+
+@contextlib.contextmanager
+def _deepspeed_accepts(nvcc: tuple[int, int], torch_cuda: tuple[int, int]) -> Iterator[None]:
+    """DeepSpeed's CUDA check (assert_no_cuda_mismatch) accepting this same-major pair while the block runs, as
+    `cuda_versions` does: its table of accepted minor releases has no entry past CUDA 12."""
+    table = ds_builder.cuda_minor_mismatch_ok
+    saved = table.get(nvcc[0])
+    table[nvcc[0]] = [*(saved or []), *(f"{major}.{minor}" for major, minor in (nvcc, torch_cuda))]
+    try:
+        yield
+    finally:
+        if saved is None:
+            del table[nvcc[0]]
+        else:
+            table[nvcc[0]] = saved
+
+
+def _module_archs(module: ModuleType) -> str:
+    """The architectures a CUDA op module was compiled for (its compiled_archs binding), e.g. '8.0, 9.0'."""
+    archs: list[int] = getattr(module, "compiled_archs", list)()
+    return ", ".join(f"{arch // 100}.{arch % 100 // 10}" for arch in archs) or "no recorded architecture"
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Set an environment variable back to `value`, or remove it where it was unset."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _quoted_env(name: str) -> str:
+    """An environment variable's value quoted, or 'unset'."""
+    value = os.environ.get(name)
+    return "unset" if value is None else repr(value)
 
 
 def cuda_toolkit_root() -> Path:
