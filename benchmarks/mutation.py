@@ -473,9 +473,9 @@ MUTANTS = [
     Mutant(
         "W04",
         STORE,
-        '        return rank if self._replica == "rank" else rank // self._topo.ranks_per_node',
-        '        return rank if self._replica == "rank" else rank % self._topo.nodes',
-        "node replica: wrong slot",
+        "            apply(inflight.bucket, [Received(slice(0, self._slots), outs)])",
+        "            apply(inflight.bucket, [Received(slice(0, self._slots), [out.roll(1, 0) for out in outs])])",
+        "node replica: each node's run applied to the next slot",
     ),
     Mutant(
         "W05",
@@ -515,8 +515,8 @@ MUTANTS = [
     Mutant(
         "W10",
         STORE,
-        "                (topo.global_rank(n, local), [dst[local, n] for dst in full])",
-        "                (topo.global_rank(local % topo.nodes, n % per_node), [dst[local, n] for dst in full])",
+        "            Received(slice(local, topo.world, per_node), [dst[local] for dst in full])",
+        "            Received(slice(local * topo.nodes, (local + 1) * topo.nodes), [dst[local] for dst in full])",
         "rank replica: runs routed to the wrong slots",
     ),
     Mutant(
@@ -536,9 +536,9 @@ MUTANTS = [
     Mutant(
         "W13",
         STORE,
-        "                self._bucket_view(self._slot_of(source), bucket),\n                codes,",
-        "                self._bucket_view(self._own_slot, bucket),\n                codes,",
-        "every received delta applied to the own slot",
+        "                self._rows(batch.slots, bucket), codes, scales,",
+        "                self._rows(slice(0, codes.shape[0]), bucket), codes, scales,",
+        "every local index's deltas applied to the first slots",
     ),
     Mutant(
         "W14",
@@ -550,15 +550,15 @@ MUTANTS = [
     Mutant(
         "W15",
         STORE,
-        "            result.append(block.transpose(0, 1).reshape(-1)[: p.numel])",
-        "            result.append(block.reshape(-1)[: p.numel])",
+        "            copy_rank_order(out, block.transpose(0, 1))",
+        "            copy_rank_order(out, block)",
         "gathered shards in node-major order",
     ),
     Mutant(
         "W16",
         STORE,
-        '        comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")',
-        '        comm.all_reduce(low, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")',
+        '        comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum", self._stats)',
+        '        comm.all_reduce(low, holders, ReduceOp.MAX, "sdp4bit_weight_checksum", self._stats)',
         "checksum never differs",
     ),
     Mutant(
@@ -711,15 +711,15 @@ MUTANTS = [
     Mutant(
         "W23",
         STORE,
-        "            if own:\n                target.copy_(self._reference(bucket))",
-        "            if False:\n                target.copy_(self._reference(bucket))",
+        "        if self._snapshots is not None:\n            own.copy_(self._reference(bucket))",
+        "        if False:\n            own.copy_(self._reference(bucket))",
         "attached store: the owner's deltas added to its new weights, not to its snapshot of w~",
     ),
     Mutant(
         "W24",
         STORE,
-        "            if own:\n                self._reference(bucket).copy_(target)",
-        "            if False:\n                self._reference(bucket).copy_(target)",
+        "        if self._snapshots is not None:\n            self._reference(bucket).copy_(own)",
+        "        if False:\n            self._reference(bucket).copy_(own)",
         "attached store: the snapshot of w~ not moved with the refresh",
     ),
     Mutant(

@@ -238,8 +238,9 @@ class ParamGatherHandle:
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
-        """Finish the gather and publish the full weights on the parameters (handle_dependency is DeepSpeed's
-        signature; the inner handle has no dependency to wait on)."""
+        """Finish the gather and publish the full weights on the parameters. `handle_dependency` is DeepSpeed's
+        signature (False: DeepSpeed keeps its buffers alive until its fetch ends instead of recording them on the
+        waiting stream); the inner gather records its buffers and weights on the waiting stream either way."""
         if self.complete:
             return
         available = _param_status().AVAILABLE

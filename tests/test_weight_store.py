@@ -29,7 +29,14 @@ from deepspeed_sdp4bit.collectives.rounding import (
     derive_seed,
 )
 from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
-from deepspeed_sdp4bit.collectives.weight_store import WeightStore, column_hashes, shard_numel, valid_numel
+from deepspeed_sdp4bit.collectives.weight_store import (
+    WeightStore,
+    column_hashes,
+    copy_rank_order,
+    shard_numel,
+    transpose_blocks,
+    valid_numel,
+)
 from deepspeed_sdp4bit.topology import Topology, build_topology
 from sdp4bit_testing.dist_harness import run_distributed, run_once
 
@@ -905,3 +912,28 @@ def test_column_hashes_detect_flips_and_swaps_in_any_chunking() -> None:
         assert h[block, row, 1] != base[block, row, 1], (block, row)
         h[block, row] = base[block, row]
         assert torch.equal(h, base), (block, row)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the gather's reorders (no processes)
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 4), (3, 5), (8, 2), (1, 4), (4, 1)])
+def test_transpose_blocks_in_place_matches_a_transpose(rows: int, cols: int) -> None:
+    width = 3
+    grid = torch.arange(rows * cols * width, dtype=torch.float32)
+    expected = grid.view(rows, cols, width).transpose(0, 1).reshape(-1)
+    for spare_row in range(rows):
+        blocks = grid.clone().view(rows * cols, width)
+        spare = grid.view(rows, cols, width)[spare_row].clone()
+        transpose_blocks(blocks, rows, cols, spare_row, spare)
+        assert torch.equal(blocks.view(-1), expected), (rows, cols, spare_row)
+
+
+@pytest.mark.parametrize("groups, per_group, width", [(2, 2, 5), (1, 4, 3), (4, 1, 3), (3, 2, 1)])
+def test_copy_rank_order_copies_every_prefix(groups: int, per_group: int, width: int) -> None:
+    shards = torch.arange(groups * per_group * width, dtype=torch.float32).view(groups, per_group, width)
+    for numel in range(groups * per_group * width + 1):
+        out = torch.full((numel,), -1.0)
+        copy_rank_order(out, shards)
+        assert torch.equal(out, shards.reshape(-1)[:numel]), numel

@@ -27,7 +27,7 @@ from .accounting import CommStats
 from .contract import Shards
 from .rounding import STAGE_WEIGHT_DIRECT, RoundingStream
 from .sharding import check_registration, check_shard, shard_numel, valid_numel
-from .weight_store import GATHER_KIND, GatherHandle, check_quant_args
+from .weight_store import GATHER_KIND, GatherHandle, IssuedWork, check_quant_args
 
 
 class DirectQuantGather:
@@ -81,32 +81,43 @@ class DirectQuantGather:
         return {}
 
     def gather(self, shards: Shards) -> GatherHandle:
-        """Start gathering the parameters whose own shards are `shards` (key -> ceil(n/W) elements)."""
+        """Start gathering the parameters whose own shards are `shards` (key -> ceil(n/W) elements): this rank's codes
+        and scales are written into its own row of the receiving buffers (in-place all-gathers), and every rank's
+        shards are dequantized straight into each parameter's full tensor."""
         keys = sorted(shards)
         for key in keys:
             self._check_shard(key, shards[key])
         if not keys:
             return GatherHandle([], list)
-        encoded = [self._codes(key, shards[key]) for key in keys]
-        codes = torch.cat([c for c, _ in encoded])
-        scales = torch.cat([s for _, s in encoded])
         dtypes = [shards[key].dtype for key in keys]
-        world = self._topo.world
+        codes, scales = self._own_rows(keys, shards)
+        world, rank = self._topo.world, self._topo.rank
         if world == 1:
-            return GatherHandle([], lambda: self._decode(codes.view(1, -1), scales.view(1, -1), keys, dtypes))
+            result = self._decode(codes, scales, keys, dtypes)
+            return GatherHandle([IssuedWork(result)], lambda: result)
         sizes = {key: self._logical_sizes[key] or shards[key].element_size() for key in keys}
         self._stats.add_logical(GATHER_KIND, sum(shards[key].numel() * sizes[key] for key in keys))
-        all_codes = codes.new_empty(world, codes.numel())
-        all_scales = scales.new_empty(world, scales.numel())
         works = [
             comm.all_gather_into_tensor(
-                all_codes.view(-1), codes, None, self._stats, GATHER_KIND, "codes", async_op=True
+                codes.view(-1), codes[rank], None, self._stats, GATHER_KIND, "codes", async_op=True
             ),
             comm.all_gather_into_tensor(
-                all_scales.view(-1), scales, None, self._stats, GATHER_KIND, "scales", async_op=True
+                scales.view(-1), scales[rank], None, self._stats, GATHER_KIND, "scales", async_op=True
             ),
         ]
-        return GatherHandle(works, lambda: self._decode(all_codes, all_scales, keys, dtypes))
+        return GatherHandle(works, lambda: self._decode(codes, scales, keys, dtypes), [codes, scales])
+
+    def _own_rows(self, keys: list[int], shards: Shards) -> tuple[torch.Tensor, torch.Tensor]:
+        """[world, code bytes] and [world, scales] buffers for `keys`, row `rank` filled with this step's codes and
+        scales of this rank's shards (each key's buffers in key order), the other rows to be received."""
+        encoded = [self._codes(key, shards[key]) for key in keys]
+        world, rank = self._topo.world, self._topo.rank
+        device = encoded[0][0].device
+        codes = torch.empty(world, sum(c.numel() for c, _ in encoded), dtype=torch.uint8, device=device)
+        scales = torch.empty(world, sum(s.numel() for _, s in encoded), dtype=torch.float32, device=device)
+        torch.cat([c for c, _ in encoded], out=codes[rank])
+        torch.cat([s for _, s in encoded], out=scales[rank])
+        return codes, scales
 
     def _check_shard(self, key: int, shard: torch.Tensor) -> None:
         """A registered parameter's own shard: contiguous float, ceil(n/W) elements."""
@@ -127,7 +138,7 @@ class DirectQuantGather:
             scales = torch.zeros(num_groups(shard_len, self._group_size), dtype=torch.float32, device=shard.device)
             valid = valid_numel(n, world, rank)
             if valid:
-                c, s = codec.quantize(
+                codec.quantize(
                     shard,
                     bits=self._bits,
                     group_size=self._group_size,
@@ -135,38 +146,47 @@ class DirectQuantGather:
                     seed=self._stream.seed,
                     offset=(self._stream.counter + self._offsets[key]) & MASK64,
                     valid=valid,
+                    out=(codes, scales),
                 )
-                codes.copy_(c)
-                scales.copy_(s)
             self._encoded[key] = (codes, scales)
         return self._encoded[key]
 
     def _decode(
-        self, all_codes: torch.Tensor, all_scales: torch.Tensor, keys: list[int], dtypes: list[torch.dtype]
+        self, codes: torch.Tensor, scales: torch.Tensor, keys: list[int], dtypes: list[torch.dtype]
     ) -> list[torch.Tensor]:
-        """Rebuild each full parameter (n elements, the shard dtype) from every rank's [world, buffer] row."""
+        """Each full parameter (n elements, the shard dtype, a tensor of its own), every rank's valid elements
+        dequantized straight into their place from that rank's row of `codes` and `scales` ([world, buffer]): one
+        codec call for the ranks whose shard is whole, one for a partly valid last one, however many ranks."""
         world = self._topo.world
         result = []
-        codes_at = scales_at = 0
+        at = (0, 0)  # where the parameter's codes and scales start in each row
         for key, dtype in zip(keys, dtypes, strict=True):
             n = self._numels[key]
             shard_len = shard_numel(n, world)
-            full = torch.empty(world * shard_len, dtype=dtype, device=all_codes.device)
-            for src in range(world):
-                valid = valid_numel(n, world, src)
-                if valid:
-                    full[src * shard_len : src * shard_len + valid] = codec.dequantize(
-                        all_codes[src, codes_at : codes_at + codes_nbytes(valid, self._bits)],
-                        all_scales[src, scales_at : scales_at + num_groups(valid, self._group_size)],
-                        numel=valid,
-                        bits=self._bits,
-                        group_size=self._group_size,
-                        dtype=dtype,
-                    )
-            result.append(full[:n])
-            codes_at += codes_nbytes(shard_len, self._bits)
-            scales_at += num_groups(shard_len, self._group_size)
+            whole, rest = divmod(n, shard_len)
+            full = torch.empty(n, dtype=dtype, device=codes.device)
+            if whole:
+                self._decode_rows(codes[:whole], scales[:whole], at, full[: whole * shard_len].view(whole, shard_len))
+            if rest:
+                self._decode_rows(
+                    codes[whole : whole + 1], scales[whole : whole + 1], at, full[whole * shard_len :][None]
+                )
+            result.append(full)
+            at = (at[0] + codes_nbytes(shard_len, self._bits), at[1] + num_groups(shard_len, self._group_size))
         return result
+
+    def _decode_rows(self, codes: torch.Tensor, scales: torch.Tensor, at: tuple[int, int], out: torch.Tensor) -> None:
+        """out ([rows, numel]) <- the rows' codes and scales from columns `at` on, dequantized (one codec call)."""
+        numel = out.shape[1]
+        codec.dequantize(
+            codes[:, at[0] : at[0] + codes_nbytes(numel, self._bits)],
+            scales[:, at[1] : at[1] + num_groups(numel, self._group_size)],
+            numel=numel,
+            bits=self._bits,
+            group_size=self._group_size,
+            dtype=out.dtype,
+            out=out,
+        )
 
     def state_dict(self) -> dict:
         """The stochastic-rounding counter (the start of this step's draws), so a resumed run draws the same."""

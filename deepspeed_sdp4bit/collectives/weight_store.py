@@ -18,15 +18,30 @@ tile the run across parameter boundaries, as in the original. Every holder of a 
 only by applying the same received bytes with the codec's deterministic `dequantize_add_`, so all copies stay
 bit-identical. The inputs' padding is never read; the replica's padding is zero and stays zero unless a non-finite value
 turns its whole quantization group into NaN. docs/weights.md describes the layout and the exchange with diagrams.
+
+A gather allocates what DeepSpeed's own gather of the same parameters does: the all-gather runs in place (this rank's
+regions are copied into its own row of the receiving buffer), several parameters then get one tensor each, as
+DeepSpeed's `torch.cat` per parameter does, and a single parameter is put in rank order inside that buffer (plus one
+shard of scratch on the layouts where a cycle of that reorder holds none of this rank's own blocks).
+
+Streams: `gather()` queues its copies and its collective on the stream current then, `wait()` its reorder or
+dequantization on the stream current then, and ZeRO-3 may wait on another stream than the one it issued on. So where
+the accelerator's streams are not synchronized (`get_accelerator().is_synchronized_device()` is False), `wait()`
+records every buffer it reads and every tensor it hands out on the waiting stream (`record_stream`, as DeepSpeed's
+`AllGatherCoalescedHandle.wait` does): the caching allocator then does not give that memory to the issuing stream
+again before the waiting stream is done with it. A gather without a collective makes the waiting stream wait for the
+issuing stream's copies. The replica storage is the store's own and outlives every gather.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import ReduceOp
 
 from .. import codec
@@ -43,7 +58,17 @@ RESYNC_KIND = "weight_resync"
 GATHER_KIND = "weight_gather"
 _HASH_CHUNK = 1 << 22
 
-SourceBlocks = list[tuple[int, list[torch.Tensor]]]
+
+@dataclass(frozen=True)
+class Received:
+    """What arrived for a bucket from the holders of some slots: `parts[i]` is [rows, len] (codes, scales or values),
+    row j holding the bucket's run of storage slot `slots.start + j * slots.step`."""
+
+    slots: slice
+    parts: list[torch.Tensor]
+
+
+SourceBlocks = list[Received]
 
 
 def check_quant_args(bits: int, group_size: int, dtype: torch.dtype | None = None) -> None:
@@ -56,21 +81,58 @@ def check_quant_args(bits: int, group_size: int, dtype: torch.dtype | None = Non
         raise TypeError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
 
 
+def record_current_stream(tensors: Iterable[torch.Tensor]) -> None:
+    """Mark the accelerator tensors among `tensors` as used by the current stream, once per storage, so the caching
+    allocator keeps their memory until that stream's queued work is done (nothing on a synchronized device)."""
+    accelerator = get_accelerator()
+    if accelerator.is_synchronized_device():
+        return
+    storages = {t.untyped_storage().data_ptr(): t for t in tensors if accelerator.on_accelerator(t)}
+    if storages:
+        stream = accelerator.current_stream()
+        for tensor in storages.values():
+            tensor.record_stream(stream)
+
+
+class IssuedWork:
+    """The copies a gather without a collective queued on the issuing stream to make `tensors`: `wait()` makes the
+    current stream wait for them (nothing to wait for on a synchronized device or for tensors off the accelerator)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        accelerator = get_accelerator()
+        self._event: Any = None
+        if not accelerator.is_synchronized_device() and any(accelerator.on_accelerator(t) for t in tensors):
+            self._event = accelerator.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        """Make the current stream wait for the work queued before the gather returned."""
+        if self._event is not None:
+            get_accelerator().current_stream().wait_event(self._event)
+
+
 class GatherHandle:
     """An asynchronous gather in flight: `wait()`, called once, completes it and returns the full tensors."""
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], list[torch.Tensor]]) -> None:
+    def __init__(
+        self, works: Sequence[Any], finish: Callable[[], list[torch.Tensor]], buffers: Sequence[torch.Tensor] = ()
+    ) -> None:
         self._works = list(works)
         self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._buffers = list(buffers)
 
     def wait(self) -> list[torch.Tensor]:
-        """Wait for the collectives (on NCCL: make the current stream wait), then assemble the tensors."""
+        """Wait for the collectives (on a GPU: make the current stream wait), assemble the tensors, and record them
+        and the `buffers` the assembly reads on the current stream (module docstring)."""
         if self._finish is None:
             raise RuntimeError("GatherHandle.wait() was already called; a handle completes once")
         for work in self._works:
             work.wait()
-        finish, self._finish, self._works = self._finish, None, []
-        return finish()
+        finish, buffers = self._finish, self._buffers
+        self._finish, self._works, self._buffers = None, [], []
+        result = finish()
+        record_current_stream([*buffers, *result])
+        return result
 
 
 @dataclass(frozen=True)
@@ -163,6 +225,50 @@ def column_hashes(storage: torch.Tensor, starts: Sequence[int], chunk: int = _HA
         bits = storage[:, lo : lo + cols.numel()].view(as_int).to(torch.int64) & mask
         out.index_add_(0, block, torch.stack((bits, mix32(bits ^ position)), dim=-1).transpose(0, 1))
     return out
+
+
+def copy_rank_order(out: torch.Tensor, shards: torch.Tensor) -> None:
+    """out <- the first out.numel() elements of `shards` ([A, B, shard], shard a * B + b in rank order) read in rank
+    order: at most three copies, however many shards (the full groups of B, the full shards after them, a prefix)."""
+    groups, per_group, width = shards.shape
+    full, rest = divmod(out.numel(), width)
+    whole, part = divmod(full, per_group)
+    pieces = [
+        (out[: whole * per_group * width].view(whole, per_group, width), shards[:whole]),
+        (out[whole * per_group * width : full * width].view(part, width), shards[whole, :part] if part else None),
+        (out[full * width :], shards[whole, part, :rest] if rest else None),
+    ]
+    for dst, src in pieces:
+        if src is not None and dst.numel():
+            dst.copy_(src)
+
+
+def transpose_blocks(blocks: torch.Tensor, rows: int, cols: int, spare_row: int, spare: torch.Tensor) -> None:
+    """Reorder in place the [rows, cols] grid of equal blocks `blocks` ([rows * cols, block], row-major) into [cols,
+    rows] order, one copy per moved block along each cycle of the permutation. A cycle starts where it can at a block
+    of row `spare_row`, whose values `spare` ([cols, block]) holds elsewhere; others pass through a scratch block."""
+    count = rows * cols
+    seen = [False] * count
+    scratch: torch.Tensor | None = None
+    for start in range(count):
+        cycle = []
+        position = start
+        while not seen[position]:
+            seen[position] = True
+            cycle.append(position)
+            position = (position % rows) * cols + position // rows  # where the block that lands here comes from
+        if len(cycle) < 2:
+            continue
+        first = next((i for i, q in enumerate(cycle) if q // cols == spare_row), 0)
+        cycle = cycle[first:] + cycle[:first]
+        if cycle[0] // cols == spare_row:
+            saved = spare[cycle[0] % cols]
+        else:
+            scratch = torch.empty_like(blocks[0]) if scratch is None else scratch
+            saved = scratch.copy_(blocks[cycle[0]])
+        for dst, src in pairwise(cycle):
+            blocks[dst].copy_(blocks[src])
+        blocks[cycle[-1]].copy_(saved)
 
 
 class WeightStore:
@@ -304,10 +410,6 @@ class WeightStore:
             return self._bucket_view(self._own_slot, bucket)
         return self._snapshots[bucket.segment][bucket.start : bucket.stop]
 
-    def _slot_of(self, rank: int) -> int:
-        """The slot where the shard of world rank `rank` lives on this rank (it must be a holder)."""
-        return rank if self._replica == "rank" else rank // self._topo.ranks_per_node
-
     def _source(self, slot: int) -> int:
         """The world rank that owns the shard held in `slot`."""
         return slot if self._replica == "rank" else self._topo.global_rank(slot, self._topo.local)
@@ -422,23 +524,23 @@ class WeightStore:
         return _InFlight(bucket, kind, names, parts, outs, works)
 
     def _finish(self, inflight: _InFlight, apply: Callable[[_Bucket, SourceBlocks], None]) -> None:
-        """Complete a bucket: wait, route inside the node ("rank" mode), apply every received run."""
+        """Complete a bucket: wait, route inside the node ("rank" mode), apply what arrived for every slot: as one
+        batch of rows where the slots arrive in storage order (node replica, one rank per node), else one batch per
+        local index (its rows are every D-th slot), so the launches do not grow with the nodes."""
         outs = inflight.wait()
         topo = self._topo
         per_node = topo.ranks_per_node
         if self._replica == "node" or per_node == 1:
-            rows = [(topo.global_rank(n, topo.local), [out[n] for out in outs]) for n in range(topo.nodes)]
-        else:
-            self._stats.add_logical(inflight.kind, self._logical(inflight.bucket) * topo.nodes)
-            full = [out.new_empty(per_node, *out.shape) for out in outs]
-            for dst, out, name in zip(full, outs, inflight.names, strict=True):
-                comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, inflight.kind, name)
-            rows = [
-                (topo.global_rank(n, local), [dst[local, n] for dst in full])
-                for local in range(per_node)
-                for n in range(topo.nodes)
-            ]
-        apply(inflight.bucket, rows)
+            apply(inflight.bucket, [Received(slice(0, self._slots), outs)])
+            return
+        self._stats.add_logical(inflight.kind, self._logical(inflight.bucket) * topo.nodes)
+        full = [out.new_empty(per_node, *out.shape) for out in outs]
+        for dst, out, name in zip(full, outs, inflight.names, strict=True):
+            comm.all_gather_into_tensor(dst.view(-1), out.view(-1), topo.intra, self._stats, inflight.kind, name)
+        received = [
+            Received(slice(local, topo.world, per_node), [dst[local] for dst in full]) for local in range(per_node)
+        ]
+        apply(inflight.bucket, received)
 
     def _own_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """This rank's new shards of `bucket` as one contiguous run: the valid prefixes, zeros for the padding.
@@ -472,34 +574,35 @@ class WeightStore:
         )
         return [codes, scales]
 
-    def _apply_deltas(self, bucket: _Bucket, rows: SourceBlocks) -> None:
-        """w~ += dequant(delta) over the bucket's run of every received slot (the owner's own slot included: from
-        its snapshot where the caller wrote the new weights there)."""
-        for source, (codes, scales) in rows:
-            target = self._bucket_view(self._slot_of(source), bucket)
-            own = self._snapshots is not None and source == self._topo.rank
-            if own:
-                target.copy_(self._reference(bucket))
+    def _rows(self, slots: slice, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's run of the storage slots `slots`, as a [rows, numel] view (rows `slots.step` slots apart)."""
+        assert self._storages is not None
+        return self._storages[bucket.segment][slots, bucket.start : bucket.stop]
+
+    def _apply_deltas(self, bucket: _Bucket, received: SourceBlocks) -> None:
+        """w~ += dequant(delta) over the bucket's run of every received slot, one codec call per batch of rows (the
+        owner's own slot included: from its snapshot where the caller wrote the new weights there)."""
+        own = self._bucket_view(self._own_slot, bucket)
+        if self._snapshots is not None:
+            own.copy_(self._reference(bucket))
+        for batch in received:
+            codes, scales = batch.parts
             codec.dequantize_add_(
-                self._bucket_view(self._slot_of(source), bucket),
-                codes,
-                scales,
-                bits=self._bits,
-                group_size=self._group_size,
+                self._rows(batch.slots, bucket), codes, scales, bits=self._bits, group_size=self._group_size
             )
-            if own:
-                self._reference(bucket).copy_(target)
+        if self._snapshots is not None:
+            self._reference(bucket).copy_(own)
 
     def _encode_values(self, bucket: _Bucket, new: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
         """This rank's own shards of `bucket` in the weight dtype, padding zeroed: [values]."""
         return [self._own_values(bucket, new).to(self._dtype)]
 
-    def _apply_values(self, bucket: _Bucket, rows: SourceBlocks) -> None:
+    def _apply_values(self, bucket: _Bucket, received: SourceBlocks) -> None:
         """Overwrite the bucket's run of every received slot with the owner's exact values (padding zero again)."""
-        for source, (values,) in rows:
-            self._bucket_view(self._slot_of(source), bucket).copy_(values)
-            if self._snapshots is not None and source == self._topo.rank:
-                self._reference(bucket).copy_(values)
+        for batch in received:
+            self._rows(batch.slots, bucket).copy_(batch.parts[0])
+        if self._snapshots is not None:
+            self._reference(bucket).copy_(self._bucket_view(self._own_slot, bucket))
 
     # -- gather -------------------------------------------------------------------------------------------------
 
@@ -507,26 +610,61 @@ class WeightStore:
         """Full flat tensors (n elements, weight dtype) of the parameters `shards` names, from the replicas (the
         shards' values are not read); wait() on the handle."""
         params = [self._param(k) for k in shards]
-        per_node = self._topo.ranks_per_node
         if not params:
             return GatherHandle([], list)
         if self._slots == self._topo.world:
-            outs = [self._columns(p).clone(memory_format=torch.contiguous_format).view(-1)[: p.numel] for p in params]
-            return GatherHandle([], lambda: outs)
-        regions = [self._columns(p).reshape(-1) for p in params]
-        send = regions[0] if len(regions) == 1 else torch.cat(regions)
-        out = send.new_empty(per_node * send.numel())
+            return self._copy_replica(params)
+        return self._gather_node(params)
+
+    def _copy_replica(self, params: list[_Param]) -> GatherHandle:
+        """Every shard is held here (slot order is rank order): each parameter's n elements copied now, into a tensor
+        of its own."""
+        outs = []
+        for p in params:
+            out = torch.empty(p.numel, dtype=self._dtype, device=self._device)
+            copy_rank_order(out, self._columns(p).unsqueeze(1))
+            outs.append(out)
+        return GatherHandle([IssuedWork(outs)], lambda: outs)
+
+    def _gather_node(self, params: list[_Param]) -> GatherHandle:
+        """All-gather the node's replica regions of `params` inside the node, in place: row `local` of the
+        [local peer, node slots x shard_numel per parameter] buffer is this rank's regions."""
+        topo = self._topo
+        nodes = topo.nodes
+        rows = torch.empty(
+            topo.ranks_per_node, nodes * sum(p.shard_numel for p in params), dtype=self._dtype, device=self._device
+        )
+        at = 0
+        for p in params:
+            rows[topo.local, at : at + nodes * p.shard_numel].view(nodes, p.shard_numel).copy_(self._columns(p))
+            at += nodes * p.shard_numel
         self._stats.add_logical(GATHER_KIND, sum(self._slots * p.shard_numel * p.logical_size for p in params))
-        work = comm.all_gather_into_tensor(out, send, self._topo.intra, self._stats, GATHER_KIND, "data", async_op=True)
-        return GatherHandle([work], lambda: self._reorder(out.view(per_node, -1), params))
+        work = comm.all_gather_into_tensor(
+            rows.view(-1), rows[topo.local], topo.intra, self._stats, GATHER_KIND, "data", async_op=True
+        )
+        if len(params) == 1:
+            return GatherHandle([work], lambda: [self._reorder_in_place(rows, params[0])], [rows])
+        return GatherHandle([work], lambda: self._reorder(rows, params), [rows])
+
+    def _reorder_in_place(self, rows: torch.Tensor, p: _Param) -> torch.Tensor:
+        """One parameter's gathered [local peer][node] shards put in world-rank order where they are; its n elements
+        (the own row's values, which the replica still holds, save a scratch block on most cycles)."""
+        topo = self._topo
+        if topo.nodes > 1:
+            blocks = rows.view(-1, p.shard_numel)
+            transpose_blocks(blocks, topo.ranks_per_node, topo.nodes, topo.local, self._columns(p))
+        return rows.view(-1)[: p.numel]
 
     def _reorder(self, rows: torch.Tensor, params: list[_Param]) -> list[torch.Tensor]:
-        """[local peer, node slots x shard_numel] blocks -> each parameter's shards in world-rank order, n elements."""
+        """[local peer, node slots x shard_numel] blocks -> each parameter's n elements in world-rank order, in a
+        tensor of its own."""
         nodes, per_node = self._topo.nodes, self._topo.ranks_per_node
         result, off = [], 0
         for p in params:
             block = rows[:, off : off + nodes * p.shard_numel].view(per_node, nodes, p.shard_numel)
-            result.append(block.transpose(0, 1).reshape(-1)[: p.numel])
+            out = rows.new_empty(p.numel)
+            copy_rank_order(out, block.transpose(0, 1))
+            result.append(out)
             off += nodes * p.shard_numel
         return result
 
@@ -547,14 +685,14 @@ class WeightStore:
             ]
         )
         low, high = local.clone(), local.clone()
-        comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum")
-        comm.all_reduce(high, holders, ReduceOp.MAX, "sdp4bit_weight_checksum")
+        comm.all_reduce(low, holders, ReduceOp.MIN, "sdp4bit_weight_checksum", self._stats)
+        comm.all_reduce(high, holders, ReduceOp.MAX, "sdp4bit_weight_checksum", self._stats)
         differ = (low != high).any(dim=-1)
         flags = torch.zeros(len(params), topo.world, dtype=torch.int32, device=self._device)
         for slot in range(self._slots):
             flags[:, self._source(slot)] = differ[:, slot].to(torch.int32)
         if self._replica == "node" and topo.ranks_per_node > 1:
-            comm.all_reduce(flags, topo.intra, ReduceOp.MAX, "sdp4bit_weight_checksum")
+            comm.all_reduce(flags, topo.intra, ReduceOp.MAX, "sdp4bit_weight_checksum", self._stats)
         bad = flags.nonzero().tolist()
         mismatches = [(params[i].key, shard) for i, shard in bad]
         return ChecksumReport(ok=not mismatches, mismatches=mismatches, regions=len(params) * topo.world)
