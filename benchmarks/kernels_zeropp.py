@@ -8,8 +8,8 @@ fp16 too. `target_rows` turns the rows into the H200 speed targets of docs/gpu_c
     python benchmarks/kernels_zeropp.py --json            # one JSON object per line
     python benchmarks/kernels_zeropp.py --numel 67108864  # a table
 
-benchmarks/kernels.py takes ZeRO++'s rows at its own size through its provider list:
-`kernels.ROW_PROVIDERS.append(kernels_zeropp.provider)` (benchmarks/gpu_check.sh does this).
+benchmarks/codec_kernels.py takes ZeRO++'s rows at its own size through its provider list:
+`codec_kernels.ROW_PROVIDERS.append(kernels_zeropp.provider)` (benchmarks/gpu_check.sh does this).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from deepspeed_sdp4bit.codec.compiled import CompiledBackend  # noqa: E402
 from deepspeed_sdp4bit.ops import load_codec_op  # noqa: E402
-from sdp4bit_benchmarks.kernels import nbytes
+from sdp4bit_benchmarks.codec_kernels import nbytes
 from sdp4bit_benchmarks.timing import time_ms
 
 Row = dict[str, Any]
@@ -171,7 +171,8 @@ def zeropp_rows(numel: int, group_size: int, nodes: int, ranks_per_node: int) ->
 
 
 def provider(bench: Any) -> list[Row]:
-    """A kernels.py row provider: ZeRO++'s rows at the run's size (rounded down to whole swizzle blocks), on CUDA."""
+    """A codec_kernels.py row provider: ZeRO++'s rows at the run's size (rounded down to whole swizzle blocks), on
+    CUDA."""
     if bench.device.type != "cuda":
         return []
     group_size, nodes, ranks_per_node = 2048, 4, 8

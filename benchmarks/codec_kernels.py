@@ -1,9 +1,9 @@
 """Codec kernel benchmark: each codec op on one device, the compiled op beside the plain-torch reference and a copy.
 
-    python benchmarks/kernels.py --json          # one JSON object per line; 2^26 fp32 elements on the CPU
-    python benchmarks/kernels.py --json --out benchmarks/results/kernels   # the published rows (RESULTS.md)
-    python benchmarks/kernels.py                 # the same rows as a table
-    python benchmarks/kernels.py --device cuda --ops quantize,dequantize_add --repeat 50
+    python benchmarks/codec_kernels.py --json          # one JSON object per line; 2^26 fp32 elements on the CPU
+    python benchmarks/codec_kernels.py --json --out benchmarks/results/kernels   # the published rows (RESULTS.md)
+    python benchmarks/codec_kernels.py                 # the same rows as a table
+    python benchmarks/codec_kernels.py --device cuda --ops quantize,dequantize_add --repeat 50
 
 Every row has op, backend ('torch' for the copy, 'cpu' or 'cuda' for the compiled op, 'reference'), device, dtype,
 bits, numel, outputs, ms and gbps. ms is the median of --repeat timed calls after one warm-up call; gbps counts the
