@@ -452,7 +452,7 @@ def plot(rows: Sequence[dict], path: Path, per_node: int) -> None:
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(5.5 * (len(dtypes) + 1), 4.5), squeeze=False)
     unshaped_x = 5000.0
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
+    for ax, dtype in zip(axes[0][:-1], dtypes, strict=True):  # the last panel is the bytes
         for name, variant in VARIANTS.items():
             points = sorted(
                 (parse_rate(r["rate"]) or unshaped_x, r["step_s"], r["min_s"], r["max_s"])

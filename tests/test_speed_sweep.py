@@ -11,6 +11,8 @@ import pytest
 
 from sdp4bit_benchmarks import speed_sweep
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _args(out: Path, per_node: int) -> argparse.Namespace:
     return argparse.Namespace(
@@ -54,3 +56,15 @@ def test_the_report_refuses_runs_of_two_layouts(tmp_path: Path) -> None:
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     with pytest.raises(SystemExit, match=r"mixes runs of \[1, 2\] ranks per node; give each --ranks_per_node"):
         speed_sweep.report(tmp_path, 16)
+
+
+def test_the_report_draws_the_table_and_plot_of_recorded_runs(tmp_path: Path) -> None:
+    """The published sweep's runs, and one dtype of them alone (`--dtypes fp32`): a table and a plot of one panel per
+    dtype beside the bytes panel."""
+    recorded = (ROOT / "benchmarks" / "results" / "speed_sweep" / "runs.jsonl").read_text().splitlines()
+    for name, lines in (("both", recorded), ("fp32", [r for r in recorded if json.loads(r)["dtype"] == "fp32"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "runs.jsonl").write_text("\n".join(lines) + "\n")
+        speed_sweep.report(folder, 16)
+        assert (folder / "step_time.png").stat().st_size > 10_000 and "| fp32 |" in (folder / "table.md").read_text()

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
+from collections.abc import Callable
 from itertools import pairwise
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from deepspeed_sdp4bit import codec
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.accounting import CommStats
@@ -632,6 +636,50 @@ def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
     }
 
 
+def _counting(counts: Counter, name: str) -> Callable[[], None]:
+    """Count the calls of codec.<name> in `counts` (still calling it); returns the undo."""
+    real = getattr(codec, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        counts[name] += 1
+        return real(*args, **kwargs)
+
+    setattr(codec, name, call)
+    return lambda: setattr(codec, name, real)
+
+
+def _launch_counts() -> dict[str, tuple[int, int]]:
+    """(codec calls, buckets or parameters) of one refresh of each replica on 2 nodes x 2 and 4 x 1, and of one qW
+    gather: a refresh applies what every source sent one batch of rows per local index (one for the node replica),
+    a qW gather decodes each parameter's whole shards in one call and a partly valid last one in another."""
+    counts: Counter = Counter()
+    undo = [_counting(counts, "dequantize_add_"), _counting(counts, "dequantize")]
+    sizes, keys, out = [37, 301, 5000], [0, 1, 2], {}
+    try:
+        for rpn in (2, 1):
+            topo = build_topology(rpn)
+            world, rank = topo.world, topo.rank
+            for replica in ("rank", "node"):
+                store = _make_store(topo, replica, torch.bfloat16, sizes, 64, 1 << 20, True, 3, CommStats(rpn), keys)
+                store.resync({k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes, strict=True)})
+                counts.clear()
+                store.refresh({k: _master(k, rank, n, world, 1) for k, n in zip(keys, sizes, strict=True)})
+                buckets = len(_buckets(sizes, world, _slots(topo, replica), 1 << 20))
+                out[f"refresh/rpn{rpn}/{replica}"] = (counts["dequantize_add_"], buckets)
+        gatherer = DirectQuantGather(
+            build_topology(1), bits=4, group_size=64, stochastic=True, seed=1, stats=CommStats()
+        )
+        for k, n in zip(keys, sizes, strict=True):
+            gatherer.add(k, n)
+        counts.clear()
+        gatherer.gather({k: _master(k, rank, n, world, 1) for k, n in zip(keys, sizes, strict=True)}).wait()
+        out["qw"] = (counts["dequantize"], len(sizes))
+    finally:
+        for restore in undo:
+            restore()
+    return out
+
+
 def _divisors(world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0]
 
@@ -666,6 +714,8 @@ def _world_cases(world: int) -> dict:
         for replica in ("rank", "node"):
             results[f"nan/rpn{world // 2}/{replica}"] = _nan_case(world // 2, replica, 64)
         results[f"attached/rpn{world // 2}"] = _attached_case(world // 2, "bf16", seed=13)
+    if world == 4:
+        results["launches"] = _launch_counts()
     results["direct/bf16"] = _direct_case("bf16", [1, 5, 97, 4099], 64, seed=5)
     results["direct/big"] = _direct_case("bf16", [BIG], 2048, seed=6)
     return results
@@ -824,6 +874,21 @@ def test_direct_quant_gather(world: int) -> None:
             assert (wire, logical) == (0, 0)
         elif name == "direct/big":
             assert 0.25 < wire / logical <= 0.26, (rank, name, wire / logical)
+
+
+def test_codec_launches_do_not_grow_with_the_nodes() -> None:
+    """On 4 ranks: a refresh makes one dequantize-and-add per local index and bucket on the rank replica (2 per bucket
+    on 2 nodes x 2, 1 on 4 x 1, where one call per source rank made 4) and one per bucket on the node replica; a qW
+    gather of three parameters, one dequantize for the whole shards of each and one for a partly valid last shard
+    (37 and 301 elements on 4 ranks have one, 5000 none), where one per rank made 12."""
+    for rank, _, launches in _cases(4, "launches"):
+        assert launches == {
+            "refresh/rpn2/rank": (2, 1),
+            "refresh/rpn2/node": (1, 1),
+            "refresh/rpn1/rank": (1, 1),
+            "refresh/rpn1/node": (1, 1),
+            "qw": (5, 3),
+        }, (rank, launches)
 
 
 def test_rounding_stage_ids_are_distinct() -> None:

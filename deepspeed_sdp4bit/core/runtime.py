@@ -333,11 +333,12 @@ class Runtime:
         load_optimizer_states=False, universal checkpoints) DeepSpeed rebuilt the masters from the loaded 16-bit
         weights, so the replicas start from those and the saved w~ and counters are not applied. The saved state is
         applied only if every rank's is present and intact; `source` (this rank's model-states file) is named when
-        it is not.
+        it is not. The next forward agrees on outside writes again, whatever step the checkpoint had.
         """
         if full_restore and checkpoint.intact_on_every_rank(saved, self.topology, source):
             self._apply_state(saved)
         self.resync()
+        self._writes_agreed_at = None
 
     def _apply_state(self, saved: dict[str, Any]) -> None:
         """Restore the counters (and w~) from an intact state of this layout and block (under auto, the decision
