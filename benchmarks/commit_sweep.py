@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deepspeed_sdp4bit.provenance import with_provenance
+from sdp4bit_benchmarks.speed_sweep import VARIANTS
 from sdp4bit_benchmarks.two_nodes import Invoker, invoker
 
 ROOT = Path(__file__).resolve().parents[1]
-ZERO3 = ("zero3", "sdp4bit_node", "auto")
-ZERO2 = ("zero2", "zero2_sdp4bit", "zero2_auto")
+# plain, SDP4Bit and auto on ZeRO-3 and on ZeRO-2 (speed_sweep.VARIANTS says which stage each variant trains)
+DEFAULT_VARIANTS = ("zero3", "sdp4bit_node", "auto", "zero2", "zero2_sdp4bit", "zero2_auto")
 # the development packages of a checkout (dev/pyproject.toml maps them), made importable from its worktree
 DEV_PACKAGES = {
     "sdp4bit_benchmarks": "benchmarks",
@@ -68,10 +69,11 @@ def checkout(sha: str, src: Path, user: Invoker) -> Path:
 
 
 def stages(tree: Path, variants: Sequence[str]) -> list[tuple[int, list[str]]]:
-    """(stage, its variants among `variants`) that this checkout's speed sweep can run."""
+    """(stage, its variants among `variants`), ZeRO-3 first, for the stages this checkout's speed sweep can run (one
+    without --stage runs ZeRO-3 only)."""
     has_stage = "--stage" in (tree / "benchmarks/speed_sweep.py").read_text()
-    wanted = [(3, [v for v in variants if v in ZERO3]), (2, [v for v in variants if v in ZERO2])]
-    return [(stage, vs) for stage, vs in wanted if vs and (has_stage or stage == 3)]
+    wanted = sorted({VARIANTS[v].stage for v in variants}, reverse=True)
+    return [(stage, [v for v in variants if VARIANTS[v].stage == stage]) for stage in wanted if has_stage or stage == 3]
 
 
 def order(shas: Sequence[str], repeat: int) -> list[str]:
@@ -89,7 +91,7 @@ def run_commit(tree: Path, sha: str, rate: str, repeat: int, variants: Sequence[
         cmd = [
             sys.executable,
             str(tree / "benchmarks/speed_sweep.py"),
-            *(["--stage", str(stage)] if stage == 2 else []),
+            *(["--stage", str(stage)] if stage != 3 else []),
         ]
         cmd += ["--variants", *vs, "--dtypes", "fp32", "--rates", rate, "--repeats", "1", "--slow_repeats", "1"]
         env = {
@@ -144,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--commits", nargs="+", required=True, help="commits to compare (names or hashes)")
     parser.add_argument("--rates", nargs="+", default=["unshaped", "50"], help="Mbit/s each way, or 'unshaped'")
-    parser.add_argument("--variants", nargs="+", default=[*ZERO3, *ZERO2], choices=[*ZERO3, *ZERO2])
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5, help="runs of each point per commit")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "commit_sweep")
     parser.add_argument("--report", action="store_true", help="only write the summary of the runs already in --out")

@@ -54,3 +54,16 @@ def package_collectives(names: tuple[str, ...] = HOST + DATA) -> Iterator[Counte
     finally:
         for name, real in originals.items():
             setattr(dist, name, real)
+
+
+def spied(events: list, module: object, name: str, record: Callable[..., Any]) -> Callable[[], None]:
+    """Append `record(*args, **kwargs)` to `events` at every call of module.name (still calling it); returns the
+    undo."""
+    real = getattr(module, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        events.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    setattr(module, name, spy)
+    return lambda: setattr(module, name, real)

@@ -12,14 +12,13 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from deepspeed_sdp4bit.topology import TopologyError, build_topology
 from sdp4bit_testing.dist_harness import free_port, run_distributed
+from sdp4bit_testing.observer import spied
 from sdp4bit_testing.zero3_harness import LogCapture
 
 WORLD = 4
@@ -173,18 +172,6 @@ def test_sdp4bit_groups_wait_as_long_as_the_jobs_default_group() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[77.0, 77.0]"
 
 
-def _spied(events: list[tuple], module: object, name: str, record: Callable[..., tuple]) -> Callable[[], None]:
-    """Record `record(*args)` in `events` at every call of module.name (still calling it); returns the undo."""
-    real = getattr(module, name)
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        events.append(record(*args, **kwargs))
-        return real(*args, **kwargs)
-
-    setattr(module, name, spy)
-    return lambda: setattr(module, name, real)
-
-
 def _initialize_layout_check() -> dict[str, list]:
     """What deepspeed.initialize's layout check (activate._topology) does, as 2 nodes x 2 ranks: the accelerator's
     set_device and torch's object collectives in the order they run, and the groups created."""
@@ -196,9 +183,9 @@ def _initialize_layout_check() -> dict[str, list]:
     events: list[tuple] = []
     groups: list[tuple] = []
     undo = [
-        _spied(events, get_accelerator(), "set_device", lambda index: ("set_device", index)),
-        _spied(events, dist, "all_gather_object", lambda *a, **k: ("all_gather_object",)),
-        _spied(groups, dist, "new_group", lambda ranks=None, *a, **k: ("new_group", tuple(ranks or ()))),
+        spied(events, get_accelerator(), "set_device", lambda index: ("set_device", index)),
+        spied(events, dist, "all_gather_object", lambda *a, **k: ("all_gather_object",)),
+        spied(groups, dist, "new_group", lambda ranks=None, *a, **k: ("new_group", tuple(ranks or ()))),
     ]
     try:
         arguments = {"args": None, "distributed_port": 29500, "dist_init_required": None}
@@ -207,7 +194,7 @@ def _initialize_layout_check() -> dict[str, list]:
         for restore in reversed(undo):
             restore()
     explicit: list[tuple] = []
-    restore = _spied(explicit, get_accelerator(), "set_device", lambda index: ("set_device", index))
+    restore = spied(explicit, get_accelerator(), "set_device", lambda index: ("set_device", index))
     try:
         activate._set_device(argparse.Namespace(device_rank=1 - dist.get_rank() % 2))
     finally:

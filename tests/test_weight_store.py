@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import Counter
-from collections.abc import Callable
 from itertools import pairwise
-from typing import Any
 
 import pytest
 import torch
@@ -43,6 +40,7 @@ from deepspeed_sdp4bit.collectives.weight_store import (
 )
 from deepspeed_sdp4bit.topology import Topology, build_topology
 from sdp4bit_testing.dist_harness import run_distributed, run_once
+from sdp4bit_testing.observer import spied
 
 # the 6- and 8-rank spawns (8 and 6 processes on a small machine) are slow: the contributors' lane stops at 4 ranks
 WORLDS = tuple(pytest.param(w, marks=pytest.mark.slow) if w > 4 else w for w in (1, 2, 3, 4, 6, 8))
@@ -636,24 +634,12 @@ def _attached_case(rpn: int, dtype_name: str, seed: int) -> dict:
     }
 
 
-def _counting(counts: Counter, name: str) -> Callable[[], None]:
-    """Count the calls of codec.<name> in `counts` (still calling it); returns the undo."""
-    real = getattr(codec, name)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        counts[name] += 1
-        return real(*args, **kwargs)
-
-    setattr(codec, name, call)
-    return lambda: setattr(codec, name, real)
-
-
 def _launch_counts() -> dict[str, tuple[int, int]]:
     """(codec calls, buckets or parameters) of one refresh of each replica on 2 nodes x 2 and 4 x 1, and of one qW
     gather: a refresh applies what every source sent one batch of rows per local index (one for the node replica),
     a qW gather decodes each parameter's whole shards in one call and a partly valid last one in another."""
-    counts: Counter = Counter()
-    undo = [_counting(counts, "dequantize_add_"), _counting(counts, "dequantize")]
+    calls: list[str] = []
+    undo = [spied(calls, codec, name, lambda *a, name=name, **k: name) for name in ("dequantize_add_", "dequantize")]
     sizes, keys, out = [37, 301, 5000], [0, 1, 2], {}
     try:
         for rpn in (2, 1):
@@ -662,18 +648,18 @@ def _launch_counts() -> dict[str, tuple[int, int]]:
             for replica in ("rank", "node"):
                 store = _make_store(topo, replica, torch.bfloat16, sizes, 64, 1 << 20, True, 3, CommStats(rpn), keys)
                 store.resync({k: _master(k, rank, n, world, 0) for k, n in zip(keys, sizes, strict=True)})
-                counts.clear()
+                calls.clear()
                 store.refresh({k: _master(k, rank, n, world, 1) for k, n in zip(keys, sizes, strict=True)})
                 buckets = len(_buckets(sizes, world, _slots(topo, replica), 1 << 20))
-                out[f"refresh/rpn{rpn}/{replica}"] = (counts["dequantize_add_"], buckets)
+                out[f"refresh/rpn{rpn}/{replica}"] = (calls.count("dequantize_add_"), buckets)
         gatherer = DirectQuantGather(
             build_topology(1), bits=4, group_size=64, stochastic=True, seed=1, stats=CommStats()
         )
         for k, n in zip(keys, sizes, strict=True):
             gatherer.add(k, n)
-        counts.clear()
+        calls.clear()
         gatherer.gather({k: _master(k, rank, n, world, 1) for k, n in zip(keys, sizes, strict=True)}).wait()
-        out["qw"] = (counts["dequantize"], len(sizes))
+        out["qw"] = (calls.count("dequantize"), len(sizes))
     finally:
         for restore in undo:
             restore()
