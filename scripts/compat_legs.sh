@@ -1,81 +1,123 @@
 #!/usr/bin/env bash
-# The DeepSpeed/torch pairs this package is tested on besides the default one, each in its own environment made by
-# scripts/install.sh (as a user would: SDP4BIT_DEEPSPEED=... SDP4BIT_TORCH=... bash scripts/install.sh), running
-# the tests marked `compat` (the version checks, the refusals, the op dispatch, the CPU shared-memory release, and a
-# two-rank ZeRO-3 training run whose quantized collectives are recorded and emulated bit for bit).
-#   bash scripts/compat_legs.sh install   make (or update) every leg's environment
-#   bash scripts/compat_legs.sh test      run the compat tests in each; one summary line per leg (then its five
-#                                         slowest tests); fails if any leg does
-#   bash scripts/compat_legs.sh ci        each leg in turn: installed (the next one installing while it is tested),
-#                                         tested, then removed, so at most two environments are ever on disk
+# The DeepSpeed/torch pairs this package is tested on besides the default one, running the tests marked `compat` (the
+# version checks, the refusals, the op dispatch, the CPU shared-memory release, and two-rank training runs whose
+# quantized collectives are recorded and emulated bit for bit). The legs on one torch release share one environment,
+# made by scripts/install.sh as a user would (SDP4BIT_DEEPSPEED=... SDP4BIT_TORCH=... bash scripts/install.sh), which
+# swaps its DeepSpeed release between them: pip replaces DeepSpeed in well under a minute, while a torch release with
+# its CUDA libraries takes minutes to unpack and over 5 GB of disk.
+#   bash scripts/compat_legs.sh install   make (or update) each torch release's environment
+#   bash scripts/compat_legs.sh test      each leg in turn: its DeepSpeed release put into its torch's environment,
+#                                         the compat tests run; one summary line per leg (then its five slowest
+#                                         tests); fails if any leg does
+#   bash scripts/compat_legs.sh ci        each torch's environment made (the next one while the legs before it are
+#                                         tested), its legs tested, then removed: at most two environments on disk
 #   bash scripts/compat_legs.sh           install, then test (the environments are kept)
-#   SDP4BIT_LEGS_DIR   where the environments go (default <repo>/.venv-legs; about 5.3 GB each)
+#   SDP4BIT_LEGS_DIR   where the environments go (default <repo>/.venv-legs; about 5.5 GB each)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 legs_dir="${SDP4BIT_LEGS_DIR:-$root/.venv-legs}"
-# deepspeed torch (the default pair, DeepSpeed 0.19.8 with torch 2.14.1, is the main suite's)
-LEGS=("0.17.6 2.11.0" "0.18.9 2.11.0" "0.19.5 2.14.1" "0.19.8 2.15.0")
+# deepspeed torch, the legs of one torch release next to each other (the default pair, DeepSpeed 0.19.8 with torch
+# 2.14.1, is the main suite's)
+LEGS=("0.17.6 2.11.0" "0.18.9 2.11.0" "0.19.5 2.15.0" "0.19.8 2.15.0")
 phase="${1:-all}"
 case "$phase" in install|test|ci|all) ;; *) echo "compat_legs: unknown phase '$phase': use install, test, ci or all" >&2; exit 2;; esac
 
+# the torch releases of the legs, each once, in the legs' order
+torches() {
+  local leg seen=" "
+  for leg in "${LEGS[@]}"; do
+    # shellcheck disable=SC2086
+    set -- $leg
+    case "$seen" in *" $2 "*) ;; *) seen="$seen$2 "; echo "$2" ;; esac
+  done
+}
+
+# the first DeepSpeed release tested on torch release $1 (the one its environment is made with)
+first_deepspeed() {
+  local leg torch="$1"
+  for leg in "${LEGS[@]}"; do
+    # shellcheck disable=SC2086
+    set -- $leg
+    [ "$2" = "$torch" ] && { echo "$1"; return; }
+  done
+}
+
+# the environment of torch release $1
+env_of() {
+  echo "$legs_dir/torch$1"
+}
+
+# DeepSpeed release $1 and torch release $2 installed into torch's environment (made if absent; its DeepSpeed replaced
+# when it differs; a second or so when all is there already)
 install_leg() {
-  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS
+  local ds="$1" torch="$2" done_as="${3:-deepspeed in place}" venv began=$SECONDS
+  local log="$legs_dir/ds$1-torch$2.install.log"
+  venv="$(env_of "$torch")"
   if SDP4BIT_VENV="$venv" SDP4BIT_DEEPSPEED="$ds" SDP4BIT_TORCH="torch==$torch" bash "$root/scripts/install.sh" \
-      > "$venv.install.log" 2>&1; then
-    echo "compat leg deepspeed $ds torch $torch: environment ready in $((SECONDS - began)) s"
+      > "$log" 2>&1; then
+    echo "compat leg deepspeed $ds torch $torch: $done_as in $((SECONDS - began)) s"
   else
-    echo "compat leg deepspeed $ds torch $torch: install FAILED (last lines of $venv.install.log):"
-    tail -5 "$venv.install.log"
+    echo "compat leg deepspeed $ds torch $torch: install FAILED (last lines of $log):"
+    tail -5 "$log"
     return 1
   fi
 }
 
 test_leg() {
-  local ds="$1" torch="$2" venv="$legs_dir/ds$1-torch$2" began=$SECONDS summary
-  # compiled ops from scratch, in a folder of the leg's own (the build commands name the leg's venv, so ninja would
-  # rebuild in a folder shared by the legs of one torch anyway); all of them are removed on exit
-  local extensions="$extensions_root/ds$ds-torch$torch"
+  local ds="$1" torch="$2" venv began=$SECONDS summary log="$legs_dir/ds$1-torch$2"
+  venv="$(env_of "$torch")"
+  # compiled ops from scratch, in a folder of the environment's own (the build commands name its venv), shared by its
+  # legs: ninja rebuilds what a swapped DeepSpeed changed and keeps the codec op; all of them are removed on exit
+  local extensions="$extensions_root/torch$torch"
   mkdir -p "$extensions"
   # the two ops its tests load are compiled beside the first tests (sdp4bit_testing/prebuild.py)
   (cd "$root" && export PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
       SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" &&
-      { "$venv/bin/python" -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu > "$venv.prebuild.log" 2>&1 &
-        "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$venv.test.log" 2>&1
+      { "$venv/bin/python" -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu > "$log.prebuild.log" 2>&1 &
+        "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$log.test.log" 2>&1
         rc=$?; wait; exit $rc; })
   local rc=$?
-  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$venv.test.log" | tail -1)"
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$log.test.log" | tail -1)"
   echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
   # where the leg's time goes: its five slowest tests
-  grep -A5 "slowest 5 durations" "$venv.test.log" | tail -5 | sed 's/^/  /'
+  grep -A5 "slowest 5 durations" "$log.test.log" | tail -5 | sed 's/^/  /'
   if [ $rc -ne 0 ]; then
-    grep -E "^(FAILED|ERROR)" "$venv.test.log" | head -20
+    grep -E "^(FAILED|ERROR)" "$log.test.log" | head -20
   fi
   return $rc
 }
 
-# Each leg installed while the one before it is tested, and removed once tested: a leg's environment is over 5 GB
-# (torch's CUDA build), and four of them beside the main one fill a CI machine's disk.
-run_ci() {
-  local i leg next pid rc
-  # shellcheck disable=SC2086
-  set -- ${LEGS[0]}
-  install_leg "$1" "$2" > "$legs_dir/leg0.out" 2>&1 &
-  pid=$!
-  for i in "${!LEGS[@]}"; do
-    leg="${LEGS[$i]}"
-    wait "$pid"; rc=$?
-    cat "$legs_dir/leg$i.out"; rm -f "$legs_dir/leg$i.out"
-    next=$((i + 1))
-    if [ "$next" -lt "${#LEGS[@]}" ]; then
-      # shellcheck disable=SC2086
-      set -- ${LEGS[$next]}
-      install_leg "$1" "$2" > "$legs_dir/leg$next.out" 2>&1 &
-      pid=$!
-    fi
+# The legs of torch release $1, in turn: each one's DeepSpeed put in (the first one's is there already), then tested.
+test_legs_on() {
+  local leg torch="$1"
+  for leg in "${LEGS[@]}"; do
     # shellcheck disable=SC2086
     set -- $leg
-    if [ $rc -eq 0 ]; then test_leg "$1" "$2" || failed=1; else failed=1; fi
-    rm -rf "$legs_dir/ds$1-torch$2"
+    [ "$2" = "$torch" ] || continue
+    if install_leg "$1" "$2"; then test_leg "$1" "$2" || failed=1; else failed=1; fi
+  done
+}
+
+# Each torch release's environment made while the legs before it are tested, and removed once its legs are: an
+# environment is over 5 GB (torch's CUDA build), and several beside the main one fill a CI machine's disk.
+run_ci() {
+  local i torch next pid rc
+  local -a all
+  mapfile -t all < <(torches)
+  install_leg "$(first_deepspeed "${all[0]}")" "${all[0]}" "environment made" > "$legs_dir/env0.out" 2>&1 &
+  pid=$!
+  for i in "${!all[@]}"; do
+    torch="${all[$i]}"
+    wait "$pid"; rc=$?
+    cat "$legs_dir/env$i.out"; rm -f "$legs_dir/env$i.out"
+    next=$((i + 1))
+    if [ "$next" -lt "${#all[@]}" ]; then
+      install_leg "$(first_deepspeed "${all[$next]}")" "${all[$next]}" "environment made" \
+        > "$legs_dir/env$next.out" 2>&1 &
+      pid=$!
+    fi
+    if [ $rc -eq 0 ]; then test_legs_on "$torch"; else failed=1; fi
+    rm -rf "$(env_of "$torch")"
   done
 }
 
@@ -91,15 +133,14 @@ fi
 if [ "$phase" != test ]; then
   # two environments at a time (an install keeps one core busy unpacking); xargs exits non-zero if any failed
   export root legs_dir
-  export -f install_leg
-  printf '%s\n' "${LEGS[@]}" | xargs -P 2 -L 1 bash -c 'install_leg "$0" "$1"' || failed=1
+  export -f install_leg env_of
+  for torch in $(torches); do echo "$(first_deepspeed "$torch") $torch"; done |
+    xargs -P 2 -L 1 bash -c 'install_leg "$0" "$1" "environment made"' || failed=1
 fi
 if [ "$phase" != install ]; then
-  for leg in "${LEGS[@]}"; do
-    # shellcheck disable=SC2086
-    set -- $leg
-    [ -x "$legs_dir/ds$1-torch$2/bin/python" ] || { echo "compat leg deepspeed $1 torch $2: no environment"; failed=1; continue; }
-    test_leg "$1" "$2" || failed=1
+  for torch in $(torches); do
+    [ -x "$(env_of "$torch")/bin/python" ] || { echo "compat legs on torch $torch: no environment"; failed=1; continue; }
+    test_legs_on "$torch"
   done
 fi
 exit $failed
