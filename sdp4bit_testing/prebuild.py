@@ -4,25 +4,28 @@
     python -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu  # these
 
 scripts/test.sh (and scripts/compat_legs.sh, for the ops its tests load) starts this beside pytest: the compiles
-(DeepSpeed's CPU shared-memory op, which every CPU engine loads, and the codec's CPU op, native and portable) then
-run while the first single-process tests do, instead of stalling the first test that needs them. A test that loads
-an op still being built waits for torch's build lock and loads the result; a build that fails here is built, and
-fails, again in the test that needs it.
+(DeepSpeed's CPU shared-memory op, which every CPU engine loads, the codec's CPU op, native and portable, and the CUDA
+op's host emulation) then run while the first single-process tests do, instead of stalling the first test that needs
+them. A test that loads an op still being built waits for torch's build lock and loads the result; a build that fails
+here is built, and fails, again in the test that needs it.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
 from deepspeed_sdp4bit.ops import load_codec_op
 from sdp4bit_testing.builders import PortableCPUBuilder
+from sdp4bit_testing.cuda_emulation import emulated_op
 
 
 def _deepspeed_shm_op() -> object:
@@ -41,12 +44,22 @@ def _codec_portable() -> object:
     return PortableCPUBuilder().load() if platform.machine() == "x86_64" else None
 
 
+def _codec_cuda_emulated() -> object:
+    """The CUDA op's sources built for the host, which tests/test_codec_cuda_emulated.py runs (None without g++ or the
+    CUDA toolkit's headers: that test then says so)."""
+    try:
+        return emulated_op.build(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    except emulated_op.ToolkitMissing:
+        return None
+
+
 # in the order the tests need them; the first is built alone (the suite's first compiled tests wait for it, and a
 # second compile beside it would slow it down), the rest two at a time
 BUILDS: dict[str, Callable[[], object]] = {
     "codec-cpu": _codec_native,
     "deepspeed-shm": _deepspeed_shm_op,
     "codec-cpu-x86-64": _codec_portable,
+    "codec-cuda-emulated": _codec_cuda_emulated,
 }
 
 

@@ -32,10 +32,10 @@ settings.load_profile(os.environ.get("SDP4BIT_HYPOTHESIS_PROFILE", "local"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests (multi-process jobs, compiles from scratch) run after the others, each group in collection order:
-    a failure in the fast lane shows first, and the JIT ops that scripts/test.sh builds beside the first tests are
-    ready by the time the engines load them."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    """Slow tests (multi-process jobs, compiles from scratch) run after the others, and the fast tests of the compiled
+    codec ops after the fast tests that need none, each group in collection order: a failure in the fast lane shows
+    first, and the JIT ops that scripts/test.sh builds beside the first tests are ready by the time tests load them."""
+    items.sort(key=lambda item: tuple(item.get_closest_marker(mark) is not None for mark in ("slow", "compiled")))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -39,6 +39,8 @@ from sdp4bit_testing.builders import PortableCPUBuilder
 from sdp4bit_testing.row_checks import Batch, batches, row_problems, written_batches
 from sdp4bit_testing.tail_checks import tail_problems
 
+pytestmark = pytest.mark.compiled  # after the fast tests that need no compiled op (tests/conftest.py)
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)
 SIZES = (1, 31, 32, 33, 2047, 2048, 2049, 100003)

@@ -25,6 +25,8 @@ from sdp4bit_testing.cuda_emulation.emulated_op import Internals, ToolkitMissing
 from sdp4bit_testing.row_checks import Batch, batches, row_problems, written_batches
 from sdp4bit_testing.tail_checks import tail_problems
 
+pytestmark = pytest.mark.compiled  # after the fast tests that need no compiled op (tests/conftest.py)
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 31, 32, 33, 2047, 2048, 2049)
 # One group size per team shape (chunks of 8 per group: 4, 8, 12, 16, 32, 64, 128, 256, 260, 1024).
