@@ -310,6 +310,14 @@ def reduced_gradient_dtype(optimizer: Any) -> Any:
     return optimizer.gradient_accumulation_dtype
 
 
+def bf16_enabled(ds_config: dict[str, Any]) -> bool:
+    """Whether the config turns on bf16 weights, read by DeepSpeed's own precision config. Its module exists in the
+    supported releases only (0.16 has none): imported here when called, after check_deepspeed(), so that importing
+    this package never fails on an older DeepSpeed before the version check can name the supported range."""
+    precision = importlib.import_module("deepspeed.runtime.precision_config")
+    return bool(precision.get_bfloat16_config(ds_config).enabled)
+
+
 def reject_removed_config_keys(ds_config: dict[str, Any]) -> None:
     """DeepSpeed's own refusal of config keys it has removed (from 0.19.8, e.g. MiCS's), so that its message reaches
     the user before sdp4bit's checks; earlier releases have none (MiCS is then a feature, refused by checks.py)."""

@@ -15,6 +15,7 @@ DEEPSPEED = SpecifierSet(">=0.17.6,<0.20")
 TORCH = SpecifierSet(">=2.11,<2.16")
 DEFAULT = ("0.19.8", "2.14.1")  # (DeepSpeed, torch) the whole suite runs on: scripts/install.sh's default
 LEGS = (("0.19.8", "2.15.0"), ("0.19.5", "2.15.0"), ("0.18.9", "2.11.0"), ("0.17.6", "2.11.0"))  # compat tests
+OLDER = (("0.16.9", "2.11.0"),)  # below DEEPSPEED: CI checks that the package imports and initialize names the range
 TESTED = tuple(sorted({deepspeed for deepspeed, _ in (DEFAULT, *LEGS)}, key=Version))  # DeepSpeed releases
 
 

@@ -7,8 +7,8 @@
 # its CUDA libraries takes minutes to unpack and over 5 GB of disk.
 #   bash scripts/compat_legs.sh install   make (or update) each torch release's environment
 #   bash scripts/compat_legs.sh test      each leg in turn: its DeepSpeed release put into its torch's environment,
-#                                         the compat tests run; one summary line per leg (then its five slowest
-#                                         tests); fails if any leg does
+#                                         the compat tests run (on an older release, those marked older_release);
+#                                         one summary line per leg (then its five slowest tests); fails if any does
 #   bash scripts/compat_legs.sh ci        each torch's environment made (the next one while the legs before it are
 #                                         tested), its legs tested, then removed: at most two environments on disk
 #   bash scripts/compat_legs.sh           install, then test (the environments are kept)
@@ -17,8 +17,11 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 legs_dir="${SDP4BIT_LEGS_DIR:-$root/.venv-legs}"
 # deepspeed torch, the legs of one torch release next to each other (the default pair, DeepSpeed 0.19.8 with torch
-# 2.14.1, is the main suite's)
+# 2.14.1, is the main suite's); each runs the tests marked compat
 LEGS=("0.17.6 2.11.0" "0.18.9 2.11.0" "0.19.5 2.15.0" "0.19.8 2.15.0")
+# deepspeed torch, releases older than the supported range, put into their torch's environment after its legs: the
+# tests marked older_release (the package imports, initialize names the supported range)
+OLDER=("0.16.9 2.11.0")
 phase="${1:-all}"
 case "$phase" in install|test|ci|all) ;; *) echo "compat_legs: unknown phase '$phase': use install, test, ci or all" >&2; exit 2;; esac
 
@@ -63,38 +66,59 @@ install_leg() {
   fi
 }
 
+# DeepSpeed release $1, older than the supported range, put into torch release $2's environment without its
+# dependencies, as a user who pins it beside this package has it (pip would replace it to satisfy the package's range)
+put_older() {
+  local ds="$1" torch="$2" began=$SECONDS log="$legs_dir/ds$1-torch$2.install.log"
+  if "$(env_of "$torch")/bin/python" -m pip install -q --no-deps "deepspeed==$ds" > "$log" 2>&1; then
+    echo "older release deepspeed $ds torch $torch: deepspeed in place in $((SECONDS - began)) s"
+  else
+    echo "older release deepspeed $ds torch $torch: install FAILED (last lines of $log):"
+    tail -5 "$log"
+    return 1
+  fi
+}
+
+# The tests marked $3 (default compat) on DeepSpeed release $1 in torch release $2's environment.
 test_leg() {
-  local ds="$1" torch="$2" venv began=$SECONDS summary log="$legs_dir/ds$1-torch$2"
+  local ds="$1" torch="$2" marker="${3:-compat}" venv began=$SECONDS summary log="$legs_dir/ds$1-torch$2"
   venv="$(env_of "$torch")"
   # compiled ops from scratch, in a folder of the environment's own (the build commands name its venv), shared by its
   # legs: ninja rebuilds what a swapped DeepSpeed changed and keeps the codec op; all of them are removed on exit
   local extensions="$extensions_root/torch$torch"
   mkdir -p "$extensions"
-  # the two ops its tests load are compiled beside the first tests (sdp4bit_testing/prebuild.py)
+  # the two ops the compat tests load are compiled beside the first tests (sdp4bit_testing/prebuild.py)
+  local ops=(deepspeed-shm codec-cpu)
+  [ "$marker" = compat ] || ops=()
   (cd "$root" && export PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" TOKENIZERS_PARALLELISM=false \
       SDP4BIT_HYPOTHESIS_PROFILE="${SDP4BIT_HYPOTHESIS_PROFILE:-ci}" &&
-      { "$venv/bin/python" -m sdp4bit_testing.prebuild deepspeed-shm codec-cpu > "$log.prebuild.log" 2>&1 &
-        "$venv/bin/python" -m pytest -q -m compat -rfEs --durations=5 -p no:cacheprovider tests > "$log.test.log" 2>&1
+      { [ ${#ops[@]} -eq 0 ] || "$venv/bin/python" -m sdp4bit_testing.prebuild "${ops[@]}" > "$log.prebuild.log" 2>&1 &
+        "$venv/bin/python" -m pytest -q -m "$marker" -rfEs --durations=5 -p no:cacheprovider tests > "$log.test.log" 2>&1
         rc=$?; wait; exit $rc; })
   local rc=$?
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$log.test.log" | tail -1)"
-  echo "compat leg deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
+  local label="compat leg"
+  [ "$marker" = compat ] || label="older release"
+  echo "$label deepspeed $ds torch $torch ($("$venv/bin/python" -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)): ${summary:-no summary} [$((SECONDS - began)) s]"
   # where the leg's time goes: its five slowest tests
-  grep -A5 "slowest 5 durations" "$log.test.log" | tail -5 | sed 's/^/  /'
+  grep -A5 "slowest 5 durations" "$log.test.log" | grep -E "^[0-9.]+s " | sed 's/^/  /'
   if [ $rc -ne 0 ]; then
     grep -E "^(FAILED|ERROR)" "$log.test.log" | head -20
   fi
   return $rc
 }
 
-# The legs of torch release $1, in turn: each one's DeepSpeed put in (the first one's is there already), then tested.
+# The legs of torch release $1, in turn, then its older releases: each one's DeepSpeed put in (the first one's is
+# there already), then tested.
 test_legs_on() {
-  local leg torch="$1"
-  for leg in "${LEGS[@]}"; do
+  local leg marker torch="$1"
+  for leg in "${LEGS[@]/%/ compat}" "${OLDER[@]/%/ older_release}"; do
     # shellcheck disable=SC2086
     set -- $leg
     [ "$2" = "$torch" ] || continue
-    if install_leg "$1" "$2"; then test_leg "$1" "$2" || failed=1; else failed=1; fi
+    marker="$3"
+    if [ "$marker" = compat ]; then install_leg "$1" "$2"; else put_older "$1" "$2"; fi &&
+      { test_leg "$1" "$2" "$marker" || failed=1; } || failed=1
   done
 }
 

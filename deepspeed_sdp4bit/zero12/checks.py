@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DtypeEnum
-from deepspeed.runtime.precision_config import get_bfloat16_config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -40,7 +39,7 @@ def _bf16_optimizer_path(zero: DeepSpeedZeroConfig, ds_config: dict[str, Any]) -
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
     return (
         zero.stage == 1
-        and get_bfloat16_config(ds_config).enabled
+        and adapter.bf16_enabled(ds_config)
         and accum is not None
         and DtypeEnum(accum).value == torch.float32
         and offload_device(zero.offload_optimizer) == "none"
