@@ -50,33 +50,35 @@ env_of() {
   echo "$legs_dir/torch$1"
 }
 
-# DeepSpeed release $1 and torch release $2 installed into torch's environment (made if absent; its DeepSpeed replaced
-# when it differs; a second or so when all is there already)
-install_leg() {
-  local ds="$1" torch="$2" done_as="${3:-deepspeed in place}" venv began=$SECONDS
-  local log="$legs_dir/ds$1-torch$2.install.log"
-  venv="$(env_of "$torch")"
-  if SDP4BIT_VENV="$venv" SDP4BIT_DEEPSPEED="$ds" SDP4BIT_TORCH="torch==$torch" bash "$root/scripts/install.sh" \
-      > "$log" 2>&1; then
-    echo "compat leg deepspeed $ds torch $torch: $done_as in $((SECONDS - began)) s"
+# Run a command (from $3 on) into log $2, then print "$1 in N s", or $1's install failure with the log's last lines.
+logged_install() {
+  local what="$1" log="$2" began=$SECONDS
+  shift 2
+  if "$@" > "$log" 2>&1; then
+    echo "$what in $((SECONDS - began)) s"
   else
-    echo "compat leg deepspeed $ds torch $torch: install FAILED (last lines of $log):"
+    echo "${what%%:*}: install FAILED (last lines of $log):"
     tail -5 "$log"
     return 1
   fi
 }
 
+# DeepSpeed release $1 and torch release $2 installed into torch's environment (made if absent; its DeepSpeed replaced
+# when it differs; a second or so when all is there already)
+install_leg() {
+  local ds="$1" torch="$2" done_as="${3:-deepspeed in place}"
+  logged_install "compat leg deepspeed $ds torch $torch: $done_as" "$legs_dir/ds$ds-torch$torch.install.log" \
+    env SDP4BIT_VENV="$(env_of "$torch")" SDP4BIT_DEEPSPEED="$ds" SDP4BIT_TORCH="torch==$torch" \
+    bash "$root/scripts/install.sh"
+}
+
 # DeepSpeed release $1, older than the supported range, put into torch release $2's environment without its
 # dependencies, as a user who pins it beside this package has it (pip would replace it to satisfy the package's range)
 put_older() {
-  local ds="$1" torch="$2" began=$SECONDS log="$legs_dir/ds$1-torch$2.install.log"
-  if "$(env_of "$torch")/bin/python" -m pip install -q --no-deps "deepspeed==$ds" > "$log" 2>&1; then
-    echo "older release deepspeed $ds torch $torch: deepspeed in place in $((SECONDS - began)) s"
-  else
-    echo "older release deepspeed $ds torch $torch: install FAILED (last lines of $log):"
-    tail -5 "$log"
-    return 1
-  fi
+  local ds="$1" torch="$2"
+  logged_install "older release deepspeed $ds torch $torch: deepspeed in place" \
+    "$legs_dir/ds$ds-torch$torch.install.log" \
+    "$(env_of "$torch")/bin/python" -m pip install -q --no-deps "deepspeed==$ds"
 }
 
 # The tests marked $3 (default compat) on DeepSpeed release $1 in torch release $2's environment.
@@ -157,7 +159,7 @@ fi
 if [ "$phase" != test ]; then
   # two environments at a time (an install keeps one core busy unpacking); xargs exits non-zero if any failed
   export root legs_dir
-  export -f install_leg env_of
+  export -f install_leg logged_install env_of
   for torch in $(torches); do echo "$(first_deepspeed "$torch") $torch"; done |
     xargs -P 2 -L 1 bash -c 'install_leg "$0" "$1" "environment made"' || failed=1
 fi

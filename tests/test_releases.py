@@ -23,13 +23,17 @@ def test_pyproject_bounds_are_the_declared_ranges() -> None:
     assert specs["deepspeed"] == releases.DEEPSPEED and specs["torch"] == releases.TORCH
 
 
+def _pairs(script: str, name: str) -> list[tuple[str, ...]]:
+    """The (deepspeed, torch) pairs of a bash array `NAME=("d t" ...)` in the script, sorted."""
+    line = re.search(rf"^{name}=\((.*)\)$", script, re.M)
+    assert line, f"scripts/compat_legs.sh has no {name}=(...) line"
+    return sorted(tuple(pair.split()) for pair in re.findall(r'"([^"]+)"', line[1]))
+
+
 def test_the_ci_legs_and_the_default_install_are_the_declared_pairs() -> None:
-    legs = re.search(r"^LEGS=\((.*)\)$", (ROOT / "scripts/compat_legs.sh").read_text(), re.M)
-    assert legs, "scripts/compat_legs.sh has no LEGS=(...) line"
-    assert sorted(tuple(pair.split()) for pair in re.findall(r'"([^"]+)"', legs[1])) == sorted(releases.LEGS)
-    older = re.search(r"^OLDER=\((.*)\)$", (ROOT / "scripts/compat_legs.sh").read_text(), re.M)
-    assert older, "scripts/compat_legs.sh has no OLDER=(...) line"
-    assert sorted(tuple(pair.split()) for pair in re.findall(r'"([^"]+)"', older[1])) == sorted(releases.OLDER)
+    script = (ROOT / "scripts/compat_legs.sh").read_text()
+    assert _pairs(script, "LEGS") == sorted(releases.LEGS)
+    assert _pairs(script, "OLDER") == sorted(releases.OLDER)
     assert all(not releases.DEEPSPEED.contains(d) and releases.TORCH.contains(t) for d, t in releases.OLDER)
     assert {t for _, t in releases.OLDER} <= {t for _, t in releases.LEGS}, "an older release needs a leg's torch"
     install = (ROOT / "scripts/install.sh").read_text()
