@@ -66,6 +66,7 @@ OWNER = "deepspeed_sdp4bit/collectives/owner_reduce.py"
 LEVELS = "deepspeed_sdp4bit/collectives/levels.py"
 SERVING12 = "deepspeed_sdp4bit/zero12/serving.py"
 TRAFFIC = "sdp4bit_cost/traffic.py"
+LAYOUT = "sdp4bit_cost/layout.py"
 TIMING = "sdp4bit_cost/timing.py"
 AUTO = "deepspeed_sdp4bit/core/auto.py"
 FAULTS = "deepspeed_sdp4bit/collectives/faults.py"
@@ -115,6 +116,17 @@ TARGETS = {
         "zero12_serving", SERVING12, ("tests/test_zero12_training.py", "-k", "rpn2 or unstarted or comms")
     ),
     "traffic": Target("traffic", TRAFFIC, COST_TESTS),
+    "layout": Target(
+        "layout",
+        LAYOUT,
+        (
+            "tests/test_grad_reduce.py",
+            "tests/test_layout.py",
+            "tests/test_cost_model.py",
+            "-k",
+            "world1 or world4 or world6 or test_layout or test_cost_model",
+        ),
+    ),
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
     "faults": Target("faults", FAULTS, ("tests/test_faults.py",)),
@@ -295,14 +307,14 @@ MUTANTS = [
     # collectives/grad_reduce.py
     Mutant(
         "G01",
-        GRAD,
+        LAYOUT,
         "    chunks = tuple(shard_numel(n, world) for n in numels)",
         "    chunks = tuple(n // world + 1 for n in numels)",
         "chunk size n // W + 1 (wrong when W divides n)",
     ),
     Mutant(
         "G02",
-        GRAD,
+        LAYOUT,
         "    part = max(1, -(-(lead + used) // unit)) * unit",
         "    part = max(1, (lead + used) // unit) * unit",
         "part rounded down",
@@ -323,7 +335,7 @@ MUTANTS = [
     ),
     Mutant(
         "G05",
-        GRAD,
+        LAYOUT,
         "        return valid_numel(self.numels[index], self.world, rank)",
         "        return min(self.chunks[index], valid_numel(self.numels[index], self.world, rank) + 1)",
         "partition length one too long at the end",
@@ -336,7 +348,7 @@ MUTANTS = [
         "group check: any group of W ranks accepted",
         "in a world of W ranks the only group of W ranks is the world, and torch lists a group's ranks sorted",
     ),
-    Mutant("G07", GRAD, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
+    Mutant("G07", LAYOUT, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
     Mutant(
         "G08",
         ROUNDING,
@@ -382,22 +394,22 @@ MUTANTS = [
     Mutant(
         "G14",
         GRAD,
-        "            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)",
-        "            return _Exchange(*_slice(codes, scales, level, run, 0), group, self.stats, kind)",
+        "            lambda y: _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind),",
+        "            lambda y: _Exchange(*_slice(codes, scales, level, run, 0), group, self.stats, kind),",
         "one-level pipeline sends slice 0 every time",
     ),
     Mutant(
         "G15",
         GRAD,
-        "            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)",
+        "            requantized = self._requantize(*intra.wait(), topo.nodes * layout.slice_len)",
         "            requantized = self._requantize(*intra.wait(), layout.world * layout.slice_len)",
         "requantization told the wrong length",
     ),
     Mutant(
         "G16",
         GRAD,
-        '            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")',
-        '            previous, inter = inter, _Exchange(*requantized, self.topo.intra, self.stats, "grad_inter")',
+        '            return _Exchange(*requantized, topo.inter, self.stats, "grad_inter")',
+        '            return _Exchange(*requantized, topo.intra, self.stats, "grad_inter")',
         "inter-node exchange over the intra-node group",
     ),
     Mutant(
@@ -430,8 +442,11 @@ MUTANTS = [
     Mutant(
         "G20",
         GRAD,
-        "            out.append(self._finish(pending, level, layout.world, dtype, layout.slice_valid(y)))",
-        "            out.append(self._finish(pending, level, layout.world - 1, dtype, layout.slice_valid(y)))",
+        "            lambda exchange, y: self._finish(exchange, level, layout.world, dtype, layout.slice_valid(y)),",
+        (
+            "            lambda exchange, y: self._finish(exchange, level, layout.world - 1, dtype, layout.slice_va"
+            "lid(y)),"
+        ),
         "one-level reduction drops the last rank's piece",
     ),
     Mutant(
@@ -740,15 +755,15 @@ MUTANTS = [
     Mutant(
         "O02",
         OWNER,
-        "    padded = tuple(-(-length // unit) * unit for length in lengths)",
-        "    padded = tuple(max(1, -(-length // unit)) * unit for length in lengths)",
+        "        padded=tuple(round_up(length, unit) for length in lengths),",
+        "        padded=tuple(max(unit, round_up(length, unit)) for length in lengths),",
         "ranks that own nothing of a bucket still get a padded piece",
     ),
     Mutant(
         "O03",
         OWNER,
-        "        return self.group * self.pipeline",
-        "        return self.group",
+        "        return padding_unit(self.intra.group, self.inter.group, self.pipeline)",
+        "        return padding_unit(self.intra.group, self.inter.group, 1)",
         "pieces not padded to whole groups per pipeline slice",
     ),
     Mutant(
@@ -820,9 +835,9 @@ MUTANTS = [
     ),
     Mutant(
         "C05",
-        TRAFFIC,
-        "    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)",
-        "    return -(-numel * bits // 8) + SCALE_BYTES * (numel // group)",
+        LAYOUT,
+        "    return codes_nbytes(numel, bits) + SCALE_BYTES * num_groups(numel, group_size)",
+        "    return codes_nbytes(numel, bits) + SCALE_BYTES * (numel // group_size)",
         "a partial last group has no scale",
     ),
     Mutant(

@@ -10,15 +10,15 @@ ZeRO-1/2 builder counts them as SDP4Bit's ZeRO-1/2 exchange defines them, per ra
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from .layout import chunk_layout, padding_unit, refresh_run, round_up, shard_numel, slice_group, wire_bytes
+
 # "boundary": the backward of the last micro-batch of an optimizer step, where ZeRO-1 reduces the accumulated gradients
 PHASES = ("forward", "backward", "boundary", "step")
 SDP4BIT_KINDS = ("weight_refresh", "weight_gather", "grad_intra", "grad_inter")
-SCALE_BYTES = 4  # one fp32 scale per quantization group
 STAGES = (1, 2, 3)
 ALL_REDUCE = "grad_all_reduce"  # ZeRO-1/2's gradient all-reduce: twice the bytes of a reduce-scatter doing its job
 CONTROL = "control"  # SDP4Bit's flag all-reduces whose answer the host waits for
@@ -189,16 +189,6 @@ class StepBytes:
         return out
 
 
-def shard(numel: int, world: int) -> int:
-    """ZeRO-3's shard size ceil(n / W)."""
-    return -(-numel // world)
-
-
-def codes_and_scales(numel: float, bits: int, group: int) -> float:
-    """Bytes of packed codes plus fp32 scales of `numel` values."""
-    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // group)
-
-
 def ring_cross(wire: float, layout: RankGrid, members_per_node: int | None = None) -> float:
     """Cross-node bytes of a ring all-gather with `wire` bytes per rank over the world (or over `members_per_node`
     ranks of each node: one ring per local index)."""
@@ -228,10 +218,9 @@ def gradient_buckets(numels: Sequence[int], bucket: int) -> list[list[int]]:
 
 
 def tlq_part(bucket: Sequence[int], world: int, s: Scheme) -> int:
-    """Elements of one rank's TLq part of a bucket: its chunks, padded to lcm(groups, 32) x pipeline."""
-    unit = math.lcm(s.group_intra, s.group_inter, 32) * s.pipeline
-    used = sum(shard(n, world) for n in bucket)
-    return max(1, -(-used // unit)) * unit
+    """Elements of one rank's TLq part of a bucket: its chunks (after the leading zeros that start a partial last
+    32-block on a group), padded to lcm(groups, 32) x pipeline, as TLq lays it out."""
+    return chunk_layout(bucket, world, slice_group(s.group_intra, s.group_inter), s.pipeline).part
 
 
 def zero3_step(
@@ -260,13 +249,13 @@ def zero3_step(
     persistent = [n for n in tensors if n <= scheme.persistence_threshold]
     sharded = [n for n in tensors if n > scheme.persistence_threshold]
     out = StepBytes()
-    own = sum(shard(n, w) for n in sharded)
+    own = sum(shard_numel(n, w) for n in sharded)
     if scheme.zeropp:
         _zeropp(out, own, sum(tensors), dtype_bytes, second_pass, layout, len(sharded))
     else:
         if scheme.quantized_weights:
             slots = w if scheme.replica == "rank" else layout.nodes
-            buckets = refresh_buckets([shard(n, w) for n in sharded], slots, scheme.refresh_bucket)
+            buckets = refresh_buckets([shard_numel(n, w) for n in sharded], slots, scheme.refresh_bucket)
             _weights_qwd(out, own, dtype_bytes, second_pass, scheme, layout, buckets=buckets, modules=len(sharded))
             _write_check(out, len(sharded), layout)
         else:
@@ -280,7 +269,7 @@ def zero3_step(
                 PerGroup(world=len(sharded)),
             )
         _gradients(out, tensors, dtype_bytes if scheme.quantized_gradients else comm_bytes, scheme, layout, backend)
-    wire = sum(shard(n, w) for n in persistent) * dtype_bytes
+    wire = sum(shard_numel(n, w) for n in persistent) * dtype_bytes
     out.add(
         Transfer(
             "persistent_gather",
@@ -351,7 +340,7 @@ def _weights_qwd(
     Collectives: per refresh bucket, one all-gather of codes and one of scales on each level; the node replica's
     gathers one per module (`modules`)."""
     n, d = layout.nodes, layout.per_node
-    codes = codes_and_scales(own, s.weight_bits, s.weight_group) if codes is None else codes
+    codes = wire_bytes(own, s.weight_bits, s.weight_group) if codes is None else codes
     holders = n if s.replica == "node" else layout.world
     codec = own * 2 * dtype_bytes + codes + holders * (own * 2 * dtype_bytes + codes)
     if n > 1:
@@ -409,8 +398,8 @@ def _grads_tlq(out: StepBytes, tensors: Sequence[int], grad_bytes: int, s: Schem
     for bucket in gradient_buckets(tensors, s.reduce_bucket):
         part = tlq_part(bucket, w, s)
         intra, inter = (
-            codes_and_scales(part, s.bits_intra, s.group_intra),
-            codes_and_scales(part, s.bits_inter, s.group_inter),
+            wire_bytes(part, s.bits_intra, s.group_intra),
+            wire_bytes(part, s.bits_inter, s.group_inter),
         )
         codec = _tlq_codec(part, layout, grad_bytes, intra, inter)
         if d > 1:
@@ -455,7 +444,7 @@ def _zeropp(
     with 4-bit all-to-alls inside and then across nodes (its groups are large: scales are left out). One gather per
     module, one all-to-all per level."""
     w, n, d = layout.world, layout.nodes, layout.per_node
-    codes = codes_and_scales(own, 8, 2048)
+    codes = wire_bytes(own, 8, 2048)
     out.add(
         Transfer(
             "param_gather",
@@ -598,7 +587,7 @@ def zero12_step(
     out = StepBytes()
     if scheme.quantized_gradients:
         for lengths in zero12_owned(tensors, scheme.reduce_bucket, layout.world, scheme.round_robin, groups):
-            _grads_to_owners(out, _owner_pieces(lengths, scheme), comm_bytes, scheme, layout, phase, rank)
+            out.transfers += owner_exchange(lengths, comm_bytes, scheme, layout, phase, rank).transfers
     else:
         wire = sum(tensors) * comm_bytes
         out.add(
@@ -646,19 +635,34 @@ def refresh_codes(own: int, s: Scheme, world: int) -> float:
     of max(1, refresh_bucket // W) elements, each with its own groups."""
     unit = refresh_unit(s, world)
     whole, rest = divmod(own, unit)
-    return sum(n * codes_and_scales(size, s.weight_bits, s.weight_group) for n, size in ((whole, unit), (1, rest)))
+    return sum(n * wire_bytes(size, s.weight_bits, s.weight_group) for n, size in ((whole, unit), (1, rest)))
 
 
 def refresh_unit(s: Scheme, world: int) -> int:
     """Elements of one ZeRO-1/2 refresh unit of a partition: each unit is refreshed in a bucket of its own."""
-    return max(1, s.refresh_bucket // world)
+    return refresh_run(s.refresh_bucket, world)
+
+
+def owner_exchange(
+    lengths: Sequence[int],
+    grad_bytes: int,
+    s: Scheme,
+    layout: RankGrid,
+    phase: str = "backward",
+    rank: int | None = None,
+) -> StepBytes:
+    """The transfers of TLq on ZeRO-1/2 for one gradient bucket of `grad_bytes` per element of which rank r owns
+    `lengths[r]` elements: `rank`'s wire, intra and codec bytes (without a rank, the mean over the ranks)."""
+    out = StepBytes()
+    _grads_to_owners(out, _owner_pieces(lengths, s), grad_bytes, s, layout, phase, rank)
+    return out
 
 
 def _owner_pieces(lengths: Sequence[int], s: Scheme) -> list[int]:
     """Elements TLq sends to each rank for one bucket: the L_r elements the rank owns, padded to lcm(groups, 32) x
     pipeline (nothing for a rank that owns none of it)."""
-    unit = math.lcm(s.group_intra, s.group_inter, 32) * s.pipeline
-    return [-(-n // unit) * unit for n in lengths]
+    unit = padding_unit(s.group_intra, s.group_inter, s.pipeline)
+    return [round_up(n, unit) for n in lengths]
 
 
 def _grads_to_owners(
@@ -728,12 +732,12 @@ def _owner_codec(total: int, column: int, mine: int, grad_bytes: int, s: Scheme,
 
 def _intra_codes(numel: int, s: Scheme) -> float:
     """Bytes of TLq's intra-node codes and scales of `numel` elements."""
-    return codes_and_scales(numel, s.bits_intra, s.group_intra)
+    return wire_bytes(numel, s.bits_intra, s.group_intra)
 
 
 def _inter_codes(numel: int, s: Scheme) -> float:
     """Bytes of TLq's inter-node codes and scales of `numel` elements."""
-    return codes_and_scales(numel, s.bits_inter, s.group_inter)
+    return wire_bytes(numel, s.bits_inter, s.group_inter)
 
 
 def _per_rank(layout: RankGrid, rank: int | None, value: Callable[[int, int], float]) -> float:
@@ -751,10 +755,10 @@ def megatron_step(
     optimizer step (or the fork's 4-bit differences: every rank holds the whole model, so one ring over the
     data-parallel group carries them)."""
     w = layout.world
-    own = shard(sum(tensors), w)
+    own = shard_numel(sum(tensors), w)
     out = StepBytes()
     if scheme.quantized_weights:
-        codes = codes_and_scales(own, scheme.weight_bits, scheme.weight_group)
+        codes = wire_bytes(own, scheme.weight_bits, scheme.weight_group)
         out.add(
             Transfer(
                 "weight_refresh",

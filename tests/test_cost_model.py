@@ -12,6 +12,7 @@ import pytest
 
 from sdp4bit_benchmarks import cost_model
 from sdp4bit_cost import paper, plan, sensitivity, shapes, timing, traffic
+from sdp4bit_cost.layout import wire_bytes
 from sdp4bit_cost.traffic import RankGrid, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,15 +252,6 @@ def test_zero3_gathers_again_what_it_released_after_the_forward() -> None:
     assert timing.second_pass(4_000_000_000, live_parameters=8_000_000_000) == 0.0
 
 
-@pytest.mark.parametrize("numel", [1, 31, 2047, 2048, 2049, 10_000])
-@pytest.mark.parametrize(("bits", "group"), [(4, 2048), (8, 128), (4, 128)])
-def test_code_sizes_are_the_codecs(numel: int, bits: int, group: int) -> None:
-    """The model's bytes of packed codes and fp32 scales are the codec's own (a partial last group has a scale)."""
-    from deepspeed_sdp4bit.codec import codes_nbytes, num_groups
-
-    assert traffic.codes_and_scales(numel, bits, group) == codes_nbytes(numel, bits) + 4 * num_groups(numel, group)
-
-
 def _synthetic_runs(efficiency: float, compute: dict[str, float]) -> list[dict]:
     """Sweep runs whose step times are exactly the testbed model: compute plus the link time at `efficiency`."""
     runs = []
@@ -461,7 +453,7 @@ def test_zero12_weight_refresh_is_below_the_all_gather_by_the_code_ratio() -> No
     qwd = replace(qwd, refresh_bucket=layout.world * 8192)
     base, ours = (traffic.zero12_step(tensors, s, layout, 2) for s in (Scheme(stage=1), qwd))
     assert base.cross["param_gather"] / ours.cross["weight_refresh"] == pytest.approx(7 / (2 * 3) * ratio, rel=1e-12)
-    assert ours.wire["weight_refresh"] == 5 * 3 * traffic.codes_and_scales(8192, 4, 2048)
+    assert ours.wire["weight_refresh"] == 5 * 3 * wire_bytes(8192, 4, 2048)
 
 
 def test_zero12_refresh_units_each_carry_their_scales() -> None:

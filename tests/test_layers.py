@@ -106,6 +106,16 @@ def test_the_cost_model_imports_neither_torch_nor_deepspeed() -> None:
     assert _violations("sdp4bit_cost", ("torch", "deepspeed", "deepspeed_sdp4bit"), top_level_only=True) == []
 
 
+def test_the_layout_arithmetic_has_one_source_that_both_sides_import() -> None:
+    """sdp4bit_cost/layout.py imports nothing but the standard library, and the collectives that size buffers with it
+    and the cost model that counts bytes with it both import it, so neither keeps a copy of its rules."""
+    layout = ROOT / "sdp4bit_cost/layout.py"
+    assert {n.split(".")[0] for n in imports(layout)} <= {"__future__", "math", "collections", "dataclasses"}
+    users = ("collectives/levels.py", "collectives/grad_reduce.py", "collectives/owner_reduce.py", "codec/spec.py")
+    for path in [PACKAGE / user for user in users] + [ROOT / "sdp4bit_cost/traffic.py", PACKAGE / "zero12/serving.py"]:
+        assert any(n.startswith("sdp4bit_cost.layout") for n in imports(path)), path
+
+
 @pytest.mark.parametrize("folder", ["deepspeed_sdp4bit", "sdp4bit_cost"])
 def test_the_library_imports_none_of_the_support_packages(folder: str) -> None:
     """The installed library stands alone: the tests', benchmarks' and examples' packages build on it, not the

@@ -3,7 +3,8 @@
 `CodecBackend` is the Python API of the ops (the reference module, the compiled backend over a CPU or CUDA op, and
 the host-emulated CUDA kernels in the tests all satisfy it; `deepspeed_sdp4bit.codec`'s public functions are made
 from it). `CodecOp` is the binding API of a compiled op module (the C++ and CUDA ops, and the emulation);
-`CudaCodecOp` adds the CUDA op's two bindings that say which GPUs it runs on.
+`CudaCodecOp` adds the CUDA op's two bindings that say which GPUs it runs on. The integer rules of blocks and
+bytes (`HADAMARD_BLOCK`, `num_groups`, `codes_nbytes`) are `sdp4bit_cost.layout`'s, which the cost model counts with.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-HADAMARD_BLOCK = 32
+from sdp4bit_cost.layout import HADAMARD_BLOCK as HADAMARD_BLOCK
+from sdp4bit_cost.layout import codes_nbytes as codes_nbytes
+from sdp4bit_cost.layout import num_groups as num_groups
+
 MIN_GROUP = 32
 MAX_GROUP = 8192
 BITS = (4, 8)
@@ -27,16 +31,6 @@ def qmax_for(bits: int) -> int:
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
     return (1 << (bits - 1)) - 1
-
-
-def num_groups(numel: int, group_size: int) -> int:
-    """Number of quantization groups (the last one may be partial)."""
-    return -(-numel // group_size)
-
-
-def codes_nbytes(numel: int, bits: int) -> int:
-    """Bytes of packed codes for `numel` elements: one per element at 8 bits, one per pair at 4 bits."""
-    return numel if bits == 8 else (numel + 1) // 2
 
 
 def valid_group_size(group_size: object) -> bool:

@@ -32,74 +32,17 @@ threads, so the same issue order overlaps there too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from sdp4bit_cost.layout import ChunkLayout, chunk_layout
+
 from .. import codec
-from ..codec.spec import FLOAT_DTYPES, HADAMARD_BLOCK
+from ..codec.spec import FLOAT_DTYPES
 from .levels import Exchange as _Exchange
-from .levels import Level, TwoLevelReducer
+from .levels import Level, TwoLevelReducer, one_level_schedule, two_level_schedule
 from .levels import codes_slice as _slice
-from .sharding import shard_numel, valid_numel
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """Where each tensor's partitions live in the rank-major buffer of `world` parts of `part` elements."""
-
-    world: int
-    numels: tuple[int, ...]
-    chunks: tuple[int, ...]
-    offsets: tuple[int, ...]
-    used: int
-    part: int
-    slices: int
-    lead: int
-
-    @property
-    def slice_len(self) -> int:
-        """Elements of one pipeline slice of a rank's part."""
-        return self.part // self.slices
-
-    @property
-    def valid(self) -> int:
-        """End of the chunks in a rank's part (the leading zeros, then the chunks); zeros follow."""
-        return self.lead + self.used
-
-    def slice_valid(self, index: int) -> int:
-        """Elements of pipeline slice `index` of a part that lie before its valid end."""
-        return max(0, min(self.slice_len, self.valid - index * self.slice_len))
-
-    def length(self, index: int, rank: int) -> int:
-        """Real elements of tensor `index` in `rank`'s partition (DeepSpeed's partitioning)."""
-        return valid_numel(self.numels[index], self.world, rank)
-
-
-def chunk_layout(numels: Sequence[int], world: int, group: int, slices: int) -> ChunkLayout:
-    """Chunk sizes ceil(n/W), their offsets in a rank's part, and the part padded up to whole `group` x `slices`
-    units (`group`: a multiple of 32 and of both levels' group sizes).
-
-    When the chunks end inside a 32-block, they start `lead` zeros into the part, so that their partial last block
-    begins a group of its own.
-    """
-    chunks = tuple(shard_numel(n, world) for n in numels)
-    used = sum(chunks)
-    lead = -(used - used % HADAMARD_BLOCK) % group if used % HADAMARD_BLOCK else 0
-    offsets = tuple(lead + sum(chunks[:i]) for i in range(len(chunks)))
-    unit = group * slices
-    part = max(1, -(-(lead + used) // unit)) * unit
-    return ChunkLayout(
-        world=world,
-        numels=tuple(numels),
-        chunks=chunks,
-        offsets=offsets,
-        used=used,
-        part=part,
-        slices=slices,
-        lead=lead,
-    )
 
 
 def rank_major(tensors: Sequence[torch.Tensor], layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
@@ -234,34 +177,26 @@ class TLqReducer(TwoLevelReducer):
         """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""
         codes, scales = self._quantize(flat, level, layout)
         run = layout.world * layout.slice_len
-
-        def issue(y: int) -> _Exchange:
-            """Start slice y's exchange."""
-            return _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind)
-
-        pending, out = issue(0), []
-        for y in range(layout.slices):
-            following = issue(y + 1) if y + 1 < layout.slices else None
-            out.append(self._finish(pending, level, layout.world, dtype, layout.slice_valid(y)))
-            pending = following
-        return out
+        return one_level_schedule(
+            layout.slices,
+            lambda y: _Exchange(*_slice(codes, scales, level, run, y), group, self.stats, kind),
+            lambda exchange, y: self._finish(exchange, level, layout.world, dtype, layout.slice_valid(y)),
+        )
 
     def _two_level(self, flat: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
         """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
         codes, scales = self._quantize(flat, self.intra, layout)
         run = layout.world * layout.slice_len
+        topo = self.topo
 
-        def issue_intra(y: int) -> _Exchange:
-            """Start slice y's intra-node exchange."""
-            return _Exchange(*_slice(codes, scales, self.intra, run, y), self.topo.intra, self.stats, "grad_intra")
+        def relay(intra: _Exchange) -> _Exchange:
+            """Sum a slice's D received intra-node pieces, requantize and start its inter-node exchange."""
+            requantized = self._requantize(*intra.wait(), topo.nodes * layout.slice_len)
+            return _Exchange(*requantized, topo.inter, self.stats, "grad_inter")
 
-        intra, inter, out = issue_intra(0), None, []
-        for y in range(layout.slices):
-            following = issue_intra(y + 1) if y + 1 < layout.slices else None
-            requantized = self._requantize(*intra.wait(), self.topo.nodes * layout.slice_len)
-            previous, inter = inter, _Exchange(*requantized, self.topo.inter, self.stats, "grad_inter")
-            if previous is not None:
-                out.append(self._finish(previous, self.inter, self.topo.nodes, dtype, layout.slice_valid(y - 1)))
-            intra = following
-        out.append(self._finish(inter, self.inter, self.topo.nodes, dtype, layout.slice_valid(layout.slices - 1)))
-        return out
+        return two_level_schedule(
+            layout.slices,
+            lambda y: _Exchange(*_slice(codes, scales, self.intra, run, y), topo.intra, self.stats, "grad_intra"),
+            relay,
+            lambda inter, y: self._finish(inter, self.inter, topo.nodes, dtype, layout.slice_valid(y)),
+        )

@@ -1,5 +1,5 @@
-"""What the quantized gradient collectives share: a quantization level and its checks, and the asynchronous
-all-to-all of codes and scales, with equal or per-member split sizes.
+"""What the quantized gradient collectives share: a quantization level and its checks, the asynchronous all-to-all
+of codes and scales (with equal or per-member split sizes), and the pipeline schedules of one and two levels.
 
 Codes and fp32 scales travel in two separate all-to-alls over the same group. With split sizes, every split is a
 whole number of the level's groups (and so of nibble pairs at 4 bits), so the byte and scale counts of a split
@@ -8,19 +8,25 @@ follow from its element count alone.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from sdp4bit_cost.layout import slice_group
+
 from .. import codec
-from ..codec.spec import HADAMARD_BLOCK, check_quantizer, codes_nbytes, num_groups
+from ..codec.spec import check_quantizer, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
 from .rounding import TwoLevelRounding
+
+First = TypeVar("First")  # an exchange of the first level in flight
+Second = TypeVar("Second")  # an exchange of the second level in flight
+Result = TypeVar("Result")  # what finishing an exchange gives
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class TwoLevelReducer(TwoLevelRounding):
         self.pipeline = check_pipeline(name, pipeline)
         self.stochastic = bool(stochastic)
         self.stats = stats
-        self.group = math.lcm(group_intra, group_inter, HADAMARD_BLOCK)
+        self.group = slice_group(group_intra, group_inter)
         TwoLevelRounding.__init__(self, seed, topo.rank)
 
     def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,3 +170,43 @@ class Exchange:
             work.wait()
         self._sent = None
         return self.codes, self.scales
+
+
+def one_level_schedule(
+    slices: int, issue: Callable[[int], First], finish: Callable[[First, int], Result]
+) -> list[Result]:
+    """Each slice's exchange issued, then finished, in slice order: slice y+1's exchange is issued before slice y is
+    finished, so it is in flight while slice y is reduced."""
+    out: list[Result] = []
+    pending = issue(0)
+    for y in range(slices):
+        following = issue(y + 1) if y + 1 < slices else None
+        out.append(finish(pending, y))
+        if following is not None:
+            pending = following
+    return out
+
+
+def two_level_schedule(
+    slices: int,
+    issue: Callable[[int], First],
+    relay: Callable[[First], Second],
+    finish: Callable[[Second, int], Result],
+) -> list[Result]:
+    """Each slice's first exchange issued, relayed (waited for, reduced and sent on as the second exchange), then
+    finished, in slice order: slice y+1's first exchange is in flight while slice y is relayed, and slice y-1 is
+    finished after slice y's second exchange has been issued, so both levels' links stay busy."""
+    out: list[Result] = []
+    first = issue(0)
+    in_flight: Second | None = None
+    for y in range(slices):
+        following = issue(y + 1) if y + 1 < slices else None
+        second = relay(first)
+        if in_flight is not None:
+            out.append(finish(in_flight, y - 1))
+        in_flight = second
+        if following is not None:
+            first = following
+    if in_flight is not None:
+        out.append(finish(in_flight, slices - 1))
+    return out

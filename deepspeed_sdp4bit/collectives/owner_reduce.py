@@ -46,11 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdp4bit_cost.layout import padding_unit, round_up
+
 from .. import codec
 from ..codec.spec import FLOAT_DTYPES
 from ..topology import Topology
 from . import comm
-from .levels import Exchange, Level, Splits, TwoLevelReducer, codes_slice
+from .levels import Exchange, Level, Splits, TwoLevelReducer, codes_slice, one_level_schedule, two_level_schedule
 
 _SHOWN_RUNS = 8  # runs listed in a layout summary
 AGREED_LAYOUTS = 4096  # distinct bucket layouts remembered as checked (a training run passes a few per micro-batch)
@@ -157,12 +159,11 @@ def bucket_layout(numel: int, runs: Sequence[Run], topo: Topology, unit: int, sl
     lengths = [0] * topo.world
     for run in merged:
         lengths[run.owner] += run.numel
-    padded = tuple(-(-length // unit) * unit for length in lengths)
     return BucketLayout(
         numel=numel,
         runs=merged,
         lengths=tuple(lengths),
-        padded=padded,
+        padded=tuple(round_up(length, unit) for length in lengths),
         unit=unit,
         nodes=topo.nodes,
         ranks_per_node=topo.ranks_per_node,
@@ -241,7 +242,7 @@ class OwnerReducer(TwoLevelReducer):
     @property
     def unit(self) -> int:
         """Every owner's piece is padded to a multiple of this: whole groups and Hadamard blocks in each slice."""
-        return self.group * self.pipeline
+        return padding_unit(self.intra.group, self.inter.group, self.pipeline)
 
     def reduce(
         self, bucket: torch.Tensor, runs: Sequence[Run], logical_element_size: int | None = None
@@ -355,17 +356,11 @@ class OwnerReducer(TwoLevelReducer):
         codes, scales = self._quantize(send, level)
         world, own = self.topo.world, layout.slice_len(self.topo.rank)
         splits = Splits(level, tuple(layout.slice_len(r) for r in range(world)), (own,) * world)
-
-        def issue(y: int) -> Exchange | _Idle:
-            """Start slice y's exchange."""
-            return self._exchange(*codes_slice(codes, scales, level, layout.slice_total, y), group, kind, splits)
-
-        pending, out = issue(0), []
-        for y in range(layout.slices):
-            following = issue(y + 1) if y + 1 < layout.slices else None
-            out.append(self._finish(pending, level, world, dtype, own))
-            pending = following
-        return out
+        return one_level_schedule(
+            layout.slices,
+            lambda y: self._exchange(*codes_slice(codes, scales, level, layout.slice_total, y), group, kind, splits),
+            lambda exchange, _: self._finish(exchange, level, world, dtype, own),
+        )
 
     def _two_level(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype) -> list[torch.Tensor]:
         """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
@@ -383,18 +378,17 @@ class OwnerReducer(TwoLevelReducer):
             (own,) * topo.nodes,
         )
 
-        def issue_intra(y: int) -> Exchange | _Idle:
-            """Start slice y's intra-node exchange."""
-            sliced = codes_slice(codes, scales, self.intra, layout.slice_total, y)
-            return self._exchange(*sliced, topo.intra, "grad_intra", intra)
+        def relay(exchange: Exchange | _Idle) -> Exchange | _Idle:
+            """Sum a slice's D received intra-node pieces of the column, requantize and start its inter-node
+            exchange."""
+            requantized = self._requantize(*exchange.wait(), column)
+            return self._exchange(*requantized, topo.inter, "grad_inter", inter)
 
-        intra_pending, inter_pending, out = issue_intra(0), None, []
-        for y in range(layout.slices):
-            following = issue_intra(y + 1) if y + 1 < layout.slices else None
-            requantized = self._requantize(*intra_pending.wait(), column)
-            previous, inter_pending = inter_pending, self._exchange(*requantized, topo.inter, "grad_inter", inter)
-            if previous is not None:
-                out.append(self._finish(previous, self.inter, topo.nodes, dtype, own))
-            intra_pending = following
-        out.append(self._finish(inter_pending, self.inter, topo.nodes, dtype, own))
-        return out
+        return two_level_schedule(
+            layout.slices,
+            lambda y: self._exchange(
+                *codes_slice(codes, scales, self.intra, layout.slice_total, y), topo.intra, "grad_intra", intra
+            ),
+            relay,
+            lambda exchange, _: self._finish(exchange, self.inter, topo.nodes, dtype, own),
+        )

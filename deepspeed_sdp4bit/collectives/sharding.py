@@ -1,25 +1,18 @@
 """ZeRO-3's partitioning of a flat parameter over W ranks, which the weight collectives follow exactly.
 
 A parameter of n elements is split into W shards of shard_numel = ceil(n / W) elements; shard r covers [r*s, r*s + s)
-(s = shard_numel) of the flat parameter and only its first clamp(n - r*s, 0, s) elements are valid, the rest is padding.
+(s = shard_numel) of the flat parameter and only its first clamp(n - r*s, 0, s) elements are valid, the rest is
+padding. `shard_numel` and `valid_numel` are `sdp4bit_cost.layout`'s, which the cost model counts with.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sdp4bit_cost.layout import shard_numel as shard_numel
+from sdp4bit_cost.layout import valid_numel as valid_numel
+
 from ..codec.spec import FLOAT_DTYPES
-
-
-def shard_numel(numel: int, world: int) -> int:
-    """ZeRO-3's shard size: ceil(n / W) elements."""
-    return -(-numel // world)
-
-
-def valid_numel(numel: int, world: int, rank: int) -> int:
-    """Valid elements of shard `rank`: clamp(n - rank*s, 0, s) with s = shard_numel(n, W); the rest is padding."""
-    shard_len = shard_numel(numel, world)
-    return max(0, min(shard_len, numel - rank * shard_len))
 
 
 def check_registration(key: int, numel: object, logical_element_size: object) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from sdp4bit_cost.layout import refresh_run
+
 from .. import adapter
 from ..collectives.accounting import CommStats
 from ..collectives.owner_reduce import OwnerReducer, Run
@@ -49,7 +51,7 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     names = {id(p): name for name, p in engine.module.named_parameters()}
     units = Zero12Units(
         optimizer,
-        cut([g.partition for g in groups], max(1, config.refresh_bucket_size // world)),
+        cut([g.partition for g in groups], refresh_run(config.refresh_bucket_size, world)),
         topology.rank,
         world,
         names,

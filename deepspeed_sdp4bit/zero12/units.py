@@ -8,8 +8,8 @@ so the weight store attaches to it (`WeightStore.attach`, one segment per group)
 
 Each partition is cut into runs of `run_numel` elements (the last shorter): unit k of group g is columns
 [k * run_numel, ...) of every partition, and this rank's tensor of it is that run of its own partition. A refresh
-sends one unit per bucket, so `run_numel` = max(1, refresh_bucket_size // W) keeps every bucket's received codes
-within refresh_bucket_size elements.
+sends one unit per bucket, so `run_numel` = max(1, refresh_bucket_size // W) (`sdp4bit_cost.layout.refresh_run`)
+keeps every bucket's received codes within refresh_bucket_size elements.
 
 A write to the weights reaches the buffer through the module's parameters (views of it, whose own version
 counters advance) or through the buffer itself; a unit watches its run and every parameter that overlaps its columns
