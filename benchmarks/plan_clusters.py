@@ -1,4 +1,4 @@
-"""The planner on a few common clusters: the README's "Will it pay off?" table, in one command.
+"""The planner on a few common clusters: the table of docs/planning.md, in one command.
 
     python benchmarks/plan_clusters.py                 # prints the table, writes benchmarks/results/plan_clusters/
 

@@ -372,7 +372,7 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# the README's columns per stage: the plain run, hpZ (ZeRO-3), SDP4Bit and auto
+# the columns per stage of docs/planning.md's measured tables: the plain run, hpZ (ZeRO-3), SDP4Bit and auto
 BRIEF = {
     3: {"zero3": "ZeRO-3", "hpz": "hpZ", "sdp4bit_node": "SDP4Bit", "auto": "auto"},
     2: {"zero2": "ZeRO-2", "zero2_sdp4bit": "SDP4Bit", "zero2_auto": "auto"},
@@ -381,7 +381,7 @@ BRIEF = {
 
 def brief_table(rows: Sequence[dict], stage: int = 3) -> str:
     """Per rate, each dtype's median step of the stage's plain run, hpZ (ZeRO-3), SDP4Bit and auto, and SDP4Bit's
-    and auto's speed-up over the plain run (the README's table)."""
+    and auto's speed-up over the plain run (docs/planning.md's measured tables)."""
     columns = BRIEF[stage]
     sdp4bit, auto_name = list(columns)[-2:]
     dtypes = sorted({r["dtype"] for r in rows})

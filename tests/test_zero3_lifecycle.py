@@ -335,7 +335,7 @@ def _exports(folder: str) -> dict[str, Any]:
 
 
 def test_16_bit_saves_hold_the_weights_computed_with_and_zero_to_fp32_the_masters(tmp_path: Any) -> None:
-    """What the README's Checkpoints section says of exports: 16-bit saves are the replicas w~ the forward computes
+    """What docs/checkpoints.md says of exports: 16-bit saves are the replicas w~ the forward computes
     with, zero_to_fp32 the fp32 masters, which differ from w~ by up to one quantization step of the weight
     difference. At 4 bits that step is at most the group's largest difference / 7, and with the error fed back it
     stays below a sixth of the largest change an optimizer step makes: asserted with a factor 3 to spare."""
