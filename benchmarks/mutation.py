@@ -43,6 +43,7 @@ class Mutant:
     new: str
     what: str
     equivalent: str = ""  # why no input can tell this mutant from the original, if none can
+    target: str = ""  # the target whose tests run it, where not every target of its file
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ TARGETS = {
     "rounding": Target("rounding", ROUNDING, ("tests/test_grad_reduce.py", "-k", "world1 or world4 or world6")),
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
     "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
+    "runtime_rules": Target("runtime_rules", RUNTIME, ("tests/test_runtime_rules.py",)),
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
     "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4 or merge")),
@@ -636,9 +638,9 @@ MUTANTS = [
     Mutant(
         "Z03",
         SERVING3,
-        "        if runtime.reducer is None or not runtime.quantizing() or runtime.measuring():",
-        "        if runtime.reducer is None or runtime.measuring():",
-        "gradients quantized before the start step",
+        "        reducer = self.runtime.active().reducer",
+        "        reducer = self.runtime.reducer",
+        "gradients quantized before the start step (the serving bypasses what serves now)",
     ),
     Mutant(
         "Z04",
@@ -792,17 +794,73 @@ MUTANTS = [
     Mutant(
         "S02",
         SERVING12,
-        "        if runtime.store is None or runtime.measuring():\n            deepspeed_gather()\n"
-        "        runtime.after_step()",
-        "        deepspeed_gather()\n        runtime.after_step()",
+        "        if self.runtime.active().store is None:\n            deepspeed()\n        self.runtime.after_step()",
+        "        deepspeed()\n        self.runtime.after_step()",
         "DeepSpeed's weight all-gather still runs beside the refresh",
     ),
     Mutant(
         "S03",
         SERVING12,
-        "        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()",
-        "        return runtime.reducer is not None and not runtime.measuring()",
-        "gradients quantized before the start step",
+        "        reducer = self.runtime.active().reducer",
+        "        reducer = self.runtime.reducer",
+        "gradients quantized before the start step (the serving bypasses what serves now)",
+    ),
+    # core/runtime.py, checked by the one-process tests of its rules
+    Mutant(
+        "U01",
+        RUNTIME,
+        "        if self.measuring():\n            return Active(gather=None, reducer=None, store=None)",
+        "        if False:\n            return Active(gather=None, reducer=None, store=None)",
+        "SDP4Bit serves while auto still times plain steps",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U02",
+        RUNTIME,
+        "            reducer=self.reducer if quantizing else None,",
+        "            reducer=self.reducer,",
+        "TLq serves before the start step",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U03",
+        RUNTIME,
+        "        direct = self.direct if quantizing else None",
+        "        direct = self.direct",
+        "qW serves gathers before the start step",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U04",
+        RUNTIME,
+        "        if step == self._writes_agreed_at:\n            self.watch.note()\n            return",
+        "        if False:\n            self.watch.note()\n            return",
+        "the ranks agree on outside writes at every forward, not once per step",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U05",
+        RUNTIME,
+        "        self.resync()\n        self._writes_agreed_at = None",
+        "        self.resync()",
+        "after a load the next forward of the same step does not look for writes",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U06",
+        RUNTIME,
+        "        if not decision.gradients:\n            self.reducer = None",
+        "        if False:\n            self.reducer = None",
+        "auto keeps the reducer it decided against",
+        target="runtime_rules",
+    ),
+    Mutant(
+        "U07",
+        RUNTIME,
+        "        if written:\n            self.resync(written)",
+        "        if False:\n            self.resync(written)",
+        "a write agreed on is not resynced",
+        target="runtime_rules",
     ),
     # sdp4bit_cost/traffic.py
     Mutant(
@@ -959,6 +1017,14 @@ MUTANTS = [
 ]
 
 
+def runs_in(mutant: Mutant, target: Target) -> bool:
+    """Whether `target`'s selection runs `mutant`: the mutants naming a target run there only; a target that some
+    mutant names runs those alone, the other targets of a file every unnamed mutant of it."""
+    if mutant.target:
+        return mutant.target == target.name
+    return mutant.path == target.path and not any(m.target == target.name for m in MUTANTS)
+
+
 def apply(clone: Path, mutant: Mutant) -> str:
     """Write the mutant into the clone; returns the original text of the file."""
     path = clone / mutant.path
@@ -1027,7 +1093,7 @@ def main() -> None:
             print(f"{target.name}: unmutated selection {status} in {baseline:.0f} s", flush=True)
             if status != "pass":
                 raise SystemExit(f"{target.name}: the selection fails without a mutant:\n{tail}")
-            for mutant in (m for m in MUTANTS if m.path == target.path and (args.only is None or m.id in args.only)):
+            for mutant in (m for m in MUTANTS if runs_in(m, target) and (args.only is None or m.id in args.only)):
                 original = apply(args.work, mutant)
                 try:
                     status, seconds, tail = run_tests(args.work, target.tests, 3 * baseline + 120, env)

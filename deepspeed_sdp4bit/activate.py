@@ -27,7 +27,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import deepspeed.comm as ds_comm
 import hjson
@@ -40,7 +40,7 @@ from . import adapter, codec, zero3, zero12
 from .config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
 from .core import engine_patches, shm
 from .core.checks import offload_device, raise_problems
-from .core.runtime import Runtime
+from .core.runtime import AnyRuntime
 from .log import logger
 from .topology import Topology, build_topology
 
@@ -48,7 +48,23 @@ _CREATED = itertools.count()
 STAGES = (1, 2, 3)
 
 
-def _load_config(config: Any) -> dict[str, Any] | None:
+class _Integration(Protocol):
+    """What activation calls of a ZeRO stage's integration (the `zero3` and `zero12` packages)."""
+
+    def zero_problems(self, zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict[str, Any]) -> list[str]:
+        """Conflicts with the stage's zero_optimization settings."""
+
+    def check_engine(self, engine: Any, cfg: SDP4BitConfig) -> None:
+        """Raise SDP4BitConfigError for what the built engine shows."""
+
+    def activate(self, engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> AnyRuntime:
+        """Build the engine's runtime, patch its seams and sync the weights (collective)."""
+
+    def describe(self, runtime: AnyRuntime) -> dict[str, str]:
+        """The stage's words in the activation line."""
+
+
+def _load_config(config: Any) -> Any:
     """The ds_config as a dict from what deepspeed.initialize accepts: a dict, a JSON/HJSON path, or base64."""
     if config is None or isinstance(config, dict):
         return config
@@ -61,7 +77,7 @@ def _load_config(config: Any) -> dict[str, Any] | None:
         return None
 
 
-def _ds_config(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+def _ds_config(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Find the ds_config the way deepspeed.initialize does: config, then config_params, then args.deepspeed_config."""
     bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
     for candidate in (
@@ -90,7 +106,7 @@ def _block(ds_config: dict[str, Any] | None, quiet: bool = False) -> SDP4BitConf
     return cfg
 
 
-def _integration(stage: int) -> Any:
+def _integration(stage: int) -> _Integration:
     """The integration of a ZeRO stage (zero3 or zero12)."""
     return zero3 if stage == 3 else zero12
 
@@ -154,7 +170,7 @@ def check_ds_config(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> int:
     if CompileConfig(**ds_config.get("compile", {})).deepcompile:
         problems.append("compile.deepcompile = true: DeepCompile's own ZeRO ops bypass sdp4bit; turn it off")
     raise_problems(problems)
-    return zero.stage
+    return cast(int, zero.stage)  # DeepSpeed's zero_optimization model holds an int, one of STAGES here
 
 
 def _check_supported(ds_config: dict[str, Any], cfg: SDP4BitConfig) -> int:
@@ -178,7 +194,7 @@ def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
     return cfg
 
 
-def _arguments(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """deepspeed.initialize's arguments by name, defaults included."""
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -233,7 +249,8 @@ def _set_device(args: Any) -> None:
 def _refuse_served_model(model: Any) -> None:
     """A new engine on parameters a live SDP4Bit engine still serves would train on that engine's replicas."""
     parameters = model.parameters() if hasattr(model, "parameters") else ()
-    owners = sorted({engine_patches.owner(p) for p in parameters} - {None}, key=lambda r: r.created)
+    served = cast("set[AnyRuntime]", {engine_patches.owner(p) for p in parameters} - {None})  # None taken out
+    owners = sorted(served, key=lambda r: r.created)
     if owners:
         raise SDP4BitConfigError(
             f"this model's parameters are still served by {owners[0].describe()}, which was not destroyed: a new "
@@ -281,7 +298,7 @@ def prepare_codec(device: torch.device | str) -> str:
 
 def activate_engine(
     engine: Any, cfg: SDP4BitConfig, topology: Topology | None = None, codec_status: str | None = None
-) -> Runtime:
+) -> AnyRuntime:
     """Install SDP4Bit into a built ZeRO engine and sync the replicas; returns the runtime (engine.sdp4bit).
 
     `topology` is the layout checked before the engine was built and `codec_status` what loading the codec said
@@ -311,7 +328,7 @@ def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
     return f"{intra}, then {inter}"
 
 
-def _log_activation(runtime: Runtime, codec_status: str, stage: dict[str, str]) -> None:
+def _log_activation(runtime: AnyRuntime, codec_status: str, stage: dict[str, str]) -> None:
     """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype;
     `stage` holds the stage's own words (integration.describe): its weights, the memory they take, the gradient
     collective it replaces."""
@@ -343,7 +360,7 @@ def _log_activation(runtime: Runtime, codec_status: str, stage: dict[str, str]) 
         )
 
 
-def _activate(original: Callable, args: tuple, kwargs: dict) -> Any:
+def _activate(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """deepspeed.initialize, plus SDP4Bit when the config has an enabled block and the engine an optimizer; every
     refusal for the config or the layout comes before DeepSpeed builds anything."""
     ds_config = _ds_config(original, args, kwargs)

@@ -8,13 +8,15 @@ module compares DeepSpeed versions. A release newer than the tested range runs a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import importlib
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import deepspeed
 from packaging.version import Version
@@ -141,7 +143,7 @@ def _resolve(module: str, path: str) -> object:
     return obj
 
 
-def _parameter_names(obj: object) -> list[str]:
+def _parameter_names(obj: Callable[..., Any]) -> list[str]:
     """Parameter names of a callable, looking through decorators (DeepSpeed's nvtx wrapper keeps no __wrapped__)."""
     params = inspect.signature(obj).parameters.values()
     if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -160,7 +162,7 @@ def _symbol_problem(module: str, path: str, params: tuple[str, ...] | None) -> s
         return f"{module}.{path} is missing"
     if params is None:
         return None
-    have = _parameter_names(obj)
+    have = _parameter_names(cast("Callable[..., Any]", obj))  # a symbol with parameter names is a callable
     if not set(params) <= set(have):
         return f"{module}.{path} has parameters {have}, expected {list(params)}"
     return None
@@ -274,7 +276,7 @@ class BucketEntry:
     output: Any = None
 
 
-def bucket_entries(bucket: Sequence[tuple]) -> list[BucketEntry]:
+def bucket_entries(bucket: Sequence[tuple[Any, ...]]) -> list[BucketEntry]:
     """The entries in DeepSpeed's forms: `(rank, slice)` up to 0.19.3, `(frozenset ranks, slice)` from 0.19.4
     (several ranks only for Muon's split matrices, which the checks refuse), `(ranks, slice, output)` from 0.19.8
     where gradients accumulate in an fp32 partition of another dtype than the model's."""
@@ -299,6 +301,49 @@ def deliver(entry: BucketEntry, reduced: Any) -> None:
     if entry.output is not None:
         entry.output.add_(reduced.to(entry.output.dtype))
     entry.tensor.copy_(reduced)
+
+
+# ----- relays: where DeepSpeed calls a module function from inside a method of the engine's optimizer
+Seam = TypeVar("Seam")
+
+
+class Relay(Generic[Seam]):
+    """A seam handed from a per-engine patch to a process-wide one through DeepSpeed's own call.
+
+    DeepSpeed calls some module-level functions (patchable only for the whole process) from inside methods of the
+    engine's optimizer (patchable per engine). The method's patch binds its engine's seam here while the method runs
+    (in this thread or task only); the function's patch serves through the seam bound, and calls from anywhere else,
+    where none is, get DeepSpeed's function. `reason` says which call forces it.
+    """
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+        self._bound: contextvars.ContextVar[Seam | None] = contextvars.ContextVar(name, default=None)
+
+    @contextlib.contextmanager
+    def bound(self, seam: Seam) -> Iterator[None]:
+        """While inside, `current()` is `seam`."""
+        token = self._bound.set(seam)
+        try:
+            yield
+        finally:
+            self._bound.reset(token)
+
+    def current(self) -> Seam | None:
+        """The seam bound by the innermost `bound` around this call, or None."""
+        return self._bound.get()
+
+
+ZERO3_REDUCE_SCATTER: Relay[Callable[[Any, Callable[[], Any]], Any]] = Relay(
+    "sdp4bit_zero3_reduce_scatter",
+    "ZeRO-3's optimizer reduces each gradient bucket in its __avg_scatter_grads through the module function "
+    "deepspeed.runtime.zero.stage3.reduce_scatter_coalesced",
+)
+ZERO12_WEIGHT_GATHER: Relay[Callable[[Callable[[], Any]], None]] = Relay(
+    "sdp4bit_zero12_weight_gather",
+    "ZeRO-1/2's optimizer spreads the weights it wrote, in its step and in update_lp_params, through the module "
+    "function all_gather_dp_groups as deepspeed.runtime.zero.stage_1_and_2 imports it",
+)
 
 
 # ----- behaviours that differ between releases, one entry each
@@ -326,7 +371,16 @@ def reject_removed_config_keys(ds_config: dict[str, Any]) -> None:
         reject(ds_config)
 
 
-def cuda_arch_args(builder: Any) -> list[str]:
+class CudaArchBuilder(Protocol):
+    """What `cuda_arch_args` uses of a DeepSpeed CUDAOpBuilder (untyped)."""
+
+    jit_mode: bool
+
+    def compute_capability_args(self) -> list[str]:
+        """nvcc's -gencode flags."""
+
+
+def cuda_arch_args(builder: CudaArchBuilder) -> list[str]:
     """nvcc's -gencode flags for an op builder, from TORCH_CUDA_ARCH_LIST when it is set or no GPU is visible.
 
     Before 0.19.0 a JIT build takes only the visible GPUs' architectures (an IndexError without a GPU) and ignores

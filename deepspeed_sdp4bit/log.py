@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 from deepspeed.utils.logging import LoggerFactory
 
@@ -20,7 +21,7 @@ def _level() -> int:
     name = os.environ.get("SDP4BIT_LOG_LEVEL", "info")
     if name.lower() not in LEVELS:
         raise ValueError(f"SDP4BIT_LOG_LEVEL = {name!r}: must be one of {', '.join(LEVELS)}")
-    return logging.getLevelName(name.upper())
+    return cast(int, logging.getLevelName(name.upper()))  # a level's name gives its number
 
 
 logger: logging.Logger = LoggerFactory.create_logger(name="deepspeed_sdp4bit", level=_level())

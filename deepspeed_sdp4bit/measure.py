@@ -147,7 +147,9 @@ def _hf_model(args: argparse.Namespace, shape: ModelShape) -> torch.nn.Module:
             vocab_size=shape.vocab,
             n_positions=max(args.seq, shape.positions),
         )
-    return transformers.AutoModelForCausalLM.from_config(config)
+    # transformers leaves from_config unannotated; it builds a torch module
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return model
 
 
 def pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device) -> float:

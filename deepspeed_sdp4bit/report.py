@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import hjson
 import torch
@@ -154,7 +155,7 @@ def toolchain() -> Section:
     return lines + [("CUDA toolkit", f"{root} ({source})"), ("nvcc", f"{nvcc}: {_nvcc_version(nvcc)}")]
 
 
-def topology(ranks_per_node: int | str) -> Section:
+def topology(ranks_per_node: int | Literal["auto"]) -> Section:
     """The node layout the launcher's environment implies for this process (no process group is needed)."""
     env = {name: os.environ.get(name) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *ENV_SOURCES)}
     lines = [(name, value if value is not None else "unset") for name, value in env.items()]
@@ -179,8 +180,9 @@ def _integer(name: str, value: str | None, low: int) -> int | None:
     return number
 
 
-def _layout(env: dict[str, str | None], ranks_per_node: int | str) -> str:
+def _layout(env: dict[str, str | None], ranks_per_node: int | Literal["auto"]) -> str:
     """Nodes x ranks and this rank's place, from the launcher variables (ValueError for an invalid one)."""
+    per_node: int | Literal["auto"] | None
     per_node, source = ranks_per_node, "ranks_per_node setting"
     if per_node == "auto":
         found = next(((name, env[name]) for name in ENV_SOURCES if env[name] is not None), None)
@@ -201,7 +203,7 @@ def _layout(env: dict[str, str | None], ranks_per_node: int | str) -> str:
     return layout
 
 
-def block(path: str | None) -> tuple[Section, int | str]:
+def block(path: str | None) -> tuple[Section, int | Literal["auto"]]:
     """The --config file's "sdp4bit" block validated, and its ranks_per_node ('auto' without one)."""
     if path is None:
         return [], "auto"

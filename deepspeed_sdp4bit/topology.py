@@ -26,6 +26,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -84,10 +85,10 @@ class Topology:
         return f"{self.nodes} nodes x {self.ranks_per_node} ranks (from {self.source}): {', '.join(nodes)}{shared}"
 
 
-def _gather(value: object) -> list:
+def _gather(value: object) -> list[Any]:
     """Every rank's `value`, in rank order (one object all-gather over the default group, whose tensors torch puts on
     the current device: the caller made this rank's device current first)."""
-    values: list = [None] * dist.get_world_size()
+    values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
 
@@ -202,11 +203,15 @@ def _my_group(groups: list[list[int]], rank: int) -> ProcessGroup:
     if splits_default_group():
         layout = tuple(map(tuple, groups))
         if layout not in _SPLITS:
-            _SPLITS[layout] = dist.split_group(split_ranks=groups, timeout=job_timeout())
+            # `groups` cover the world, so this rank is in one of them: a group, never NON_GROUP_MEMBER
+            _SPLITS[layout] = cast(ProcessGroup, dist.split_group(split_ranks=groups, timeout=job_timeout()))
         return _SPLITS[layout]
     mine = tuple(next(ranks for ranks in groups if rank in ranks))
     if mine not in _OWN:
-        _OWN[mine] = dist.new_group(list(mine), timeout=job_timeout(), use_local_synchronization=True)
+        # this rank is among `mine`: a group, never NON_GROUP_MEMBER
+        _OWN[mine] = cast(
+            ProcessGroup, dist.new_group(list(mine), timeout=job_timeout(), use_local_synchronization=True)
+        )
     return _OWN[mine]
 
 

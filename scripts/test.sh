@@ -32,7 +32,7 @@ prebuild_log="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-prebuild.XXXXXX")"
 "$venv_bin/python" -m sdp4bit_testing.prebuild > "$prebuild_log" 2>&1 &
 prebuild=$!
 status=0
-# the maintainers' checks (configured in pyproject.toml): lint, format, and types of the library's contracts
+# the maintainers' checks (configured in pyproject.toml): lint, format, and the whole library's types (strict)
 echo "test: ruff check, ruff format --check, mypy"
 "$venv_bin/ruff" check --quiet . || status=$?
 "$venv_bin/ruff" format --check --quiet . || status=$?

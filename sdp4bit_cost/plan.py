@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from . import sensitivity
 from .hardware import GPUS, LINK_EFFICIENCY, Cluster, HardwareError, gpu
@@ -527,10 +527,17 @@ def read_ds_config(path: Path, flag: str) -> dict[str, Any]:
     return dict(config)
 
 
+class _ZeroSizes(TypedDict):
+    """The ZeRO-3 sizes a ds_config sets, by `Scheme`'s field names."""
+
+    persistence_threshold: int
+    reduce_bucket: int
+
+
 def _block_scheme(ds: dict[str, Any]) -> Scheme:
     """The SDP4Bit settings and ZeRO-3 sizes of a ds_config (validated by the package's own config), or defaults."""
     zero = ds.get("zero_optimization", {})
-    sizes = {
+    sizes: _ZeroSizes = {
         "persistence_threshold": int(zero.get("stage3_param_persistence_threshold", 100_000)),
         "reduce_bucket": int(zero.get("reduce_bucket_size", 500_000_000)),
     }
@@ -587,7 +594,7 @@ def _stage(args: argparse.Namespace, zero: dict[str, Any]) -> int:
     stage = args.stage if args.stage is not None else zero.get("stage", 3)
     if stage not in STAGES:
         raise PlanError(f"--config: zero_optimization.stage = {stage!r}: allowed: {allowed} (or give --stage)")
-    return stage
+    return cast(int, stage)  # one of STAGES
 
 
 def _round_robin(args: argparse.Namespace, zero: dict[str, Any], stage: int) -> bool:
@@ -679,7 +686,8 @@ def _check_latency(path: Path, latency: object) -> None:
     """latency_us: microseconds per collective on the world, inter- and intra-node groups (null: no such group)."""
     ok = isinstance(latency, dict) and set(latency) == set(PerGroup._fields)
     ok = ok and all(
-        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0) for v in latency.values()
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)
+        for v in cast("dict[str, object]", latency).values()  # ok so far: latency is a dict
     )
     if not ok:
         raise PlanError(
@@ -729,7 +737,7 @@ def _link_efficiency(args: argparse.Namespace, measured_gbps: float | None, line
         raise PlanError(
             f"--measured-inter-node-gbps {args.measured_inter_node_gbps}: must be > 0, with --inter-node-gbps > 0"
         )
-    return args.measured_inter_node_gbps / line_gbps
+    return cast(float, args.measured_inter_node_gbps / line_gbps)  # the flag is a float
 
 
 def _pipeline(args: argparse.Namespace, stage: int, cluster: Cluster) -> None:
@@ -855,9 +863,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measured_line(scenario: Scenario) -> str:
     """Which inputs came from the measurement file, with their values."""
-    m, c = scenario.measured, scenario.cluster
+    m, c = cast("dict[str, Any]", scenario.measured), scenario.cluster  # printed only for a measured scenario
     tflops = "" if m["tflops"] is None else f", {m['tflops']:,.3g} TFLOP/s achieved on the timed model's passes"
-    engine = (m.get("timed_model") or {}).get("engine")
+    engine: Any = (m.get("timed_model") or {}).get("engine")  # the file's JSON object (None: no timed engine)
     if scenario.fitted_tflops is not None:
         tflops += (
             f" and {scenario.fitted_tflops:,.3g} in its plain ZeRO-{engine['zero_stage']} engine's "

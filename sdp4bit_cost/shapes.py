@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 128, as Megatron-LM and the paper's runs pad it
 
@@ -142,7 +143,7 @@ def from_size(params: float, layers: int, hidden: int) -> ModelShape:
     return ModelShape(layers, hidden, base.heads, ffn=ffn)
 
 
-def _first(config: dict, *keys: str, default: object = None) -> object:
+def _first(config: dict[str, Any], *keys: str, default: object = None) -> Any:
     for key in keys:
         if config.get(key) is not None:
             return config[key]

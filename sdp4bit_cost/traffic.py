@@ -122,10 +122,6 @@ class Transfer:
 
     def times(self, m: int) -> Transfer:
         """The same transfer run `m` times."""
-        peaks = {
-            name: None if getattr(self, name) is None else m * getattr(self, name)
-            for name in ("peak_cross", "peak_intra")
-        }
         return replace(
             self,
             wire=m * self.wire,
@@ -133,7 +129,8 @@ class Transfer:
             intra=m * self.intra,
             codec=m * self.codec,
             calls=self.calls.scaled(m),
-            **peaks,
+            peak_cross=None if self.peak_cross is None else m * self.peak_cross,
+            peak_intra=None if self.peak_intra is None else m * self.peak_intra,
         )
 
 

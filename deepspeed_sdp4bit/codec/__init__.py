@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+
+import torch
 
 from . import reference
 from .dispatch import backend_for, backend_name, prepare, set_backend
@@ -63,8 +65,8 @@ def _dispatching(method: Callable[Concatenate[Any, P], R]) -> Callable[P, R]:
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        tensor = args[0] if args else kwargs[first]
-        return getattr(backend_for(tensor), name)(*args, **kwargs)
+        tensor = cast(torch.Tensor, args[0] if args else kwargs[first])  # every op's first parameter is a tensor
+        return cast(R, getattr(backend_for(tensor), name)(*args, **kwargs))  # the same op, on the backend
 
     call.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     return call

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import deepspeed.comm as ds_comm
 import torch.distributed as dist
@@ -207,7 +207,11 @@ def failure(what: str, err: BaseException, members: Sequence[int] | None = None)
     here = _nodes.name([rank]) if _nodes else f"rank {rank}"
     over = "" if members is None else f" over {_nodes.name(members) if _nodes else f'ranks {list(members)}'}"
     alive = _beat is not None and _beat.store is not None
-    silence = _silent(_beat, rank, world) if alive else "no liveness information (no heartbeat in this process)"
+    silence = (
+        _silent(cast(Heartbeat, _beat), rank, world)  # alive: _beat is a Heartbeat
+        if alive
+        else "no liveness information (no heartbeat in this process)"
+    )
     return CollectiveError(f"sdp4bit: {what}{over} failed on {here}: {silence}. {type(err).__name__}: {err}")
 
 

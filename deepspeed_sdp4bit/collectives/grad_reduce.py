@@ -171,7 +171,7 @@ class TLqReducer(TwoLevelReducer):
         layout: ChunkLayout,
         dtype: torch.dtype,
         level: Level,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         kind: str,
     ) -> list[torch.Tensor]:
         """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from ..codec.spec import check_quantizer, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
+from .faults import Pending
 from .rounding import TwoLevelRounding
 
 First = TypeVar("First")  # an exchange of the first level in flight
@@ -139,24 +140,30 @@ class Exchange:
         self,
         codes: torch.Tensor,
         scales: torch.Tensor,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         stats: CommStats,
         kind: str,
         splits: Splits | None = None,
     ) -> None:
         """Issue both all-to-alls now (async); the send buffers stay referenced until `wait`."""
-        self._sent = (codes, scales)
+        self._sent: tuple[torch.Tensor, torch.Tensor] | None = (codes, scales)
+        code_splits: tuple[list[int] | None, list[int] | None] = (None, None)
+        scale_splits: tuple[list[int] | None, list[int] | None] = (None, None)
         if splits is None:
             self.codes, self.scales = torch.empty_like(codes), torch.empty_like(scales)
-            code_splits = scale_splits = (None, None)
         else:
-            code_splits = (splits.code_bytes(splits.recv), splits.code_bytes(splits.send))
-            scale_splits = (splits.scale_counts(splits.recv), splits.scale_counts(splits.send))
-            self.codes = codes.new_empty(sum(code_splits[0]))
-            self.scales = scales.new_empty(sum(scale_splits[0]))
+            received_codes, received_scales = splits.code_bytes(splits.recv), splits.scale_counts(splits.recv)
+            code_splits = (received_codes, splits.code_bytes(splits.send))
+            scale_splits = (received_scales, splits.scale_counts(splits.send))
+            self.codes = codes.new_empty(sum(received_codes))
+            self.scales = scales.new_empty(sum(received_scales))
         self._works = [
-            comm.all_to_all_single(
-                received, sent, group, stats, kind, part, True, output_split_sizes=recv, input_split_sizes=send
+            # issued with async_op: the call returns its work handle
+            cast(
+                Pending,
+                comm.all_to_all_single(
+                    received, sent, group, stats, kind, part, True, output_split_sizes=recv, input_split_sizes=send
+                ),
             )
             for received, sent, part, (recv, send) in (
                 (self.codes, codes, "codes", code_splits),

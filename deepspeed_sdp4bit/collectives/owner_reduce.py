@@ -318,7 +318,7 @@ class OwnerReducer(TwoLevelReducer):
         )
 
     def _exchange(
-        self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str, splits: Splits
+        self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup | None, kind: str, splits: Splits
     ) -> Exchange | _Idle:
         """Start an exchange, or skip it when this rank sends nothing: every member then sends nothing."""
         if not any(splits.send):
@@ -349,7 +349,7 @@ class OwnerReducer(TwoLevelReducer):
         layout: BucketLayout,
         dtype: torch.dtype,
         level: Level,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         kind: str,
     ) -> list[torch.Tensor]:
         """One exchange per slice over the world; slice y+1's exchange is in flight while slice y is reduced."""

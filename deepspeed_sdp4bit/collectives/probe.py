@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ def slowest(seconds: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def timed(run: Callable[[], None], device: torch.device, repeats: int = REPEATS) -> float:
+def timed(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
     """Median seconds (slowest rank) of `run`, every rank of the world calling it at once after a barrier; one
     untimed call first."""
     run()
@@ -110,7 +110,8 @@ def send_seconds(topology: Topology, pairs: list[tuple[int, int]], nbytes: int, 
 
     def run() -> None:
         for peer, sending in peers:
-            (dist.isend if sending else dist.irecv)(buffer, peer).wait()
+            # a send or receive in the default group, which holds every rank: a Work, never None
+            cast(dist.Work, (dist.isend if sending else dist.irecv)(buffer, peer)).wait()
 
     return timed(run, device)
 

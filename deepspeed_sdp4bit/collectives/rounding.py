@@ -71,11 +71,11 @@ class TwoLevelRounding:
         self.quant_stream = RoundingStream(seed, rank, STAGE_QUANTIZE)
         self.requant_stream = RoundingStream(seed, rank, STAGE_REQUANTIZE)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, dict[str, int]]:
         """Rounding counters of both stages, so a resumed run draws exactly the same random numbers."""
         return {"quantize": self.quant_stream.state_dict(), "requantize": self.requant_stream.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
         """Restore the counters written by `state_dict` (same seed and rank required)."""
         missing = {"quantize", "requantize"} - set(state)
         if missing:

@@ -188,11 +188,11 @@ class DirectQuantGather:
             out=out,
         )
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, dict[str, int]]:
         """The stochastic-rounding counter (the start of this step's draws), so a resumed run draws the same."""
         return {"rounding": self._stream.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
         """Restore the counter written by `state_dict`; the codes are rebuilt at the next gather."""
         self._stream.load_state_dict(state["rounding"])
         self._encoded.clear()

@@ -697,10 +697,10 @@ class WeightStore:
         mismatches = [(params[i].key, shard) for i, shard in bad]
         return ChecksumReport(ok=not mismatches, mismatches=mismatches, regions=len(params) * topo.world)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, dict[str, int]]:
         """The stochastic-rounding counter, so a resumed run draws the same random numbers."""
         return {"rounding": self._stream.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
         """Restore the stochastic-rounding counter written by `state_dict`."""
         self._stream.load_state_dict(state["rounding"])

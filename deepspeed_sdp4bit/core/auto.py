@@ -18,7 +18,7 @@ import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -279,7 +279,7 @@ class AutoTuner:
 
     def describe(self) -> str:
         """The decision's log line."""
-        d = self.decision
+        d = cast(Decision, self.decision)  # described once decided
         m = d.measured
         predicted = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in d.predicted.items())
         plain = label(False, False, self.model.scheme.stage)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -13,7 +13,17 @@ from ..config import SDP4BitConfig
 from ..topology import Topology
 
 
-def level_settings(cfg: SDP4BitConfig) -> dict[str, int]:
+class LevelSettings(TypedDict):
+    """The two levels' bits and group sizes and the all-to-all pipeline depth, by their keyword names."""
+
+    bits_intra: int
+    group_intra: int
+    bits_inter: int
+    group_inter: int
+    pipeline: int
+
+
+def level_settings(cfg: SDP4BitConfig) -> LevelSettings:
     """The two levels' bits and group sizes and the all-to-all pipeline depth from the block: what the TLq reducers
     and the cost model's `Scheme` both take, under the same names."""
     return dict(

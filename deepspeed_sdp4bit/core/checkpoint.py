@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zipfile
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -76,7 +76,14 @@ def why_unusable(state: Any) -> str | None:
     return None
 
 
-def model_states_file(engine: Any, load_dir: str, tag: Any) -> str:
+class CheckpointEngine(Protocol):
+    """What `model_states_file` reads of a DeepSpeedEngine (untyped): how it names a rank's model-states file."""
+
+    def _get_ckpt_name(self, checkpoints_path: str, tag: object) -> str:
+        """This rank's model-states file of checkpoint `tag` under `checkpoints_path`."""
+
+
+def model_states_file(engine: CheckpointEngine, load_dir: str, tag: Any) -> str:
     """This rank's DeepSpeed model-states file of a checkpoint (where its sdp4bit state lives); tag None reads
     the checkpoint's `latest` file as DeepSpeed does."""
     if tag is None:

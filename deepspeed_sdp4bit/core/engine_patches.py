@@ -30,7 +30,7 @@ import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import deepspeed
 import torch.distributed as dist
@@ -38,37 +38,39 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..collectives import faults
 from . import checkpoint
-from .runtime import Runtime
+from .runtime import AnyRuntime
 
 _ACTIVATING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdp4bit_activating", default=False)
 _MARK = "__sdp4bit_original__"
 _OWNER = "_sdp4bit_runtime"
 
+Wrapper = TypeVar("Wrapper", bound=Callable[..., Any])
 
-def wrap(original: Callable, wrapper: Callable) -> Callable:
+
+def wrap(original: Callable[..., Any], wrapper: Wrapper) -> Wrapper:
     """functools.wraps plus a marker so a patch is installed once and can find what it replaced."""
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, _MARK, original)
     return wrapper
 
 
-def is_patched(func: Callable) -> bool:
+def is_patched(func: Callable[..., Any]) -> bool:
     """Whether func is one of this package's wrappers."""
     return hasattr(func, _MARK)
 
 
-def original(func: Callable) -> Callable:
+def original(func: Callable[..., Any]) -> Callable[..., Any]:
     """What one of this package's wrappers replaced."""
-    return getattr(func, _MARK)
+    return cast("Callable[..., Any]", getattr(func, _MARK))  # the callable `wrap` stored
 
 
-def owner(param: Any) -> Runtime | None:
+def owner(param: Any) -> AnyRuntime | None:
     """The runtime serving this parameter's weights, or None."""
     return getattr(param, _OWNER, None)
 
 
 # ----- process-wide patches
-def patch_initialize(activate: Callable[[Callable, tuple, dict], Any]) -> None:
+def patch_initialize(activate: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]) -> None:
     """Route deepspeed.initialize through `activate(original, args, kwargs)`."""
     if is_patched(deepspeed.initialize):
         return
@@ -80,9 +82,10 @@ def patch_initialize(activate: Callable[[Callable, tuple, dict], Any]) -> None:
     deepspeed.initialize = wrap(unpatched, initialize)
 
 
-def original_initialize() -> Callable:
+def original_initialize() -> Callable[..., Any]:
     """The unpatched deepspeed.initialize."""
-    return getattr(deepspeed.initialize, _MARK, deepspeed.initialize)
+    # deepspeed.initialize is untyped
+    return cast("Callable[..., Any]", getattr(deepspeed.initialize, _MARK, deepspeed.initialize))
 
 
 @contextlib.contextmanager
@@ -96,7 +99,7 @@ def bound(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
         var.reset(token)
 
 
-def activating(unpatched: Callable, args: tuple, kwargs: dict) -> Any:
+def activating(unpatched: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """unpatched(*args, **kwargs) with the engine it builds marked as built by SDP4Bit's activation."""
     with bound(_ACTIVATING, True):
         return unpatched(*args, **kwargs)
@@ -129,7 +132,7 @@ class PatchSet:
 
     per_rank_files = True
 
-    def __init__(self, engine: Any, runtime: Runtime) -> None:
+    def __init__(self, engine: Any, runtime: AnyRuntime) -> None:
         self.engine = engine
         self.runtime = runtime
         self._undo: list[Callable[[], None]] = []
@@ -158,10 +161,10 @@ class PatchSet:
         self.undo()
         self.runtime.close()
 
-    def replace(self, obj: Any, name: str, wrapper: Callable) -> Callable:
+    def replace(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> Callable[..., Any]:
         """Set obj.name to wrapper (wrapping the current attribute) and record how to undo it; returns the
         original."""
-        unpatched = getattr(obj, name)
+        unpatched: Callable[..., Any] = getattr(obj, name)
         own = name in vars(obj)
         installed = wrap(unpatched, wrapper)
         setattr(obj, name, installed)
@@ -294,7 +297,7 @@ class PatchSet:
         unpatched = self.replace(self.engine, "destroy", destroy)
 
 
-def _naming_failures(name: str, unpatched: Callable, args: tuple, kwargs: dict) -> Any:
+def _naming_failures(name: str, unpatched: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """unpatched(*args, **kwargs), a failure of a collective inside it re-raised as one that names the silent nodes."""
     try:
         return unpatched(*args, **kwargs)

@@ -12,7 +12,8 @@ reductions to its collectives and calls it at the seams; it never patches anythi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -32,7 +33,35 @@ from .units import Units
 from .writes import WriteWatch
 
 
-class Runtime:
+class Engine(Protocol):
+    """What is read through `Runtime.engine` of the DeepSpeedEngine (untyped) the runtime belongs to."""
+
+    global_steps: int
+    module: torch.nn.Module
+    optimizer: Any  # the stage's ZeRO optimizer: untyped, and its attributes differ between stages and releases
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype DeepSpeed reduces gradients in."""
+
+
+UnitsT = TypeVar("UnitsT", bound=Units)  # the stage's units (ZeRO-3 parameters, runs of ZeRO-1/2 partitions)
+ReducerT = TypeVar("ReducerT", bound=GradientState)  # the stage's gradient collective
+
+
+@dataclass(frozen=True)
+class Active(Generic[ReducerT]):
+    """What SDP4Bit serves now in DeepSpeed's place (None: DeepSpeed's own code runs). `gather`: ZeRO-3's parameter
+    gathers (the replicas, or qW's codes from the start step on); `reducer`: the gradient reduction (TLq from the
+    start step on); `store`: the weights after a step or a reload, refreshed or resynced in the replicas instead of
+    all-gathered (ZeRO-1/2)."""
+
+    gather: WeightCollective | None
+    reducer: ReducerT | None
+    store: WeightStore | None
+
+
+class Runtime(Generic[UnitsT, ReducerT]):
     """SDP4Bit state of one DeepSpeed engine (reachable as `engine.sdp4bit`).
 
     `stage` is the engine's ZeRO stage; `created` orders runtimes the same way on every rank (collectives of several
@@ -44,15 +73,15 @@ class Runtime:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         plan: Plan,
         topology: Topology,
-        units: Units,
+        units: UnitsT,
         stats: CommStats,
         *,
         stage: int,
         weights: WeightCollective | None,
-        reducer: GradientState | None,
+        reducer: ReducerT | None,
         tuner: auto.AutoTuner | None,
         save_weights: bool,
         created: int = 0,
@@ -101,7 +130,20 @@ class Runtime:
         """This rank's tensors of the served units `keys` (all of them if None), in key order."""
         return units_module.tensors(self.units, keys)
 
-    # ----- when quantization applies
+    # ----- what serves now
+    def active(self) -> Active[ReducerT]:
+        """Which of SDP4Bit's collectives serve now, the one answer the stages' seams ask for: none while auto times
+        plain steps; the replicas from the start, qW's codes and TLq from the start step on."""
+        if self.measuring():
+            return Active(gather=None, reducer=None, store=None)
+        quantizing = self.quantizing()
+        direct = self.direct if quantizing else None
+        return Active(
+            gather=self.store if self.store is not None else direct,
+            reducer=self.reducer if quantizing else None,
+            store=self.store,
+        )
+
     def quantizing(self) -> bool:
         """True from the start step on (engine.global_steps counts optimizer steps, skipped ones too)."""
         return self.engine.global_steps >= self.config.start_step
@@ -171,8 +213,9 @@ class Runtime:
 
     def _holds_w(self, key: int) -> bool:
         """Whether this rank's tensor of `key` equals w~ on its valid elements."""
-        valid = self.store.valid_numel(key, self.topology.rank)
-        return torch.equal(self.units.tensor(key).reshape(-1)[:valid], self.store.own_shard(key)[:valid])
+        store = cast(WeightStore, self.store)  # asked only where the replicas serve the weights
+        valid = store.valid_numel(key, self.topology.rank)
+        return torch.equal(self.units.tensor(key).reshape(-1)[:valid], store.own_shard(key)[:valid])
 
     def _mark_weights_written(self) -> None:
         """Record the point on this stream after which replicas and the units' tensors hold the new weights.
@@ -202,7 +245,7 @@ class Runtime:
         """Called once per successful optimizer step, where the stage's new weights are written and before they are
         used (ZeRO-3: before its post-step work; ZeRO-1/2: in place of its weight all-gather)."""
         if self.measuring():
-            decision = self.auto.after_step(self.engine.global_steps)
+            decision = cast(auto.AutoTuner, self.auto).after_step(self.engine.global_steps)  # measuring: auto is set
             if decision is not None:
                 self.apply_decision(decision)
         else:
@@ -222,7 +265,7 @@ class Runtime:
         if not decision.gradients:
             self.reducer = None
         self.resync()
-        auto.log_decision(self.auto)
+        auto.log_decision(cast(auto.AutoTuner, self.auto))  # a decision comes from auto, which is set
 
     def verify(self) -> bool:
         """Compare every rank's tensors with its w~, then checksum every replica region across holders; on a
@@ -293,7 +336,8 @@ class Runtime:
         return snapshot
 
     def _auto_state(self) -> dict[str, Any]:
-        return {"measuring": True} if self.auto.decision is None else self.auto.decision.to_dict()
+        tuner = cast(auto.AutoTuner, self.auto)  # asked only under auto
+        return {"measuring": True} if tuner.decision is None else tuner.decision.to_dict()
 
     def reset_stats(self) -> None:
         """Zero the cumulative byte counts (stats())."""
@@ -369,8 +413,9 @@ class Runtime:
             decision = auto.Decision.from_dict(saved)
             self.weights = self.weights if decision.weights else None
             self.reducer = self.reducer if decision.gradients else None
-            self.auto.restore(decision)
-            auto.log_decision(self.auto)
+            tuner = cast(auto.AutoTuner, self.auto)  # restored only under auto
+            tuner.restore(decision)
+            auto.log_decision(tuner)
 
     def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
         """The units' tensors <- the saved w~, matched by position in key order (ZeRO-3's ds_ids shift between
@@ -407,3 +452,6 @@ class Runtime:
                 "reducer": ("quantized_gradients", self.reducer is not None),
             },
         )
+
+
+AnyRuntime = Runtime[Any, Any]  # either stage's runtime, where code that serves every stage holds one

@@ -9,7 +9,7 @@ DeepSpeed object a tensor belongs to.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
@@ -53,11 +53,13 @@ def write(units: Units, values: Mapping[int, torch.Tensor]) -> None:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the same elements of the same memory."""
-    return (
+    # eager tensors' storage offsets are ints, so each comparison is a bool (a SymBool only under tracing)
+    return cast(
+        bool,
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.storage_offset() == b.storage_offset()
         and a.numel() == b.numel()
-        and a.dtype == b.dtype
+        and a.dtype == b.dtype,
     )
 
 

@@ -17,6 +17,7 @@ device) stops the job on every rank. A write that bypasses the version counter (
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -34,7 +35,8 @@ Fingerprint = tuple[torch.Tensor, int, int, int]
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     """What a write to a tensor changes: the object, the address of its memory and its version counter (advanced
     by every in-place operation on it or a view of it, and by `.data = ...`)."""
-    return tensor, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor._version
+    # an eager tensor's storage offset is an int (a SymInt only under tracing)
+    return tensor, tensor.untyped_storage().data_ptr(), cast(int, tensor.storage_offset()), tensor._version
 
 
 def how_written(before: Fingerprint, now: Fingerprint, expression: str) -> str:

@@ -23,13 +23,26 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from deepspeed.ops.op_builder import builder as ds_builder
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
 if TYPE_CHECKING:
     from setuptools import Extension
+
+    class _OpBuilderBase:
+        """DeepSpeed's OpBuilder (untyped) as the codec builders use it; each of them also subclasses DeepSpeed's."""
+
+        name: str
+
+        def __init__(self, name: str) -> None: ...
+        def sources(self) -> list[str]: ...
+        def jit_load(self, verbose: bool = True) -> ModuleType: ...
+        def is_compatible(self, verbose: bool = False) -> bool: ...
+
+else:
+    _OpBuilderBase = object
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 ARCH_VAR = "TORCH_CUDA_ARCH_LIST"
@@ -68,7 +81,7 @@ def pinned_ninja() -> Iterator[None]:
             os.environ["PATH"] = saved
 
 
-class _CodecOp:
+class _CodecOp(_OpBuilderBase):
     """What both codec builders share: naming, the shared header and the one load path (prebuilt, else JIT)."""
 
     BUILD_VAR = "SDP4BIT_BUILD_OPS"
@@ -130,7 +143,7 @@ class _CodecOp:
         names the cause where it cannot build here or cannot run on this device.
         """
         if self.name in OpBuilder._loaded_ops:
-            return OpBuilder._loaded_ops[self.name]
+            return cast(ModuleType, OpBuilder._loaded_ops[self.name])  # DeepSpeed's loaded op modules, by name
         module = self._prebuilt()
         if module is None:
             module = self._jit_built(verbose)
@@ -177,7 +190,7 @@ class _CodecOp:
         return module
 
 
-class CodecCPUBuilder(_CodecOp, OpBuilder):
+class CodecCPUBuilder(_CodecOp, OpBuilder):  # type: ignore[misc]  # DeepSpeed's OpBuilder is untyped
     """The C++/OpenMP codec for CPU tensors."""
 
     NAME = "sdp4bit_codec_cpu"
@@ -206,7 +219,7 @@ class CodecCPUBuilder(_CodecOp, OpBuilder):
         return ["-fopenmp"]
 
 
-class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):
+class CodecCUDABuilder(_CodecOp, CUDAOpBuilder):  # type: ignore[misc]  # DeepSpeed's CUDAOpBuilder is untyped
     """The CUDA codec: IEEE fp32 arithmetic (no fast-math, no FMA contraction, IEEE division, no flush-to-zero) for
     bit-exactness, and buildable where no GPU is visible (a compile check) as long as a CUDA toolkit is."""
 

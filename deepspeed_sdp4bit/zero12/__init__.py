@@ -17,16 +17,15 @@ from typing import Any
 
 from .. import adapter
 from ..config import SDP4BitConfig
-from ..core.runtime import Runtime
 from ..topology import Topology
 from . import patches
 from .checks import check_engine, zero_problems
-from .serving import build_runtime
+from .serving import Zero12Runtime, build_runtime
 
 __all__ = ["activate", "check_engine", "describe", "zero_problems"]
 
 
-def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Runtime:
+def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero12Runtime:
     """Build the runtime of a checked ZeRO-1/2 engine, patch its seams and sync the weights (collective).
 
     A DeepSpeed newer than the tested range is refused here (ZeRO-3's self-test has no ZeRO-1/2 counterpart yet)."""
@@ -42,7 +41,7 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
     return runtime
 
 
-def describe(runtime: Runtime) -> dict[str, str]:
+def describe(runtime: Zero12Runtime) -> dict[str, str]:
     """ZeRO-1/2's words in the activation line: the replica is the model; the extra memory, a snapshot of this
     rank's partitions."""
     memory = runtime.store.memory_bytes() if runtime.store else 0

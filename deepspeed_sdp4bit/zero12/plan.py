@@ -36,6 +36,7 @@ def make_plan(block: SDP4BitConfig, topology: Topology, groups: list[GroupFacts]
     """Decide what the block does for this engine (pure: the same inputs give the same plan on every rank)."""
     trainable = sum(g.numel for g in groups)
     cover = Coverage(total=trainable + frozen, served=trainable, persistent=0, frozen=frozen)
+    changes: list[Change]
     effective, changes, notes = block, [], inert_notes(block, UNUSED_KEYS)
     if block.quantized_weights and topology.world == 1:
         reason = "a single rank gathers no weights"

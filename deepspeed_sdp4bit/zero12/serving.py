@@ -2,17 +2,18 @@
 weight all-gather reach its collectives (`Zero12Serving`, which the patches call).
 
 Gradients, in three hops: `DeepSpeedZeroOptimizer.average_tensor` divides the bucket by W and hands its runs to
-`allreduce_and_scatter` (patched per optimizer) -> `Zero12Serving.reduce_bucket` -> `OwnerReducer.reduce`, which
+`allreduce_and_scatter` (patched per optimizer) -> `Zero12Serving.reduce` -> `OwnerReducer.reduce`, which
 delivers to each rank the sum of exactly the runs it owns; `adapter.deliver` writes them where DeepSpeed would.
 Weights: the optimizer's `step` writes this rank's partition from its fp32 master, then calls
-`all_gather_dp_groups` -> `Zero12Serving.after_step` -> `Runtime.after_step` -> `WeightStore.refresh` on the flat
+`all_gather_dp_groups` (through the adapter's relay `ZERO12_WEIGHT_GATHER`, bound by the patched `step`) ->
+`Zero12Serving.after_step` -> `Runtime.after_step` -> `WeightStore.refresh` on the flat
 buffers (4-bit differences against w~, every rank applying the same bytes to its copy of each partition).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -31,8 +32,13 @@ from ..topology import Topology
 from .plan import GroupFacts, make_plan
 from .units import Zero12Units, cut
 
+if TYPE_CHECKING:
+    from ..core.seams import Zero12Seams
 
-def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Runtime:
+Zero12Runtime = Runtime[Zero12Units, OwnerReducer]  # a ZeRO-1/2 engine's runtime: runs of its partitions, TLq
+
+
+def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero12Runtime:
     """The plan of a ZeRO-1/2 engine, its units and the collectives the block asks for (collective: auto's
     measurements)."""
     optimizer, world = engine.optimizer, topology.world
@@ -125,7 +131,7 @@ def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             tensor.is_contiguous()
             and tensor.dtype == first.dtype
             and tensor.untyped_storage().data_ptr() == storage
-            and tensor.storage_offset() == offset
+            and bool(tensor.storage_offset() == offset)
         )
         offset += tensor.numel()
     if adjacent:
@@ -133,44 +139,44 @@ def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([tensor.reshape(-1) for tensor in tensors])
 
 
+class BucketReduce(NamedTuple):
+    """One call of the ZeRO-1/2 optimizer's `allreduce_and_scatter`: a gradient bucket's entries, the dtype DeepSpeed
+    reduces in, and its chunk size."""
+
+    bucket: Sequence[tuple[Any, ...]]
+    communication_data_type: torch.dtype
+    numel_per_bucket: int
+
+
 class Zero12Serving:
-    """What ZeRO-1/2's seams ask of one runtime: the quantized reduction of a gradient bucket, and the weights'
-    refresh in place of the post-step all-gather."""
+    """ZeRO-1/2's seams for one runtime (`core.seams.Zero12Seams`): the quantized reduction of a gradient bucket, and
+    the weights' refresh or resync in place of the post-step and post-reload all-gathers."""
 
-    def __init__(self, runtime: Runtime, optimizer: Any) -> None:
+    def __init__(self, runtime: Zero12Runtime) -> None:
         self.runtime = runtime
-        self.optimizer = optimizer
 
-    def reducing(self) -> bool:
-        """Whether TLq reduces the gradients now (from the start step on, once auto is done measuring)."""
-        runtime = self.runtime
-        return runtime.reducer is not None and runtime.quantizing() and not runtime.measuring()
-
-    def reduce_bucket(
-        self,
-        bucket: Sequence[tuple],
-        communication_data_type: torch.dtype,
-        numel_per_bucket: int,
-        deepspeed_reduce: Callable[[], None],
-    ) -> None:
+    def reduce(self, call: BucketReduce, deepspeed: Callable[[], None]) -> None:
         """One call of `allreduce_and_scatter`: TLq onto the runs' owners, in DeepSpeed's chunks of at most
         `numel_per_bucket` elements (past it the chunk ends with the entry that crossed it), or DeepSpeed's own
-        all-reduce before the start step."""
-        if not self.reducing():
-            deepspeed_reduce()
+        all-reduce (before the start step, while auto measures)."""
+        reducer = self.runtime.active().reducer
+        if reducer is None:
+            deepspeed()
             return
         chunk: list[adapter.BucketEntry] = []
         numel = 0
-        for entry in adapter.bucket_entries(bucket):
+        for entry in adapter.bucket_entries(call.bucket):
             chunk.append(entry)
             numel += entry.tensor.numel()
-            if numel > numel_per_bucket:
-                self._reduce(chunk, communication_data_type)
+            if numel > call.numel_per_bucket:
+                self._reduce(reducer, chunk, call.communication_data_type)
                 chunk, numel = [], 0
         if chunk:
-            self._reduce(chunk, communication_data_type)
+            self._reduce(reducer, chunk, call.communication_data_type)
 
-    def _reduce(self, entries: list[adapter.BucketEntry], communication_data_type: torch.dtype) -> None:
+    def _reduce(
+        self, reducer: OwnerReducer, entries: list[adapter.BucketEntry], communication_data_type: torch.dtype
+    ) -> None:
         """Reduce one chunk: its entries joined, each one a run of its owner; deliver the owned runs."""
         flat = joined([e.tensor for e in entries])
         runs, start = [], 0
@@ -178,28 +184,37 @@ class Zero12Serving:
             runs.append(Run(e.owner, start, e.tensor.numel()))
             start += e.tensor.numel()
         comm_size = torch.empty(0, dtype=communication_data_type).element_size()
-        self.runtime.telemetry.baseline.add(flat.numel() * comm_size)
-        owned = self.runtime.reducer.reduce(flat, runs, logical_element_size=comm_size)
+        baseline = self.runtime.telemetry.baseline
+        if baseline is not None:
+            baseline.add(flat.numel() * comm_size)
+        owned = reducer.reduce(flat, runs, logical_element_size=comm_size)
         rank, position = self.runtime.topology.rank, 0
         for e in entries:
             if e.owner == rank:
                 adapter.deliver(e, owned.narrow(0, position, e.tensor.numel()).view_as(e.tensor))
                 position += e.tensor.numel()
 
-    def after_step(self, deepspeed_gather: Callable[[], Any]) -> None:
+    def after_step(self, deepspeed: Callable[[], object]) -> None:
         """In place of the post-step all-gather of a successful step: the weight store refreshes every rank's copy of
         the partitions; without it (or while auto measures) DeepSpeed's own all-gather runs first."""
-        runtime = self.runtime
-        if runtime.store is None or runtime.measuring():
-            deepspeed_gather()
-        runtime.after_step()
+        if self.runtime.active().store is None:
+            deepspeed()
+        self.runtime.after_step()
 
-    def update_lp_params(self, deepspeed_gather: Callable[[], Any]) -> None:
+    def after_reload(self, deepspeed: Callable[[], object]) -> None:
         """In place of the all-gather after the 16-bit partitions were rewritten from the fp32 masters (universal
         checkpoint loads): the store resyncs them in full precision, which also takes up the new w~; without a store
         DeepSpeed's own all-gather runs."""
-        runtime = self.runtime
-        if runtime.store is None or runtime.measuring():
-            deepspeed_gather()
+        if self.runtime.active().store is None:
+            deepspeed()
             return
-        runtime.resync()
+        self.runtime.resync()
+
+    def after_write(self, keys: Sequence[int] | None) -> None:
+        """DeepSpeed pointed the parameters at the flat buffers anew (after every step), values unchanged: the units'
+        fingerprints are taken again (`keys`, or all of them)."""
+        self.runtime.watch.record(self.runtime.units.keys() if keys is None else keys)
+
+
+if TYPE_CHECKING:  # mypy checks that the serving implements every seam ZeRO-1/2's patches route to
+    _SEAMS: type[Zero12Seams[BucketReduce, None]] = Zero12Serving

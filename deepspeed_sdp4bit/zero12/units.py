@@ -19,6 +19,7 @@ in any partition.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -46,6 +47,14 @@ def cut(partition_sizes: list[int], run_numel: int) -> list[Unit]:
     return units
 
 
+class Zero12Optimizer(Protocol):
+    """What the units read of DeepSpeed's ZeRO-1/2 optimizer: each param group's trainable parameters and the flat
+    16-bit buffer they are views of."""
+
+    bit16_groups: list[list[torch.nn.Parameter]]
+    bit16_groups_flat: list[torch.Tensor]
+
+
 class Zero12Units:
     """The served units of a ZeRO-1/2 optimizer on this rank: runs of its own partitions, and the parameters
     (views of the flat buffers) that each unit's columns cover on any rank."""
@@ -54,7 +63,7 @@ class Zero12Units:
     expression = "param"
 
     def __init__(
-        self, optimizer: object, units: list[Unit], rank: int, world: int, param_names: dict[int, str]
+        self, optimizer: Zero12Optimizer, units: list[Unit], rank: int, world: int, param_names: dict[int, str]
     ) -> None:
         """`param_names`: the model's name of each parameter, by id()."""
         self.units = {u.key: u for u in units}

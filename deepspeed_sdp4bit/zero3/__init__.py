@@ -18,17 +18,16 @@ from typing import Any
 
 from .. import adapter
 from ..config import SDP4BitConfig
-from ..core.runtime import Runtime
 from ..log import logger
 from ..topology import Topology
 from . import patches, selftest
 from .checks import check_engine, zero_problems
-from .serving import build_runtime
+from .serving import Zero3Runtime, build_runtime
 
 __all__ = ["activate", "check_engine", "describe", "zero_problems"]
 
 
-def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Runtime:
+def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero3Runtime:
     """Build the runtime of a checked ZeRO-3 engine, patch its seams and sync the replicas (collective); on a
     DeepSpeed newer than the tested range, run the self-test first."""
     runtime = build_runtime(engine, cfg, topology, created)
@@ -40,7 +39,7 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
     return runtime
 
 
-def _self_test(runtime: Runtime, engine_patches: patches.EnginePatches) -> None:
+def _self_test(runtime: Zero3Runtime, engine_patches: patches.EnginePatches) -> None:
     """The self-test, then one warning naming the release; a failure gives the model back to DeepSpeed and stops
     (collective)."""
     try:
@@ -57,7 +56,7 @@ def _self_test(runtime: Runtime, engine_patches: patches.EnginePatches) -> None:
         )
 
 
-def describe(runtime: Runtime) -> dict[str, str]:
+def describe(runtime: Zero3Runtime) -> dict[str, str]:
     """ZeRO-3's words in the activation line: the replica, the served parameters and the replicas' memory."""
     memory = runtime.store.memory_bytes() if runtime.store else 0
     return {

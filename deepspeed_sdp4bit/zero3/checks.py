@@ -9,7 +9,7 @@ allocated.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,13 @@ from ..collectives import comm
 from ..config import SDP4BitConfig, SDP4BitConfigError
 from ..core.checks import dtype_problems, offload_device, raise_problems
 from ..topology import Topology
+
+
+class Zero3Engine(Protocol):
+    """What the checks read of a built ZeRO-3 DeepSpeedEngine (untyped)."""
+
+    device: torch.device
+    optimizer: Any  # its ZeRO optimizer, a DeepSpeedZeroOptimizer_Stage3 (untyped) once `_engine_problems` passed
 
 
 def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict[str, Any]) -> list[str]:
@@ -59,7 +66,7 @@ def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict
     return problems
 
 
-def _engine_problems(engine: object) -> list[str]:
+def _engine_problems(engine: Zero3Engine) -> list[str]:
     """Conflicts only the built engine shows: optimizer class, partition group."""
     problems = []
     if type(engine.optimizer) is not DeepSpeedZeroOptimizer_Stage3:
@@ -84,7 +91,7 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
+def _master_problems(engine: Zero3Engine, cfg: SDP4BitConfig) -> list[str]:
     """qWD writes w~ into ds_tensor; an fp32 master in the same memory as the weights would lose the exact values.
 
     DeepSpeed 0.19.8 means to reuse the weights as masters when they already have the masters' dtype and device
@@ -108,7 +115,7 @@ def _master_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
     return []
 
 
-def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
+def _device_problems(engine: Zero3Engine, cfg: SDP4BitConfig) -> list[str]:
     """The replicas live where ds_tensor lives; partitions off the compute device (zero.Init(remote_device='cpu')
     without parameter offload) would put them there too."""
     if not cfg.quantized_weights:
@@ -127,12 +134,12 @@ def _device_problems(engine: Any, cfg: SDP4BitConfig) -> list[str]:
     return []
 
 
-def _dtype_problems(engine: object, cfg: SDP4BitConfig) -> list[str]:
+def _dtype_problems(engine: Zero3Engine, cfg: SDP4BitConfig) -> list[str]:
     """One parameter dtype for the replicas; only float dtypes the codec handles."""
     return dtype_problems({p.dtype for g in engine.optimizer.fp16_groups for p in g}, cfg, "trainable parameters")
 
 
-def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
+def check_engine(engine: Zero3Engine, cfg: SDP4BitConfig) -> None:
     """Raise SDP4BitConfigError for what the built engine shows: optimizer class, groups, dtypes."""
     problems = _engine_problems(engine)
     raise_problems(
@@ -140,10 +147,26 @@ def check_engine(engine: object, cfg: SDP4BitConfig) -> None:
     )
 
 
+class _AcceleratorMemory(Protocol):
+    """What `_free_bytes` reads of DeepSpeed's accelerator (untyped): bytes free, reserved and allocated."""
+
+    def available_memory(self) -> int:
+        """Bytes free on the current device (on CPU: available to the machine)."""
+
+    def is_synchronized_device(self) -> bool:
+        """Whether the device has no streams (CPU)."""
+
+    def memory_reserved(self) -> int:
+        """Bytes torch's caching allocator holds."""
+
+    def memory_allocated(self) -> int:
+        """Bytes allocated in tensors."""
+
+
 def _free_bytes() -> int:
     """Memory this rank can still allocate on its device: the accelerator's free memory (plus what torch's caching
     allocator holds unused); on CPU the machine's available memory shared by the ranks of this machine."""
-    accelerator = get_accelerator()
+    accelerator: _AcceleratorMemory = get_accelerator()
     free = accelerator.available_memory()
     if accelerator.is_synchronized_device():
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)

@@ -1,10 +1,11 @@
 """ZeRO-3's seams: every change this package makes to DeepSpeed's ZeRO-3, in one place.
 
 Process-wide (installed once, inert for engines without an enabled "sdp4bit" block):
-- `deepspeed.runtime.zero.stage3.reduce_scatter_coalesced` -> TLq while an SDP4Bit optimizer reduces a bucket;
+- `deepspeed.runtime.zero.stage3.reduce_scatter_coalesced` -> the seam an SDP4Bit optimizer's `__avg_scatter_grads`
+  binds while it reduces a bucket (the adapter's relay `ZERO3_REDUCE_SCATTER`);
 - `Init._partition` (every ZeRO-3 partition, including `GatheredParameters(modifier_rank=...)`'s exit and
-  `Module.apply` under `zero.Init`) -> after a partition that rewrote ds_tensor, the replicas of those parameters
-  are resynced when their values changed.
+  `Module.apply` under `zero.Init`) -> after a partition that rewrote ds_tensor, the serving's `after_write` of each
+  runtime whose parameters it wrote.
 Per engine (`EnginePatches`, a `core.engine_patches.PatchSet` with the changes every stage makes: the forward
 pre-hook, checkpoints, `offload_states`, `destroy`):
 - the ZeRO-3 optimizer's `_post_step` (refresh after each successful step) and `__avg_scatter_grads` (marks the
@@ -15,47 +16,42 @@ pre-hook, checkpoints, `offload_states`, `destroy`):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import deepspeed.runtime.zero.stage3 as stage3
 from deepspeed.runtime.zero.partition_parameters import Init
 
-from ..adapter import MultipleHandles, check_param_gather
-from ..core.engine_patches import PatchSet, bound, is_patched, owner, wrap
-from ..core.runtime import Runtime
-from .serving import Zero3Serving
+from ..adapter import ZERO3_REDUCE_SCATTER, check_param_gather
+from ..core.engine_patches import PatchSet, is_patched, owner, wrap
+from ..core.runtime import AnyRuntime
+from .serving import ReduceScatter, Zero3Runtime, Zero3Serving
 
-_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("sdp4bit_active", default=None)
 _ORIGINAL_GATHER = "_sdp4bit_original_all_gather_coalesced"
-
-
-def reducing_with(reducer: Any) -> contextlib.AbstractContextManager[None]:
-    """While inside, ZeRO-3's reduce-scatter goes to `reducer.reduce_scatter(tensors, group)` (a runtime's serving,
-    or the self-test's stand-in), as inside an SDP4Bit optimizer's __avg_scatter_grads."""
-    return bound(_ACTIVE, reducer)
+# each live runtime's serving, for the process-wide partition patch (which finds the runtime named on a parameter)
+_SERVINGS: weakref.WeakKeyDictionary[AnyRuntime, Zero3Serving] = weakref.WeakKeyDictionary()
 
 
 # ----- process-wide patches
 def patch_reduce_scatter() -> None:
-    """Make ZeRO-3's reduce-scatter use TLq while an SDP4Bit optimizer is reducing a bucket."""
+    """Make ZeRO-3's reduce-scatter use the seam bound by an SDP4Bit optimizer's __avg_scatter_grads."""
     if is_patched(stage3.reduce_scatter_coalesced):
         return
     unpatched = stage3.reduce_scatter_coalesced
 
     def reduce_scatter_coalesced(tensors: Any, group: Any = None) -> Any:
-        serving = _ACTIVE.get()
-        result = serving.reduce_scatter(tensors, group) if serving is not None else None
-        return unpatched(tensors, group) if result is None else result
+        seam = ZERO3_REDUCE_SCATTER.current()
+        if seam is None:
+            return unpatched(tensors, group)
+        return seam(ReduceScatter(tensors, group), lambda: unpatched(tensors, group))
 
     stage3.reduce_scatter_coalesced = wrap(unpatched, reduce_scatter_coalesced)
 
 
 def patch_partition() -> None:
-    """After a partition that wrote the parameters' values into ds_tensor (has_been_updated), resync the replicas of
-    those parameters whose values changed on some rank, runtime by runtime in creation order."""
+    """After a partition that wrote the parameters' values into ds_tensor (has_been_updated), hand the parameters to
+    their runtimes' seams, runtime by runtime in creation order."""
     if is_patched(Init._partition):
         return
     unpatched = Init._partition
@@ -65,12 +61,15 @@ def patch_partition() -> None:
     ) -> Any:
         result = unpatched(self, param_list, force=force, has_been_updated=has_been_updated, free_data=free_data)
         if has_been_updated:
-            written: dict[Runtime, list[int]] = {}
+            written: dict[AnyRuntime, list[int]] = {}
             for param in param_list:
-                if owner(param) is not None:
-                    written.setdefault(owner(param), []).append(param.ds_id)
+                runtime = owner(param)
+                if runtime is not None:
+                    written.setdefault(runtime, []).append(param.ds_id)
             for runtime in sorted(written, key=lambda r: r.created):
-                runtime.resync_if_written(written[runtime])
+                serving = _SERVINGS.get(runtime)  # none for a runtime of another stage, which serves no ZeRO-3 param
+                if serving is not None:
+                    serving.after_write(written[runtime])
         return result
 
     Init._partition = wrap(unpatched, _partition)
@@ -81,27 +80,27 @@ class EnginePatches(PatchSet):
     """ZeRO-3's per-engine seams for one runtime, beside the changes every stage makes (`PatchSet`); the
     process-wide patches it needs are installed once, on first use."""
 
-    def __init__(self, engine: Any, runtime: Runtime) -> None:
+    def __init__(self, engine: Any, runtime: Zero3Runtime) -> None:
         super().__init__(engine, runtime)
         self.serving = Zero3Serving(runtime)
+        _SERVINGS[runtime] = self.serving
 
     def install_seams(self) -> None:
-        """Serve the engine's gathers, reductions and steps through the runtime."""
+        """Route the engine's gathers, reductions, steps and partition writes to its serving."""
         patch_reduce_scatter()
         patch_partition()
         self._optimizer()
         self._params([p for p in self.engine.module.parameters() if hasattr(p, "ds_id")])
 
     def _optimizer(self) -> None:
-        """Refresh before DeepSpeed's post-step work (which regathers persistent params); mark buckets as ours."""
-        runtime, serving = self.runtime, self.serving
+        """The step's post-step work and the bucket reductions go through the serving."""
+        serving = self.serving
 
-        def _post_step(timer_names: Any) -> Any:
-            runtime.after_step()
-            return post_step(timer_names)
+        def _post_step(timer_names: Any) -> None:
+            serving.after_step(lambda: post_step(timer_names))
 
         def avg_scatter_grads(params_to_reduce: Any, communication_data_type: Any) -> Any:
-            with reducing_with(serving):
+            with ZERO3_REDUCE_SCATTER.bound(serving.reduce):
                 return avg_scatter(params_to_reduce, communication_data_type)
 
         optimizer = self.engine.optimizer
@@ -109,27 +108,19 @@ class EnginePatches(PatchSet):
         avg_scatter = self.replace(optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
 
     def _params(self, params: list[Any]) -> None:
-        """Serve the gathers of the parameters the runtime manages; hand every other parameter to DeepSpeed.
+        """Every ZeRO parameter of the module gathers through the serving, which hands DeepSpeed what it does not
+        serve.
 
         ZeRO-3's fetch coordinator calls the first parameter's `all_gather_coalesced` for a whole group, in an
-        order that differs between ranks. A group holding only this engine's parameters is split the same way
-        whichever comes first; a group that also holds parameters of another model or engine goes entirely to
-        DeepSpeed's own gather (what a rank whose group starts with such a parameter runs), so every rank runs the
-        same collectives.
+        order that differs between ranks, so any parameter's attribute must serve any group (the serving splits it
+        the same way whichever comes first).
         """
         runtime, serving = self.runtime, self.serving
 
         def all_gather_coalesced(params: Iterable[Any], safe_mode: bool = False, quantize: bool = False) -> Any:
-            params = list(params)
-            if any(owner(p) is not runtime for p in params):
-                serving.note_mixed_fetch(params)
-                return deepspeed_gather(params, safe_mode=safe_mode, quantize=quantize)
-            ours = [p for p in params if serving.manages(p)]
-            theirs = [p for p in params if not serving.manages(p)]
-            handles = [serving.gather(ours)] if ours else []
-            if theirs:
-                handles.append(deepspeed_gather(theirs, safe_mode=safe_mode, quantize=quantize))
-            return handles[0] if len(handles) == 1 else MultipleHandles(handles)
+            return serving.gather(
+                list(params), lambda rest: deepspeed_gather(rest, safe_mode=safe_mode, quantize=quantize)
+            )
 
         check_param_gather(params[0])
         deepspeed_gather = params[0].all_gather_coalesced  # DeepSpeed's closure: any parameter's serves any group

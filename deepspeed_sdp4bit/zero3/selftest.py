@@ -14,8 +14,8 @@ A mismatch raises SDP4BitCompatError naming what differed, on every rank at once
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,14 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from .. import adapter
 from ..collectives import comm
+from ..collectives.contract import GradientCollective
+from ..collectives.grad_reduce import TLqReducer
+from ..collectives.weight_store import WeightStore
 from ..core.engine_patches import original
-from ..core.runtime import Runtime
-from . import patches
-from .serving import Zero3Serving
+from .serving import ReduceScatter, Zero3Runtime, Zero3Serving
+
+if TYPE_CHECKING:
+    from .units import Zero3Param
 
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
@@ -35,11 +39,12 @@ _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 class _ForcedReduction:
     """Stands in for the runtime in the reduce-scatter patch: TLq whatever the step, as after the start step."""
 
-    def __init__(self, reducer: Any) -> None:
+    def __init__(self, reducer: GradientCollective) -> None:
         self.reducer = reducer
 
-    def reduce_scatter(self, tensors: Any, group: Any) -> list[torch.Tensor]:
-        return self.reducer.reduce_scatter_coalesced(tensors, group)
+    def reduce(self, call: ReduceScatter, deepspeed: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """TLq's reduce-scatter of the bucket (DeepSpeed's own is not asked for)."""
+        return self.reducer.reduce_scatter_coalesced(call.tensors, call.group)
 
 
 def _difference(what: str, got: torch.Tensor, expected: torch.Tensor) -> str | None:
@@ -56,12 +61,13 @@ def _difference(what: str, got: torch.Tensor, expected: torch.Tensor) -> str | N
     )
 
 
-def _smallest(runtime: Runtime) -> tuple[int, torch.nn.Parameter]:
-    return min(runtime.units.params.items(), key=lambda item: (item[1].ds_numel, item[0]))
+def _smallest(runtime: Zero3Runtime) -> tuple[int, Zero3Param]:
+    units = runtime.units
+    return min(units.params.items(), key=lambda item: (item[1].ds_numel, item[0]))
 
 
 @contextlib.contextmanager
-def _gathered(param: torch.nn.Parameter) -> Iterator[None]:
+def _gathered(param: Zero3Param) -> Iterator[None]:
     """The parameter gathered through the closure ZeRO-3's fetch coordinator calls, partitioned again afterwards."""
     if param.ds_status == ZeroParamStatus.AVAILABLE:  # a persistent parameter stays gathered
         yield
@@ -73,51 +79,54 @@ def _gathered(param: torch.nn.Parameter) -> Iterator[None]:
         param.partition()
 
 
-def _replica_weights(runtime: Runtime, key: int, param: torch.nn.Parameter) -> torch.Tensor:
+def _replica_weights(runtime: Zero3Runtime, key: int, param: Zero3Param) -> torch.Tensor:
     """The full weight as every rank's replica shard holds it, gathered in full precision."""
-    shard = runtime.store.own_shard(key).contiguous()
+    shard = cast(WeightStore, runtime.store).own_shard(key).contiguous()  # checked only with replicas
     full = torch.empty(shard.numel() * runtime.topology.world, dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(full, shard)
     return full[: param.ds_numel].view(param.ds_shape)
 
 
-def _check_gather(runtime: Runtime, key: int, param: torch.nn.Parameter) -> str | None:
+def _check_gather(runtime: Zero3Runtime, key: int, param: Zero3Param) -> str | None:
     expected = _replica_weights(runtime, key, param)
     return _difference(f"the weight gather of {runtime.name(key)}", param.data, expected)
 
 
-def _test_gradient(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
+def _test_gradient(param: Zero3Param, rank: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(4099 + rank)
     values = torch.randn(tuple(param.ds_shape), generator=generator)
     return values.to(dtype=param.dtype, device=param.device)
 
 
-def _reduced_by_deepspeed(runtime: Runtime, param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_by_deepspeed(runtime: Zero3Runtime, param: Zero3Param, grad: torch.Tensor) -> torch.Tensor:
     """This rank's partition of the gradient as DeepSpeed's own __avg_scatter_grads reduces it, TLq forced on."""
     optimizer = runtime.engine.optimizer
-    avg_scatter = original(getattr(optimizer, _AVG_SCATTER))
+    avg_scatter: Callable[..., list[torch.Tensor]] = original(getattr(optimizer, _AVG_SCATTER))
     param.grad = grad
     try:
-        with patches.reducing_with(_ForcedReduction(runtime.reducer)):
+        forced = _ForcedReduction(cast(TLqReducer, runtime.reducer))  # checked with a reducer
+        with adapter.ZERO3_REDUCE_SCATTER.bound(forced.reduce):
             return avg_scatter([param], runtime.engine.communication_data_type)[0]
     finally:
         param.grad = None
 
 
-def _reduced_directly(runtime: Runtime, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_directly(runtime: Zero3Runtime, grad: torch.Tensor) -> torch.Tensor:
     """The same reduction by TLq itself, with DeepSpeed's documented casts around it."""
     optimizer = runtime.engine.optimizer
     factor = optimizer.gradient_predivide_factor if optimizer.postscale_gradients else 1.0
     sent = grad.to(runtime.engine.communication_data_type)
     sent = sent.div(factor) if factor != 1.0 else sent
-    reduced = runtime.reducer.reduce_scatter_coalesced([sent], optimizer.dp_process_group)[0]
+    reducer = cast(TLqReducer, runtime.reducer)  # checked only with a reducer
+    reduced = reducer.reduce_scatter_coalesced([sent], optimizer.dp_process_group)[0]
     if factor != 1.0 and factor != runtime.topology.world:
         reduced = reduced.mul(factor)
     return reduced.to(adapter.reduced_gradient_dtype(optimizer))
 
 
-def _check_reduction(runtime: Runtime, key: int, param: torch.nn.Parameter) -> str | None:
-    streams = (runtime.reducer.quant_stream, runtime.reducer.requant_stream)
+def _check_reduction(runtime: Zero3Runtime, key: int, param: Zero3Param) -> str | None:
+    reducer = cast(TLqReducer, runtime.reducer)  # checked only with a reducer
+    streams = (reducer.quant_stream, reducer.requant_stream)
     saved = [s.state_dict() for s in streams]
     grad = _test_gradient(param, runtime.topology.rank)
     got = _reduced_by_deepspeed(runtime, param, grad)
@@ -129,13 +138,13 @@ def _check_reduction(runtime: Runtime, key: int, param: torch.nn.Parameter) -> s
     return _difference(f"the gradient reduction of {runtime.name(key)}", got, expected)
 
 
-def _agreed(problems: list[str], runtime: Runtime) -> bool:
+def _agreed(problems: list[str], runtime: Zero3Runtime) -> bool:
     """Whether every rank passed (one all-reduce, so that all ranks stop together)."""
     device = get_accelerator().current_device_name()
     return not comm.max_over_ranks([int(bool(problems))], None, "sdp4bit_self_test", device)[0]
 
 
-def run(runtime: Runtime, serving: Zero3Serving) -> list[str]:
+def run(runtime: Zero3Runtime, serving: Zero3Serving) -> list[str]:
     """Run the self-test (collective); returns what it checked, or raises SDP4BitCompatError naming what differed."""
     key, param = _smallest(runtime)
     checked, problems = [], []
@@ -150,12 +159,12 @@ def run(runtime: Runtime, serving: Zero3Serving) -> list[str]:
         with _gathered(param):
             problems.append(_check_reduction(runtime, key, param))
             checked.append("a gradient reduction")
-    problems = [p for p in problems if p]
-    if not _agreed(problems, runtime):
+    differences = [p for p in problems if p]
+    if not _agreed(differences, runtime):
         raise adapter.SDP4BitCompatError(
             f"deepspeed_sdp4bit: the self-test on deepspeed {adapter.installed_version()} (newer than the tested range "
             f"{adapter.SUPPORTED}) failed on rank {runtime.topology.rank}: "
-            + ("; ".join(problems) or "another rank differed")
+            + ("; ".join(differences) or "another rank differed")
             + f". Install one of {', '.join(adapter.TESTED)}"
         )
     return checked

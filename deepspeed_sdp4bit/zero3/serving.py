@@ -7,17 +7,19 @@ One gather, in three hops: `patches.EnginePatches._params`' `all_gather_coalesce
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import torch
 
-from ..adapter import ParamGatherHandle, mark_inflight
+from ..adapter import MultipleHandles, ParamGatherHandle, mark_inflight
 from ..collectives.accounting import CommStats
+from ..collectives.contract import WeightCollective
 from ..collectives.grad_reduce import TLqReducer
 from ..config import SDP4BitConfig
 from ..core import auto
 from ..core.build import direct_gather, gradient_settings, weight_store
+from ..core.engine_patches import owner
 from ..core.runtime import Runtime
 from ..log import logger
 from ..topology import Topology
@@ -25,8 +27,14 @@ from .checks import check_replica_memory
 from .plan import ParamFacts, make_plan, param_facts
 from .units import Zero3Units
 
+Zero3Runtime = Runtime[Zero3Units, TLqReducer]  # a ZeRO-3 engine's runtime: its units are parameters, its reducer TLq
 
-def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Runtime:
+if TYPE_CHECKING:
+    from ..core.seams import Zero3Seams
+    from .units import Zero3Param
+
+
+def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero3Runtime:
     """The plan of a ZeRO-3 engine, its units and the collectives the block asks for (collective: the replicas'
     memory check, auto's measurements)."""
     stats = CommStats(topology.ranks_per_node)
@@ -77,7 +85,8 @@ def _store(
 ) -> Any:
     """The qWD replicas of the served parameters, checked to fit in memory before they are allocated."""
     first = units.tensor(units.keys()[0])
-    store = weight_store(cfg, topology, stats, first.dtype, first.device, cfg.weight_replica)
+    replica = cast(Literal["rank", "node"], cfg.weight_replica)  # the config refuses "off" with weight differences
+    store = weight_store(cfg, topology, stats, first.dtype, first.device, replica)
     for facts in served:
         store.add(facts.key, facts.numel, facts.logical_element_size)
     check_replica_memory(store.memory_bytes(), cfg, topology, first.device)
@@ -115,34 +124,49 @@ def _tuner(
     return auto.AutoTuner(auto.job_model(facts, cfg, topology, candidates), topology, device, cfg.start_step)
 
 
-class Zero3Serving:
-    """What ZeRO-3's seams ask of one runtime: which parameters SDP4Bit gathers, the gathers themselves, and the
-    gradient reduce-scatter."""
+class ReduceScatter(NamedTuple):
+    """One call of ZeRO-3's `reduce_scatter_coalesced`: a gradient bucket's tensors and DeepSpeed's group."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    tensors: Sequence[torch.Tensor]
+    group: Any
+
+
+class Zero3Serving:
+    """ZeRO-3's seams for one runtime (`core.seams.Zero3Seams`): the parameter gathers, the gradient reduce-scatter,
+    the step and DeepSpeed's own writes to the partitions."""
+
+    def __init__(self, runtime: Zero3Runtime) -> None:
         self.runtime = runtime
-        self.units: Zero3Units = runtime.units
+        self.units = runtime.units
         self._warned_mixed_fetch = False
 
-    def direct_active(self) -> bool:
-        """Whether direct weight quantization serves gathers now (full precision before the start step)."""
-        return self.runtime.direct is not None and self.runtime.quantizing()
+    def manages(self, param: Zero3Param) -> bool:
+        """Whether this parameter's gathers are served by SDP4Bit now."""
+        return self.units.serves(param) and self.runtime.active().gather is not None
 
-    def manages(self, param: torch.nn.Parameter) -> bool:
-        """Whether this parameter's gathers are served by SDP4Bit."""
-        runtime = self.runtime
-        return (
-            self.units.serves(param) and not runtime.measuring() and (runtime.store is not None or self.direct_active())
-        )
+    def gather(self, params: list[Zero3Param], deepspeed: Callable[[list[Zero3Param]], Any]) -> Any:
+        """A group ZeRO-3's coordinator gathers: the parameters SDP4Bit serves now from its weight collective, the
+        others by `deepspeed(others)`; a group that holds another engine's parameters entirely by DeepSpeed (what a
+        rank whose group starts with one of them runs), so that every rank runs the same collectives."""
+        if any(owner(p) is not self.runtime for p in params):
+            self._note_mixed_fetch(params)
+            return deepspeed(params)
+        weights = self.runtime.active().gather
+        ours = [p for p in params if weights is not None and self.units.serves(p)]
+        theirs = [p for p in params if weights is None or not self.units.serves(p)]
+        handles = [self._gather(ours, weights)] if weights is not None and ours else []
+        if theirs:
+            handles.append(deepspeed(theirs))
+        return handles[0] if len(handles) == 1 else MultipleHandles(handles)
 
-    def gather(self, params: Sequence[torch.nn.Parameter]) -> ParamGatherHandle:
-        """Start the gather of parameters this runtime manages (collective over the same params on all ranks)."""
+    def _gather(self, params: Sequence[Zero3Param], weights: WeightCollective) -> ParamGatherHandle:
+        """Start the gather of parameters SDP4Bit serves (collective over the same params on all ranks)."""
         params = self.units.sorted(params)
         mark_inflight(params)
         self.runtime.wait_for_weights()
-        return ParamGatherHandle(params, self.runtime.weights.gather(self.runtime.shards([p.ds_id for p in params])))
+        return ParamGatherHandle(params, weights.gather(self.runtime.shards([p.ds_id for p in params])))
 
-    def note_mixed_fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
+    def _note_mixed_fetch(self, params: Sequence[Zero3Param]) -> None:
         """Say once that a fetch mixing this engine's parameters with others' goes to DeepSpeed's own gather."""
         if self._warned_mixed_fetch:
             return
@@ -155,9 +179,23 @@ class Zero3Serving:
             "precision from ds_tensor on every rank"
         )
 
-    def reduce_scatter(self, tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor] | None:
-        """TLq reduce-scatter, or None when DeepSpeed's own should run (before the start step)."""
-        runtime = self.runtime
-        if runtime.reducer is None or not runtime.quantizing() or runtime.measuring():
-            return None
-        return runtime.reducer.reduce_scatter_coalesced(tensors, group)
+    def reduce(self, call: ReduceScatter, deepspeed: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """TLq's reduce-scatter of the bucket, or DeepSpeed's own (before the start step, while auto measures)."""
+        reducer = self.runtime.active().reducer
+        if reducer is None:
+            return deepspeed()
+        return reducer.reduce_scatter_coalesced(call.tensors, call.group)
+
+    def after_step(self, deepspeed: Callable[[], object]) -> None:
+        """The refresh first, then DeepSpeed's post-step work (which regathers persistent parameters)."""
+        self.runtime.after_step()
+        deepspeed()
+
+    def after_write(self, keys: Sequence[int] | None) -> None:
+        """DeepSpeed wrote these parameters' ds_tensor (a partition with new values): the replicas take the values up
+        where some rank's changed (collective)."""
+        self.runtime.resync_if_written(self.units.keys() if keys is None else keys)
+
+
+if TYPE_CHECKING:  # mypy checks that the serving implements every seam ZeRO-3's patches route to
+    _SEAMS: type[Zero3Seams[Zero3Param, Any, ReduceScatter, list[torch.Tensor]]] = Zero3Serving

@@ -4,11 +4,33 @@ of it is its partition `ds_tensor` (ceil(n / W) elements, the last ranks' partly
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..codec.spec import FLOAT_DTYPES
 from ..collectives.sharding import shard_numel
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    class GatherHandle(Protocol):
+        """A gather in flight as ZeRO-3 hands it out (DeepSpeed's own handles and `adapter.ParamGatherHandle`)."""
+
+        def wait(self, handle_dependency: bool = True) -> None: ...
+
+    class Zero3Param(torch.nn.Parameter):
+        """A ZeRO-3 parameter to the type checker: a torch Parameter with what DeepSpeed's zero.Init adds to it
+        (the attributes this package uses)."""
+
+        ds_id: int
+        ds_numel: int
+        ds_shape: torch.Size
+        ds_tensor: torch.Tensor
+        ds_status: ZeroParamStatus
+
+        def all_gather_coalesced(self, params: list[Zero3Param]) -> GatherHandle: ...
+        def partition(self) -> None: ...
 
 
 class Zero3Units:
@@ -17,9 +39,7 @@ class Zero3Units:
     noun = "ds_tensor"
     expression = "param.ds_tensor"
 
-    def __init__(
-        self, params: dict[int, torch.nn.Parameter], names: dict[int, str], world: int, device_type: str
-    ) -> None:
+    def __init__(self, params: dict[int, Zero3Param], names: dict[int, str], world: int, device_type: str) -> None:
         self.params = params
         self._names = names
         self._world = world
@@ -57,6 +77,6 @@ class Zero3Units:
         """Whether `param` is one of these units."""
         return getattr(param, "ds_id", None) in self.params
 
-    def sorted(self, params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    def sorted(self, params: Sequence[Zero3Param]) -> list[Zero3Param]:
         """Parameters in key order."""
         return sorted(params, key=lambda p: p.ds_id)
