@@ -310,7 +310,7 @@ def activate_engine(
     topology = build_topology(cfg.ranks_per_node) if topology is None else topology
     runtime = integration.activate(engine, cfg, topology, next(_CREATED))
     engine.sdp4bit = runtime
-    _log_activation(runtime, codec_status, integration.describe(runtime))
+    _log_activation(runtime, codec_status, integration.describe(runtime), engine.communication_data_type)
     return runtime
 
 
@@ -328,7 +328,9 @@ def _gradient_levels(topo: Topology, cfg: SDP4BitConfig) -> str:
     return f"{intra}, then {inter}"
 
 
-def _log_activation(runtime: AnyRuntime, codec_status: str, stage: dict[str, str]) -> None:
+def _log_activation(
+    runtime: AnyRuntime, codec_status: str, stage: dict[str, str], communication_data_type: torch.dtype
+) -> None:
     """The one line (rank 0) that says what SDP4Bit quantizes in this run and what stays in DeepSpeed's dtype;
     `stage` holds the stage's own words (integration.describe): its weights, the memory they take, the gradient
     collective it replaces."""
@@ -344,7 +346,7 @@ def _log_activation(runtime: AnyRuntime, codec_status: str, stage: dict[str, str
         if runtime.reducer
         else f"not quantized (DeepSpeed's own {stage['reduction']})"
     )
-    comm_dtype = str(runtime.engine.communication_data_type).removeprefix("torch.")
+    comm_dtype = str(communication_data_type).removeprefix("torch.")
     start = (
         f"auto: steps 0-{cfg.start_step - 1} run as plain ZeRO-{runtime.stage} and are timed, then only the "
         f"parts that pay stay on"

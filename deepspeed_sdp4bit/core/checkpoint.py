@@ -1,4 +1,5 @@
-"""SDP4Bit's part of a DeepSpeed checkpoint: its format version, its integrity digest, and unreadable files.
+"""SDP4Bit's part of a DeepSpeed checkpoint: what a runtime saves and restores, its format version, its integrity
+digest, and unreadable files.
 
 Every rank's state goes into DeepSpeed's model-states file as client state (`client_state["sdp4bit"]`): with ZeRO-3
 each rank writes its own file, holding this rank's shards of the model weights w~ and the stochastic-rounding
@@ -18,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zipfile
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -26,6 +27,10 @@ from deepspeed.accelerator import get_accelerator
 from ..collectives import comm
 from ..log import logger
 from ..topology import Topology
+from . import auto
+
+if TYPE_CHECKING:
+    from .runtime import AnyRuntime
 
 STATE_VERSION = 3
 CLIENT_STATE_KEY = "sdp4bit"
@@ -156,3 +161,93 @@ def check_layout(saved: dict[str, Any], world: int, ranks_per_node: int, parts: 
                 f"{'on' if saved_on else 'off'} when it was saved, {'on' if here else 'off'} now; "
                 "load with the same sdp4bit block"
             )
+
+
+# ----- a runtime's state
+def runtime_state(runtime: AnyRuntime, collectives: bool) -> dict[str, Any]:
+    """What a resume needs beyond DeepSpeed's checkpoint: the layout and block it was written with, the optimizer
+    steps, auto's decision and, with `collectives`, the rounding counters of every collective (and, with
+    `save_weights`, w~ of this rank's units), sealed with a digest."""
+    saved: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "stage": runtime.stage,
+        "world": runtime.topology.world,
+        "ranks_per_node": runtime.topology.ranks_per_node,
+        "block": runtime.block.model_dump(),
+        "effective": runtime.config.model_dump(),
+        "optimizer_steps": runtime.optimizer_steps,
+    }
+    if runtime.auto is not None:
+        saved["auto"] = runtime.auto_state()
+    if not collectives:
+        return sealed(saved)
+    if runtime.store is not None:
+        saved["store"] = runtime.store.state_dict()
+        if runtime.save_weights:
+            saved["own_shards"] = [runtime.store.own_shard(k).detach().cpu().clone() for k in runtime.units.keys()]
+    if runtime.direct is not None:
+        saved["direct"] = runtime.direct.state_dict()
+    if runtime.reducer is not None:
+        saved["reducer"] = runtime.reducer.state_dict()
+    return sealed(saved)
+
+
+def restore(runtime: AnyRuntime, saved: dict[str, Any]) -> None:
+    """Restore the optimizer steps, the counters and w~ from an intact state of this layout and block."""
+    _check_state(runtime, saved)
+    runtime.optimizer_steps = saved["optimizer_steps"]
+    if runtime.store is not None:
+        if runtime.save_weights:
+            _restore_own_shards(runtime, saved["own_shards"])
+        runtime.store.load_state_dict(saved["store"])
+    if runtime.direct is not None:
+        runtime.direct.load_state_dict(saved["direct"])
+    if runtime.reducer is not None:
+        runtime.reducer.load_state_dict(saved["reducer"])
+
+
+def saved_decision(saved: dict[str, Any]) -> auto.Decision | None:
+    """The decision auto made before the checkpoint was written, or None if it was still measuring."""
+    state = saved.get("auto")
+    if state is None:
+        raise RuntimeError(
+            "sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was written with"
+        )
+    return None if state.get("measuring") else auto.Decision.from_dict(state)
+
+
+def _restore_own_shards(runtime: AnyRuntime, shards: list[torch.Tensor]) -> None:
+    """The units' tensors <- the saved w~, matched by position in key order (ZeRO-3's ds_ids shift between runs)."""
+    keys = runtime.units.keys()
+    if len(shards) != len(keys):
+        raise RuntimeError(
+            f"sdp4bit checkpoint holds the weights of {len(shards)} units; this model has "
+            f"{len(keys)} whose weights sdp4bit serves"
+        )
+    for index, (key, shard) in enumerate(zip(keys, shards, strict=True)):
+        own = runtime.units.tensor(key)
+        if shard.numel() != own.numel():
+            raise RuntimeError(
+                f"sdp4bit checkpoint: unit {index} (in key order) has {shard.numel()} elements on "
+                f"this rank; this model's has {own.numel()}"
+            )
+        own.data.copy_(shard.view_as(own))
+
+
+def _check_state(runtime: AnyRuntime, saved: dict[str, Any]) -> None:
+    """The saved state must come from the same stage, layout and quantized parts (the same on every rank)."""
+    if saved.get("stage", 3) != runtime.stage:
+        raise RuntimeError(
+            f"sdp4bit checkpoint was written on ZeRO stage {saved.get('stage', 3)}; this run is on "
+            f"stage {runtime.stage}"
+        )
+    check_layout(
+        saved,
+        runtime.topology.world,
+        runtime.topology.ranks_per_node,
+        {
+            "store": ('quantized_weights with weight_quantization "difference"', runtime.store is not None),
+            "direct": ('quantized_weights with weight_quantization "direct"', runtime.direct is not None),
+            "reducer": ("quantized_gradients", runtime.reducer is not None),
+        },
+    )

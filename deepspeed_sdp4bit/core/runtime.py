@@ -4,9 +4,12 @@ It holds one weight collective (`weights`: qWD's replicas, or the qW ablation's 
 collective (`reducer`: TLq as the stage needs it), the units they serve (`units`, core/units.py: ZeRO-3 parameters
 or runs of ZeRO-1/2 partitions), the byte counters, and the rules that keep the units' tensors equal to what the
 weight collective serves: a refresh after every successful optimizer step, a full-precision resync after anything
-else wrote them (found by `core/writes.py`, checked by `verify()`), the start step and `auto`'s decision, and the
-state a checkpoint carries. The stage's integration (`zero3/`, `zero12/`) builds it, routes DeepSpeed's gathers and
-reductions to its collectives and calls it at the seams; it never patches anything itself.
+else wrote them (found by `core/writes.py`, checked by `verify()`), the start step and `auto`'s decision, and what
+serves now (`active()`, the one answer the stages' seams ask for); what a checkpoint carries is `core/checkpoint.py`'s.
+The stage's integration (`zero3/`, `zero12/`) builds it and routes DeepSpeed's calls to its serving's seams
+(`core/seams.py`), which call it; it never patches anything itself. It needs of the engine only its step counter and
+its model's name (`Engine`), so it is built and tested in one process without DeepSpeed's engine
+(`tests/test_runtime_rules.py`).
 """
 
 from __future__ import annotations
@@ -34,15 +37,11 @@ from .writes import WriteWatch
 
 
 class Engine(Protocol):
-    """What is read through `Runtime.engine` of the DeepSpeedEngine (untyped) the runtime belongs to."""
+    """What the runtime reads of the DeepSpeedEngine (untyped) it belongs to: its optimizer steps (skipped ones too,
+    the same on every rank) and its model, whose name messages give; its telemetry also writes to its monitor."""
 
     global_steps: int
     module: torch.nn.Module
-    optimizer: Any  # the stage's ZeRO optimizer: untyped, and its attributes differ between stages and releases
-
-    @property
-    def communication_data_type(self) -> torch.dtype:
-        """The dtype DeepSpeed reduces gradients in."""
 
 
 UnitsT = TypeVar("UnitsT", bound=Units)  # the stage's units (ZeRO-3 parameters, runs of ZeRO-1/2 partitions)
@@ -257,6 +256,21 @@ class Runtime(Generic[UnitsT, ReducerT]):
             self.verify()
         self.telemetry.step_done()
 
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Apply an intact state of this layout and block: under auto the decision first (a resumed job keeps it),
+        then, unless auto is still measuring, the counters and w~."""
+        if self.auto is not None:
+            decision = checkpoint.saved_decision(saved)
+            if decision is not None:
+                self.weights = self.weights if decision.weights else None
+                self.reducer = self.reducer if decision.gradients else None
+                self.auto.restore(decision)
+                auto.log_decision(self.auto)
+        if self.measuring():
+            self.optimizer_steps = saved["optimizer_steps"]
+            return
+        checkpoint.restore(self, saved)
+
     def apply_decision(self, decision: auto.Decision) -> None:
         """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
         from the units' tensors in full precision (collective)."""
@@ -332,10 +346,11 @@ class Runtime(Generic[UnitsT, ReducerT]):
         before it)."""
         snapshot: dict[str, dict[str, Any]] = self.telemetry.snapshot()
         if self.auto is not None:
-            snapshot["auto"] = self._auto_state()
+            snapshot["auto"] = self.auto_state()
         return snapshot
 
-    def _auto_state(self) -> dict[str, Any]:
+    def auto_state(self) -> dict[str, Any]:
+        """auto's decision as stats() reports it and checkpoints keep it ({"measuring": True} before it)."""
         tuner = cast(auto.AutoTuner, self.auto)  # asked only under auto
         return {"measuring": True} if tuner.decision is None else tuner.decision.to_dict()
 
@@ -343,32 +358,12 @@ class Runtime(Generic[UnitsT, ReducerT]):
         """Zero the cumulative byte counts (stats())."""
         self.telemetry.reset()
 
-    # ----- checkpoints
+    # ----- checkpoints (the format and its checks: core/checkpoint.py)
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs beyond DeepSpeed's checkpoint: the rounding counters (and, with `save_weights`, w~ of
         this rank's units), sealed with a digest."""
-        saved: dict[str, Any] = {
-            "version": checkpoint.STATE_VERSION,
-            "stage": self.stage,
-            "world": self.topology.world,
-            "ranks_per_node": self.topology.ranks_per_node,
-            "block": self.block.model_dump(),
-            "effective": self.config.model_dump(),
-            "optimizer_steps": self.optimizer_steps,
-        }
-        if self.auto is not None:
-            saved["auto"] = self._auto_state()
-        if self.measuring():  # the replicas are stale until the decision, and the reducer has not run
-            return checkpoint.sealed(saved)
-        if self.store is not None:
-            saved["store"] = self.store.state_dict()
-            if self.save_weights:
-                saved["own_shards"] = [self.store.own_shard(k).detach().cpu().clone() for k in self.units.keys()]
-        if self.direct is not None:
-            saved["direct"] = self.direct.state_dict()
-        if self.reducer is not None:
-            saved["reducer"] = self.reducer.state_dict()
-        return checkpoint.sealed(saved)
+        # while auto measures the replicas are stale until the decision, and the reducer has not run
+        return checkpoint.runtime_state(self, collectives=not self.measuring())
 
     def load_state_dict(self, saved: Any, full_restore: bool = True, source: str = "the checkpoint") -> None:
         """Restore after DeepSpeed loaded a checkpoint, then resync the replicas from the units' tensors (collective).
@@ -380,78 +375,9 @@ class Runtime(Generic[UnitsT, ReducerT]):
         it is not. The next forward agrees on outside writes again, whatever step the checkpoint had.
         """
         if full_restore and checkpoint.intact_on_every_rank(saved, self.topology, source):
-            self._apply_state(saved)
+            self._restore(saved)
         self.resync()
         self._writes_agreed_at = None
-
-    def _apply_state(self, saved: dict[str, Any]) -> None:
-        """Restore the counters (and w~) from an intact state of this layout and block (under auto, the decision
-        first: a resumed job keeps it)."""
-        if self.auto is not None:
-            self._restore_decision(saved.get("auto"))
-            if self.measuring():
-                self.optimizer_steps = saved["optimizer_steps"]
-                return
-        self._check_state(saved)
-        self.optimizer_steps = saved["optimizer_steps"]
-        if self.store is not None:
-            if self.save_weights:
-                self._restore_own_shards(saved["own_shards"])
-            self.store.load_state_dict(saved["store"])
-        if self.direct is not None:
-            self.direct.load_state_dict(saved["direct"])
-        if self.reducer is not None:
-            self.reducer.load_state_dict(saved["reducer"])
-
-    def _restore_decision(self, saved: dict[str, Any] | None) -> None:
-        """Apply the decision a checkpoint holds; one written before it leaves auto measuring."""
-        if saved is None:
-            raise RuntimeError(
-                "sdp4bit checkpoint was written without auto; load it with the sdp4bit block it was written with"
-            )
-        if not saved.get("measuring"):
-            decision = auto.Decision.from_dict(saved)
-            self.weights = self.weights if decision.weights else None
-            self.reducer = self.reducer if decision.gradients else None
-            tuner = cast(auto.AutoTuner, self.auto)  # restored only under auto
-            tuner.restore(decision)
-            auto.log_decision(tuner)
-
-    def _restore_own_shards(self, shards: list[torch.Tensor]) -> None:
-        """The units' tensors <- the saved w~, matched by position in key order (ZeRO-3's ds_ids shift between
-        runs)."""
-        keys = self.units.keys()
-        if len(shards) != len(keys):
-            raise RuntimeError(
-                f"sdp4bit checkpoint holds the weights of {len(shards)} units; this model has "
-                f"{len(keys)} whose weights sdp4bit serves"
-            )
-        for index, (key, shard) in enumerate(zip(keys, shards, strict=True)):
-            own = self.units.tensor(key)
-            if shard.numel() != own.numel():
-                raise RuntimeError(
-                    f"sdp4bit checkpoint: unit {index} (in key order) has {shard.numel()} elements on "
-                    f"this rank; this model's has {own.numel()}"
-                )
-            own.data.copy_(shard.view_as(own))
-
-    def _check_state(self, saved: dict[str, Any]) -> None:
-        """The saved state must come from the same stage, layout and quantized parts (the same on every rank)."""
-        if saved.get("stage", 3) != self.stage:
-            raise RuntimeError(
-                f"sdp4bit checkpoint was written on ZeRO stage {saved.get('stage', 3)}; this run is on "
-                f"stage {self.stage}"
-            )
-        checkpoint.check_layout(
-            saved,
-            self.topology.world,
-            self.topology.ranks_per_node,
-            {
-                "store": ('quantized_weights with weight_quantization "difference"', self.store is not None),
-                "direct": ('quantized_weights with weight_quantization "direct"', self.direct is not None),
-                "reducer": ("quantized_gradients", self.reducer is not None),
-            },
-        )
 
 
 AnyRuntime = Runtime[Any, Any]  # either stage's runtime, where code that serves every stage holds one

@@ -21,7 +21,7 @@ from ..config import SDP4BitConfig
 from ..log import logger
 from ..topology import Topology
 from . import patches, selftest
-from .checks import check_engine, zero_problems
+from .checks import Zero3Engine, check_engine, zero_problems
 from .serving import Zero3Runtime, build_runtime
 
 __all__ = ["activate", "check_engine", "describe", "zero_problems"]
@@ -35,15 +35,15 @@ def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) 
     engine_patches.install()
     runtime.initial_sync()
     if adapter.support() is adapter.Support.NEWER:
-        _self_test(runtime, engine_patches)
+        _self_test(engine, runtime, engine_patches)
     return runtime
 
 
-def _self_test(runtime: Zero3Runtime, engine_patches: patches.EnginePatches) -> None:
+def _self_test(engine: Zero3Engine, runtime: Zero3Runtime, engine_patches: patches.EnginePatches) -> None:
     """The self-test, then one warning naming the release; a failure gives the model back to DeepSpeed and stops
     (collective)."""
     try:
-        checked = selftest.run(runtime, engine_patches.serving)
+        checked = selftest.run(engine, runtime, engine_patches.serving)
     except adapter.SDP4BitCompatError:
         engine_patches.release()
         raise

@@ -25,10 +25,11 @@ from ..topology import Topology
 
 
 class Zero3Engine(Protocol):
-    """What the checks read of a built ZeRO-3 DeepSpeedEngine (untyped)."""
+    """What the checks and the self-test read of a built ZeRO-3 DeepSpeedEngine (untyped)."""
 
     device: torch.device
     optimizer: Any  # its ZeRO optimizer, a DeepSpeedZeroOptimizer_Stage3 (untyped) once `_engine_problems` passed
+    communication_data_type: torch.dtype
 
 
 def zero_problems(zero: DeepSpeedZeroConfig, cfg: SDP4BitConfig, ds_config: dict[str, Any]) -> list[str]:

@@ -28,6 +28,7 @@ from ..collectives.contract import GradientCollective
 from ..collectives.grad_reduce import TLqReducer
 from ..collectives.weight_store import WeightStore
 from ..core.engine_patches import original
+from .checks import Zero3Engine
 from .serving import ReduceScatter, Zero3Runtime, Zero3Serving
 
 if TYPE_CHECKING:
@@ -98,24 +99,26 @@ def _test_gradient(param: Zero3Param, rank: int) -> torch.Tensor:
     return values.to(dtype=param.dtype, device=param.device)
 
 
-def _reduced_by_deepspeed(runtime: Zero3Runtime, param: Zero3Param, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_by_deepspeed(
+    engine: Zero3Engine, runtime: Zero3Runtime, param: Zero3Param, grad: torch.Tensor
+) -> torch.Tensor:
     """This rank's partition of the gradient as DeepSpeed's own __avg_scatter_grads reduces it, TLq forced on."""
-    optimizer = runtime.engine.optimizer
+    optimizer = engine.optimizer
     avg_scatter: Callable[..., list[torch.Tensor]] = original(getattr(optimizer, _AVG_SCATTER))
     param.grad = grad
     try:
         forced = _ForcedReduction(cast(TLqReducer, runtime.reducer))  # checked with a reducer
         with adapter.ZERO3_REDUCE_SCATTER.bound(forced.reduce):
-            return avg_scatter([param], runtime.engine.communication_data_type)[0]
+            return avg_scatter([param], engine.communication_data_type)[0]
     finally:
         param.grad = None
 
 
-def _reduced_directly(runtime: Zero3Runtime, grad: torch.Tensor) -> torch.Tensor:
+def _reduced_directly(engine: Zero3Engine, runtime: Zero3Runtime, grad: torch.Tensor) -> torch.Tensor:
     """The same reduction by TLq itself, with DeepSpeed's documented casts around it."""
-    optimizer = runtime.engine.optimizer
+    optimizer = engine.optimizer
     factor = optimizer.gradient_predivide_factor if optimizer.postscale_gradients else 1.0
-    sent = grad.to(runtime.engine.communication_data_type)
+    sent = grad.to(engine.communication_data_type)
     sent = sent.div(factor) if factor != 1.0 else sent
     reducer = cast(TLqReducer, runtime.reducer)  # checked only with a reducer
     reduced = reducer.reduce_scatter_coalesced([sent], optimizer.dp_process_group)[0]
@@ -124,15 +127,15 @@ def _reduced_directly(runtime: Zero3Runtime, grad: torch.Tensor) -> torch.Tensor
     return reduced.to(adapter.reduced_gradient_dtype(optimizer))
 
 
-def _check_reduction(runtime: Zero3Runtime, key: int, param: Zero3Param) -> str | None:
+def _check_reduction(engine: Zero3Engine, runtime: Zero3Runtime, key: int, param: Zero3Param) -> str | None:
     reducer = cast(TLqReducer, runtime.reducer)  # checked only with a reducer
     streams = (reducer.quant_stream, reducer.requant_stream)
     saved = [s.state_dict() for s in streams]
     grad = _test_gradient(param, runtime.topology.rank)
-    got = _reduced_by_deepspeed(runtime, param, grad)
+    got = _reduced_by_deepspeed(engine, runtime, param, grad)
     for stream, state in zip(streams, saved, strict=True):
         stream.load_state_dict(state)
-    expected = _reduced_directly(runtime, grad)
+    expected = _reduced_directly(engine, runtime, grad)
     for stream, state in zip(streams, saved, strict=True):
         stream.load_state_dict(state)
     return _difference(f"the gradient reduction of {runtime.name(key)}", got, expected)
@@ -144,7 +147,7 @@ def _agreed(problems: list[str], runtime: Zero3Runtime) -> bool:
     return not comm.max_over_ranks([int(bool(problems))], None, "sdp4bit_self_test", device)[0]
 
 
-def run(runtime: Zero3Runtime, serving: Zero3Serving) -> list[str]:
+def run(engine: Zero3Engine, runtime: Zero3Runtime, serving: Zero3Serving) -> list[str]:
     """Run the self-test (collective); returns what it checked, or raises SDP4BitCompatError naming what differed."""
     key, param = _smallest(runtime)
     checked, problems = [], []
@@ -153,11 +156,11 @@ def run(runtime: Zero3Runtime, serving: Zero3Serving) -> list[str]:
             problems.append(_check_gather(runtime, key, param))
             checked.append("a weight gather")
             if runtime.reducer is not None:
-                problems.append(_check_reduction(runtime, key, param))
+                problems.append(_check_reduction(engine, runtime, key, param))
                 checked.append("a gradient reduction")
     elif runtime.reducer is not None:
         with _gathered(param):
-            problems.append(_check_reduction(runtime, key, param))
+            problems.append(_check_reduction(engine, runtime, key, param))
             checked.append("a gradient reduction")
     differences = [p for p in problems if p]
     if not _agreed(differences, runtime):
