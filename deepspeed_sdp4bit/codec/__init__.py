@@ -68,6 +68,7 @@ def _dispatching(method: Callable[Concatenate[Any, P], R]) -> Callable[P, R]:
         tensor = cast(torch.Tensor, args[0] if args else kwargs[first])  # every op's first parameter is a tensor
         return cast(R, getattr(backend_for(tensor), name)(*args, **kwargs))  # the same op, on the backend
 
+    # inspect.signature reads __signature__, which functions do not declare: so help() shows the op's parameters
     call.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     return call
 
