@@ -16,6 +16,7 @@ from deepspeed_sdp4bit.collectives.weight_direct import DirectQuantGather
 from deepspeed_sdp4bit.collectives.weight_store import GatherHandle, WeightStore
 
 RUNTIME = Path(__file__).resolve().parents[1] / "deepspeed_sdp4bit" / "core" / "runtime.py"
+CHECKPOINT = RUNTIME.parent / "checkpoint.py"
 
 
 def _methods(protocol: type) -> list[str]:
@@ -52,24 +53,26 @@ def test_each_collective_has_the_contracts_methods_and_parameters(implementation
 
 
 def _calls_on(attribute: str) -> set[str]:
-    """Names of the methods runtime.py calls on `self.<attribute>`."""
+    """Names of the methods the runtime calls on its `<attribute>`: in runtime.py as `self.<attribute>`, in
+    checkpoint.py (its saved state) as `runtime.<attribute>`."""
     found = set()
-    for node in ast.walk(ast.parse(RUNTIME.read_text())):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Attribute)
-            and isinstance(node.value.value, ast.Name)
-            and node.value.value.id == "self"
-            and node.value.attr == attribute
-        ):
-            found.add(node.attr)
+    for path, name in ((RUNTIME, "self"), (CHECKPOINT, "runtime")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == name
+                and node.value.attr == attribute
+            ):
+                found.add(node.attr)
     return found
 
 
 def test_the_runtime_uses_its_collectives_only_through_the_contract() -> None:
-    """`self.weights` and `self.reducer` are typed by the contract (the core runtime only refreshes and resyncs the
-    weights and saves the reducer's state: the stages' integrations run the gathers and reductions); the replica-only
-    parts (verify, checkpoints) go through `self.store`, which names the qWD store."""
+    """`weights` and `reducer` are typed by the contract (the core runtime only refreshes and resyncs the weights and
+    saves the reducer's state: the stages' integrations run the gathers and reductions); the replica-only parts
+    (verify, checkpoints) go through `store`, which names the qWD store."""
     weights, gradients = _calls_on("weights"), _calls_on("reducer")
     assert weights and gradients
     assert weights <= set(_methods(contract.WeightCollective)), weights
