@@ -25,11 +25,10 @@ Each stage's integration adds its seams to a `PatchSet` subclass (`zero3/patches
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 import deepspeed
@@ -88,21 +87,14 @@ def original_initialize() -> Callable[..., Any]:
     return cast("Callable[..., Any]", getattr(deepspeed.initialize, _MARK, deepspeed.initialize))
 
 
-@contextlib.contextmanager
-def bound(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
-    """While inside, `var` holds `value` (in this thread or task only): how a process-wide patch learns which
-    runtime, if any, the call it intercepts belongs to."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
 def activating(unpatched: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """unpatched(*args, **kwargs) with the engine it builds marked as built by SDP4Bit's activation."""
-    with bound(_ACTIVATING, True):
+    """unpatched(*args, **kwargs) with the engine it builds marked as built by SDP4Bit's activation (in this thread
+    or task only)."""
+    token = _ACTIVATING.set(True)
+    try:
         return unpatched(*args, **kwargs)
+    finally:
+        _ACTIVATING.reset(token)
 
 
 def patch_engine_init(before: Callable[[Any], None], after: Callable[[Any, bool], None]) -> None:

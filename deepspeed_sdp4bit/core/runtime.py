@@ -262,8 +262,7 @@ class Runtime(Generic[UnitsT, ReducerT]):
         if self.auto is not None:
             decision = checkpoint.saved_decision(saved)
             if decision is not None:
-                self.weights = self.weights if decision.weights else None
-                self.reducer = self.reducer if decision.gradients else None
+                self._keep(decision)
                 self.auto.restore(decision)
                 auto.log_decision(self.auto)
         if self.measuring():
@@ -271,13 +270,17 @@ class Runtime(Generic[UnitsT, ReducerT]):
             return
         checkpoint.restore(self, saved)
 
-    def apply_decision(self, decision: auto.Decision) -> None:
-        """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
-        from the units' tensors in full precision (collective)."""
+    def _keep(self, decision: auto.Decision) -> None:
+        """Drop the weight collective or the reducer of the parts the decision left off."""
         if not decision.weights:
             self.weights = None
         if not decision.gradients:
             self.reducer = None
+
+    def apply_decision(self, decision: auto.Decision) -> None:
+        """Keep only the parts auto switched on: drop the others' replicas or reducer, and build the kept replicas
+        from the units' tensors in full precision (collective)."""
+        self._keep(decision)
         self.resync()
         auto.log_decision(cast(auto.AutoTuner, self.auto))  # a decision comes from auto, which is set
 
