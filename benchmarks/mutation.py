@@ -71,6 +71,8 @@ LAYOUT = "sdp4bit_cost/layout.py"
 TIMING = "sdp4bit_cost/timing.py"
 AUTO = "deepspeed_sdp4bit/core/auto.py"
 FAULTS = "deepspeed_sdp4bit/collectives/faults.py"
+ERRORS = "deepspeed_sdp4bit/collectives/errors.py"
+QUALITY = "deepspeed_sdp4bit/core/quality.py"
 RUNTIME_TESTS = (
     "tests/test_zero3_training.py",
     "-k",
@@ -106,6 +108,8 @@ TARGETS = {
     "weight_store": Target("weight_store", STORE, ("tests/test_weight_store.py", "-k", "4 or 6")),
     "runtime": Target("runtime", RUNTIME, RUNTIME_TESTS),
     "runtime_rules": Target("runtime_rules", RUNTIME, ("tests/test_runtime_rules.py",)),
+    "errors": Target("errors", ERRORS, ("tests/test_errors.py",)),
+    "quality": Target("quality", QUALITY, ("tests/test_errors.py",)),
     "build": Target("build", BUILD, RUNTIME_TESTS),
     "zero3_serving": Target("zero3_serving", SERVING3, RUNTIME_TESTS),
     "owner_reduce": Target("owner_reduce", OWNER, ("tests/test_owner_reduce.py", "-k", "2 or 4 or merge")),
@@ -382,8 +386,8 @@ MUTANTS = [
     Mutant(
         "G12",
         LEVELS,
-        "            pieces=self.topo.ranks_per_node,",
-        "            pieces=self.topo.nodes,",
+        "        pieces, intra, inter = self.topo.ranks_per_node, self.intra, self.inter",
+        "        pieces, intra, inter = self.topo.nodes, self.intra, self.inter",
         "requantization sums `nodes` pieces instead of ranks per node",
     ),
     Mutant(
@@ -631,8 +635,8 @@ MUTANTS = [
     Mutant(
         "Z02",
         RUNTIME,
-        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
-        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=True))",
+        '        quantize = self.quantizing() and not self._full("weight_refresh")',
+        "        quantize = True",
         "weights quantized before the start step",
     ),
     Mutant(
@@ -705,8 +709,8 @@ MUTANTS = [
     Mutant(
         "Z10",
         RUNTIME,
-        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))",
-        "        self.weights.refresh(self.shards(), quantize=self.quantizing())",
+        "        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=quantize))",
+        "        self.weights.refresh(self.shards(), quantize=quantize)",
         "ds_tensor not set to w~ after a refresh",
     ),
     Mutant(
@@ -817,7 +821,7 @@ MUTANTS = [
     Mutant(
         "U02",
         RUNTIME,
-        "            reducer=self.reducer if quantizing else None,",
+        '            reducer=self.reducer if quantizing and not self._full("grad_intra") else None,',
         "            reducer=self.reducer,",
         "TLq serves before the start step",
         target="runtime_rules",
@@ -861,6 +865,71 @@ MUTANTS = [
         "        if False:\n            self.resync(written)",
         "a write agreed on is not resynced",
         target="runtime_rules",
+    ),
+    # collectives/errors.py
+    Mutant(
+        "E01",
+        ERRORS,
+        "    for row in rows[1:]:\n        total = total + row",
+        "    for row in rows[2:]:\n        total = total + row",
+        "the requantized sum leaves out the second piece",
+    ),
+    Mutant(
+        "E02",
+        ERRORS,
+        "        start, stop = first * group, min((first + count) * group, numel)",
+        "        start, stop = first * group, min((first + count) * group, numel - 1)",
+        "the window drops the run's last element",
+    ),
+    Mutant(
+        "E03",
+        ERRORS,
+        "            self._unread[kind].extend(errors.nonfinite)",
+        "            self._unread[kind].clear()",
+        "a finished step's non-finite groups are dropped",
+    ),
+    Mutant(
+        "E04",
+        ERRORS,
+        "    relative = torch.where(err == 0, torch.zeros_like(relative), relative)",
+        "    relative = torch.where(ref == 0, torch.zeros_like(relative), relative)",
+        "a group sent as zeros but received otherwise has no error",
+    ),
+    Mutant(
+        "E05",
+        ERRORS,
+        "        whole = min(max(valid // codec.HADAMARD_BLOCK * codec.HADAMARD_BLOCK - start, 0), n)",
+        "        whole = min(max(valid - start, 0), n)",
+        "the block cut by the valid end is transformed too",
+    ),
+    # core/quality.py
+    Mutant(
+        "Q01",
+        QUALITY,
+        "            above = not seen.rel_error <= bound  # NaN counts as above",
+        "            above = seen.rel_error > bound",
+        "a NaN error never counts as above the bound",
+    ),
+    Mutant(
+        "Q02",
+        QUALITY,
+        "            self.over[kind] = self.over[kind] + 1 if above else 0",
+        "            self.over[kind] = self.over[kind] + 1 if above else self.over[kind]",
+        "a sample under the bound does not reset the count",
+    ),
+    Mutant(
+        "Q03",
+        QUALITY,
+        "    return 8 if width == 4 else None",
+        "    return 8",
+        "8 bits never widen to full precision",
+    ),
+    Mutant(
+        "Q04",
+        QUALITY,
+        "            if (self.config.nonfinite and seen.nonfinite_groups) or self.over[kind] >= self.config.patience:",
+        "            if self.over[kind] >= self.config.patience:",
+        "non-finite values wait for the patience",
     ),
     # sdp4bit_cost/traffic.py
     Mutant(

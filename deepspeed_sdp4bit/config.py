@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 CONFIG_KEY = "sdp4bit"
 AUTO_START_STEP = 5  # under auto: plain steps 0-4, step 0 left out of the timing (warm-up), decided after step 4
 AUTO_MIN_START_STEP = 3  # two timed plain steps at least
+ERROR_SAMPLE_INTERVAL = 10  # optimizer steps between two measurements of the quantization error
+# the guard's default bounds on the relative error per kind (docs/statistics.md: how they were chosen)
+GUARD_BOUNDS = {"weight_refresh": 0.5, "grad_intra": 0.05, "grad_inter": 0.5}
 
 
 class SDP4BitConfigError(ValueError):
@@ -50,6 +53,28 @@ def _group_size(key: str, value: int) -> int:
     if not valid_group_size(value):
         raise ValueError(f"{key} must be a multiple of {MIN_GROUP} in [{MIN_GROUP}, {MAX_GROUP}]")
     return value
+
+
+class GuardConfig(BaseModel):
+    """The guard's settings: a bound on each measured kind's relative error, and when to act on it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    weight_refresh: float = Field(
+        GUARD_BOUNDS["weight_refresh"], gt=0, description="bound on the relative error of the weight differences"
+    )
+    grad_intra: float = Field(
+        GUARD_BOUNDS["grad_intra"], gt=0, description="bound on the relative error of the intra-node gradient level"
+    )
+    grad_inter: float = Field(
+        GUARD_BOUNDS["grad_inter"], gt=0, description="bound on the relative error of the inter-node gradient level"
+    )
+    patience: int = Field(
+        3, ge=1, le=1000, description="sampled steps in a row above its bound before a kind is widened (1 to 1000)"
+    )
+    nonfinite: bool = Field(
+        True, description="widen a kind at once when a non-finite value (NaN, Inf) reached one of its exchanges"
+    )
 
 
 class SDP4BitConfig(BaseModel):
@@ -208,6 +233,28 @@ class SDP4BitConfig(BaseModel):
         ),
     )
 
+    error_sample_interval: int = Field(
+        ERROR_SAMPLE_INTERVAL,
+        ge=0,
+        description=(
+            "every N optimizer steps each quantized exchange measures its quantization error on a window of its "
+            "groups (the sender decodes its own codes: no extra communication; the ranks combine their figures in one "
+            "small all-reduce pair at the end of that step), reported in `stats()` and DeepSpeed's monitor; 0 = never"
+        ),
+    )
+    error_window_groups: int = Field(
+        8, ge=1, le=4096, description="quantization groups per measured window of each exchange (1 to 4096)"
+    )
+    guard: GuardConfig | None = Field(
+        None,
+        description=(
+            "widen an exchange whose measured error stays high: an object of bounds on the relative error per kind "
+            "and when to act (keys below; `{}` takes the defaults); each widening goes 4 bits to 8, 8 bits to full "
+            "precision, the same on every rank from the next step on, logged, counted in `stats()` and saved with "
+            "checkpoints; needs `error_sample_interval` > 0"
+        ),
+    )
+
     @field_validator("wq_group_size", "gq_group_size_intra", "gq_group_size_inter")
     @classmethod
     def _check_group(cls, value: int, info: Any) -> int:
@@ -255,6 +302,11 @@ class SDP4BitConfig(BaseModel):
             raise ValueError(
                 "auto = true decides on weight differences and TLq; weight_quantization = 'direct' (the "
                 "qW ablation) is not one of its choices: set auto to false or use 'difference'"
+            )
+        if self.guard is not None and not self.error_sample_interval:
+            raise ValueError(
+                "guard acts on the measured errors, and error_sample_interval = 0 measures none; set "
+                "error_sample_interval to an integer >= 1 or leave guard out"
             )
         if self.weights_direct and "weight_replica" in self.model_fields_set and self.weight_replica != "off":
             raise ValueError(
@@ -312,15 +364,21 @@ def key_table() -> str:
         flag = f"`{extra['flag']}`" if "flag" in extra else "—"
         note = f" ({extra['flag_note']})" if "flag_note" in extra else ""
         rows.append(f"| `{name}` | `{json.dumps(field.default)}` | {field.description} | {flag}{note} |")
+    rows.extend(
+        f"| `guard.{name}` | `{json.dumps(field.default)}` | {field.description} | — |"
+        for name, field in GuardConfig.model_fields.items()
+    )
     return "\n".join(rows)
 
 
 def _describe(error: ErrorDetails) -> str:
     """One line per pydantic error: which key, which value, what is allowed."""
-    key = str(error["loc"][0]) if error["loc"] else "<block>"
+    loc = [str(part) for part in error["loc"] if part != GuardConfig.__name__]
+    key = ".".join(loc) if loc else "<block>"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        allowed = ", ".join(SDP4BitConfig.model_fields)
+        model = GuardConfig if len(loc) > 1 else SDP4BitConfig
+        allowed = ", ".join(model.model_fields)
         return f"{CONFIG_KEY}.{key}: unknown key (allowed keys: {allowed})"
     if key == "<block>":
         return f"{CONFIG_KEY}: {message}"

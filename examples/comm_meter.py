@@ -14,11 +14,13 @@ from typing import Any
 import deepspeed
 
 from deepspeed_sdp4bit.collectives.accounting import KINDS as SDP4BIT_KINDS
+from deepspeed_sdp4bit.collectives.errors import MEASURED_KINDS
 
 KINDS = (*SDP4BIT_KINDS, "total")
 SDP4BIT_COUNTERS = {"wire": "wire_bytes", "logical": "logical_bytes", "cross": "cross_node_bytes"}
 FIELDS = [f"{kind}_{field}" for kind in KINDS for field in SDP4BIT_COUNTERS]
 LINK_FIELDS = ["link_tx_bytes", "link_tx_packets"]
+ERROR_FIELDS = [f"{kind}_rel_error" for kind in MEASURED_KINDS]
 
 
 def link_counters(interface: str) -> dict[str, float]:
@@ -43,6 +45,27 @@ def sdp4bit_bytes(engine: Any) -> dict[str, float]:
         return {}
     stats = engine.sdp4bit.stats()
     return {f"{kind}_{field}": float(stats[kind][key]) for kind in KINDS for field, key in SDP4BIT_COUNTERS.items()}
+
+
+def sdp4bit_errors(engine: Any) -> dict[str, float]:
+    """The relative quantization error per measured kind of the step just ended, over all ranks ({} where the step
+    measured none: SDP4Bit measures every `error_sample_interval` steps)."""
+    if not hasattr(engine, "sdp4bit"):
+        return {}
+    last = engine.sdp4bit.last_step_bytes
+    return {
+        f"{kind}_rel_error": last[kind]["rel_error"] for kind in MEASURED_KINDS if "rel_error" in last.get(kind, {})
+    }
+
+
+def error_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Per measured kind, the mean and the largest relative error over the steps that measured it (None if none)."""
+    summary = {}
+    for kind, field in zip(MEASURED_KINDS, ERROR_FIELDS, strict=True):
+        seen = [row[field] for row in rows if field in row]
+        if seen:
+            summary[kind] = {"mean": sum(seen) / len(seen), "max": max(seen), "samples": len(seen)}
+    return summary or None
 
 
 class CommMeter:

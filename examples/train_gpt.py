@@ -45,7 +45,16 @@ import deepspeed_sdp4bit  # noqa: F401  (makes deepspeed.initialize honour the c
 from deepspeed_sdp4bit.config import config_from_ds_config
 from deepspeed_sdp4bit.provenance import write_result
 from deepspeed_sdp4bit.topology import job_timeout
-from sdp4bit_examples.comm_meter import FIELDS, LINK_FIELDS, CommMeter, comm_saved, steady_means
+from sdp4bit_examples.comm_meter import (
+    ERROR_FIELDS,
+    FIELDS,
+    LINK_FIELDS,
+    CommMeter,
+    comm_saved,
+    error_summary,
+    sdp4bit_errors,
+    steady_means,
+)
 from sdp4bit_examples.gpt_models import CARDS, build_model, expected_initial_loss, gpt2_config, num_parameters
 from sdp4bit_examples.token_dataset import SampleOrder, Split, TokenFile
 
@@ -468,6 +477,7 @@ class Trainer:
                 "span_unix": (began_unix, began_unix + seconds),
                 "after_eval": after_eval,
                 **delta,
+                **sdp4bit_errors(self.engine),
             }
             after_eval = val is not None
             self.rows.append(row)
@@ -497,7 +507,18 @@ class Trainer:
             self.engine.save_checkpoint(self.args.save_dir, client_state={"next_step": step + 1})
 
 
-CSV_FIELDS = ["step", "loss", "lr", "val_loss", "tokens_per_s", "step_time_s", "comm_bytes", *FIELDS, *LINK_FIELDS]
+CSV_FIELDS = [
+    "step",
+    "loss",
+    "lr",
+    "val_loss",
+    "tokens_per_s",
+    "step_time_s",
+    "comm_bytes",
+    *FIELDS,
+    *LINK_FIELDS,
+    *ERROR_FIELDS,
+]
 
 
 def _csv_value(value: Any) -> str:
@@ -559,6 +580,7 @@ def summarise(trainer: Trainer, settings: Settings, args: argparse.Namespace, ex
         "comm_bytes_per_step": means.get("comm_bytes"),
         "comm_bytes_per_step_by_op": {k[3:]: v for k, v in means.items() if k.startswith("op:")},
         "sdp4bit_bytes_per_step": {k: v for k, v in means.items() if k in FIELDS} or None,
+        "sdp4bit_rel_error": error_summary(rows),
         **step_times(rows, steady_from, tokens_per_step, bool(extra.get("comms_logger"))),
         # rank 0's clock: where a capture of the links (benchmarks/wire.py) finds the steps the means above cover
         "steady_spans_unix": [r["span_unix"] for r in rows if r["step"] >= steady_from and not r["after_eval"]],
@@ -648,6 +670,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "sdp4bit": hasattr(engine, "sdp4bit"),
         "sdp4bit_auto": engine.sdp4bit.stats().get("auto") if hasattr(engine, "sdp4bit") else None,
         "sdp4bit_verified": replicas_verified(engine),
+        "sdp4bit_guard": engine.sdp4bit.stats().get("guard") if hasattr(engine, "sdp4bit") else None,
         "comms_logger": bool(deepspeed.comm.comms_logger.enabled),
         "startup_s": startup_s,
         "train_s": time.perf_counter() - began,
@@ -657,6 +680,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     dist.destroy_process_group()
     if rank == 0:
         summary = write_result(out / "summary.json", summary)
+        if summary["sdp4bit_rel_error"]:
+            figures = ", ".join(
+                f"{kind} {e['mean']:.4g} (max {e['max']:.4g}, {e['samples']} steps)"
+                for kind, e in summary["sdp4bit_rel_error"].items()
+            )
+            print(f"sdp4bit quantization error, relative, mean over the measured steps: {figures}", flush=True)
         print("SUMMARY " + json.dumps(summary), flush=True)
         return summary
     return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepspeed_sdp4bit.config import SDP4BitConfig, key_table
+from deepspeed_sdp4bit.config import GuardConfig, SDP4BitConfig, key_table
 
 CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -28,4 +28,4 @@ def test_documented_key_table_matches_the_field_descriptions():
         "output of `python -c 'from deepspeed_sdp4bit.config import key_table; "
         "print(key_table())'` into docs/config.md"
     )
-    assert len(table.splitlines()) == 2 + len(SDP4BitConfig.model_fields)
+    assert len(table.splitlines()) == 2 + len(SDP4BitConfig.model_fields) + len(GuardConfig.model_fields)

@@ -71,6 +71,17 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     "quantization_start_step": st.integers(0, 10**6),
     "verify_interval": st.integers(0, 1000),
     "refresh_bucket_size": st.integers(1, 10**9),
+    "error_sample_interval": st.integers(0, 1000),
+    "error_window_groups": st.integers(1, 4096),
+    "guard": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            **{kind: st.floats(1e-6, 10) for kind in ("weight_refresh", "grad_intra", "grad_inter")},
+            "patience": st.integers(1, 1000),
+            "nonfinite": st.booleans(),
+        },
+    ),
 }
 _EDGES: dict[str, st.SearchStrategy[Any]] = {
     "weight_quantization_bits": _near(4, 8),
@@ -87,6 +98,9 @@ _EDGES: dict[str, st.SearchStrategy[Any]] = {
     "quantization_start_step": _near(0),
     "verify_interval": _near(0),
     "refresh_bucket_size": _near(0, 1),
+    "error_sample_interval": _near(0),
+    "error_window_groups": _near(0, 1, 4096),
+    "guard": st.sampled_from([{}, True, {"patience": 0}, {"grad_inter": 0}, {"grad_intra": -1.0}, {"bound": 1}]),
     "enabled": st.sampled_from([0, 1, "true", None]),
     "auto": st.sampled_from([0, 1, "true", None]),
 }

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import ErrorMeter
+
 KINDS = ("weight_refresh", "weight_resync", "weight_gather", "grad_intra", "grad_inter")
 
 
@@ -31,11 +33,12 @@ class CommStats:
     """Logical, wire and cross-node bytes per kind since the last reset, for this rank.
 
     `ranks_per_node` (ranks numbered node by node) lets the collectives count the bytes that leave this node; without
-    it cross-node bytes stay 0.
+    it cross-node bytes stay 0. `errors` measures the quantization error of what this rank sends (errors.py).
     """
 
-    def __init__(self, ranks_per_node: int | None = None) -> None:
+    def __init__(self, ranks_per_node: int | None = None, errors: ErrorMeter | None = None) -> None:
         self.ranks_per_node = ranks_per_node
+        self.errors = ErrorMeter() if errors is None else errors
         self._kinds = {kind: KindBytes() for kind in KINDS}
         self.control: dict[str, int] = {}
 

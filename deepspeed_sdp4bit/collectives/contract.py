@@ -67,7 +67,14 @@ class WeightCollective(Protocol):
 
 @runtime_checkable
 class GradientState(Protocol):
-    """What the core runtime asks of a gradient collective: its rounding counters, for checkpoints."""
+    """What the core runtime asks of a gradient collective: its two levels' bits (which the guard widens), and its
+    rounding counters, for checkpoints."""
+
+    def bits(self) -> tuple[int, int]:
+        """Bits of the intra-node and the inter-node level."""
+
+    def widen(self, bits_intra: int, bits_inter: int) -> None:
+        """Send each level with these bits from the next exchange on (the same on every rank)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs (the rounding counters)."""

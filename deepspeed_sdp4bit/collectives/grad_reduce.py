@@ -40,6 +40,7 @@ from sdp4bit_cost.layout import ChunkLayout, chunk_layout
 
 from .. import codec
 from ..codec.spec import FLOAT_DTYPES
+from .errors import decode_range
 from .levels import Exchange as _Exchange
 from .levels import Level, TwoLevelReducer, one_level_schedule, two_level_schedule
 from .levels import codes_slice as _slice
@@ -132,10 +133,13 @@ class TLqReducer(TwoLevelReducer):
         for kind, dests in exchanges:
             self.stats.add_logical(kind, dests * layout.used * elem_size)
 
-    def _quantize(self, flat: torch.Tensor, level: Level, layout: ChunkLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1: the whole buffer, swizzled so each slice's exchange sends every peer one contiguous run."""
+    def _quantize(
+        self, flat: torch.Tensor, level: Level, layout: ChunkLayout, kind: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1: the whole buffer, swizzled so each slice's exchange sends every peer one contiguous run (`kind`
+        its exchange, whose error is measured)."""
         seed, offset = self.quant_stream.take(flat.numel())
-        return codec.swizzle_quantize(
+        codes, scales = codec.swizzle_quantize(
             flat,
             bits=level.bits,
             group_size=level.group,
@@ -148,6 +152,37 @@ class TLqReducer(TwoLevelReducer):
             valid=layout.valid,
             hadamard=self.hadamard,
         )
+        self._measure(kind, flat, codes, scales, level, layout)
+        return codes, scales
+
+    def _measure(
+        self,
+        kind: str,
+        flat: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        level: Level,
+        layout: ChunkLayout,
+    ) -> None:
+        """Count the non-finite groups and, when sampling, measure a window of groups inside one (destination,
+        slice) block of the swizzled codes (module docstring: [slice][destination local rank][destination node])."""
+        meter = self.stats.errors
+        meter.count_nonfinite(kind, scales)
+        block = layout.part // layout.slices
+        per_block = block // level.group
+        window = meter.window(kind, layout.world * layout.slices * per_block)
+        if window is None:
+            return
+        first, count = window
+        stop = min(first + count, (first // per_block + 1) * per_block)
+        nodes, per_node = self.topo.nodes, self.topo.ranks_per_node
+        index = first // per_block
+        slice_, local, node = index // (nodes * per_node), index // nodes % per_node, index % nodes
+        start = slice_ * block + first % per_block * level.group
+        length = (stop - first) * level.group
+        values = flat.view(layout.world, layout.part)[node * per_node + local, start : start + length]
+        received = decode_range(codes, scales, first * level.group, stop * level.group, level.bits, level.group)
+        meter.add(kind, first, self._sent(values, start, layout.valid), received, level.group)
 
     def _finish(self, exchange: _Exchange, level: Level, pieces: int, dtype: torch.dtype, valid: int) -> torch.Tensor:
         """Step 5: sum the received pieces in fp32, undo the Hadamard transform of the blocks below the slice's
@@ -175,7 +210,7 @@ class TLqReducer(TwoLevelReducer):
         kind: str,
     ) -> list[torch.Tensor]:
         """One exchange per slice; slice y+1's exchange is in flight while slice y is reduced."""
-        codes, scales = self._quantize(flat, level, layout)
+        codes, scales = self._quantize(flat, level, layout, kind)
         run = layout.world * layout.slice_len
         return one_level_schedule(
             layout.slices,
@@ -185,7 +220,7 @@ class TLqReducer(TwoLevelReducer):
 
     def _two_level(self, flat: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
         """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
-        codes, scales = self._quantize(flat, self.intra, layout)
+        codes, scales = self._quantize(flat, self.intra, layout, "grad_intra")
         run = layout.world * layout.slice_len
         topo = self.topo
 

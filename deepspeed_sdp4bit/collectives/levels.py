@@ -22,6 +22,7 @@ from ..codec.spec import check_quantizer, codes_nbytes, num_groups
 from ..topology import Topology
 from . import comm
 from .accounting import CommStats
+from .errors import quantized_values, summed_pieces
 from .faults import Pending
 from .rounding import TwoLevelRounding
 
@@ -86,24 +87,50 @@ class TwoLevelReducer(TwoLevelRounding):
         self.group = slice_group(group_intra, group_inter)
         TwoLevelRounding.__init__(self, seed, topo.rank)
 
+    def bits(self) -> tuple[int, int]:
+        """Bits of the intra-node and the inter-node level."""
+        return self.intra.bits, self.inter.bits
+
+    def widen(self, bits_intra: int, bits_inter: int) -> None:
+        """Send each level with these bits from the next exchange on, the same on every rank (the group sizes, and so
+        every layout and padding, stay as they are)."""
+        name = type(self).__name__
+        self.intra = check_level(name, "intra", bits_intra, self.intra.group)
+        self.inter = check_level(name, "inter", bits_inter, self.inter.group)
+
     def _requantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """TLq's step 3: sum the D intra-node pieces of `numel` elements in fp32 and quantize the sum at the inter
         level (nothing arrived when `numel` is 0: the empty codes and scales pass through)."""
         seed, offset = self.requant_stream.take(numel)
         if not numel:
             return codes, scales
-        return codec.dequantize_reduce_quantize(
+        pieces, intra, inter = self.topo.ranks_per_node, self.intra, self.inter
+        out_codes, out_scales = codec.dequantize_reduce_quantize(
             codes,
             scales,
-            pieces=self.topo.ranks_per_node,
-            in_bits=self.intra.bits,
-            in_group=self.intra.group,
-            out_bits=self.inter.bits,
-            out_group=self.inter.group,
+            pieces=pieces,
+            in_bits=intra.bits,
+            in_group=intra.group,
+            out_bits=inter.bits,
+            out_group=inter.group,
             stochastic=self.stochastic,
             seed=seed,
             offset=offset,
         )
+        self.stats.errors.measure_run(
+            "grad_inter",
+            out_codes,
+            out_scales,
+            numel,
+            inter.bits,
+            inter.group,
+            lambda start, stop: summed_pieces(codes, scales, pieces, numel, start, stop, intra.bits, intra.group),
+        )
+        return out_codes, out_scales
+
+    def _sent(self, values: torch.Tensor, start: int, valid: int) -> torch.Tensor:
+        """What the first level quantized of `values` (elements from `start` of a run with `valid` real ones)."""
+        return quantized_values(values, start, valid, self.hadamard)
 
 
 def codes_slice(

@@ -304,10 +304,11 @@ class OwnerReducer(TwoLevelReducer):
             return self._one_level(send, layout, dtype, self.intra, topo.intra, "grad_intra")
         return self._one_level(send, layout, dtype, self.inter, topo.inter, "grad_inter")
 
-    def _quantize(self, send: torch.Tensor, level: Level) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 2: the whole send buffer at the first level."""
-        seed, offset = self.quant_stream.take(send.numel())
-        return codec.quantize(
+    def _quantize(self, send: torch.Tensor, level: Level, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2: the whole send buffer at the first level (`kind` its exchange, whose error is measured)."""
+        numel = send.numel()
+        seed, offset = self.quant_stream.take(numel)
+        codes, scales = codec.quantize(
             send,
             bits=level.bits,
             group_size=level.group,
@@ -316,6 +317,16 @@ class OwnerReducer(TwoLevelReducer):
             offset=offset,
             hadamard=self.hadamard,
         )
+        self.stats.errors.measure_run(
+            kind,
+            codes,
+            scales,
+            numel,
+            level.bits,
+            level.group,
+            lambda start, stop: self._sent(send[start:stop], start, numel),
+        )
+        return codes, scales
 
     def _exchange(
         self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup | None, kind: str, splits: Splits
@@ -353,7 +364,7 @@ class OwnerReducer(TwoLevelReducer):
         kind: str,
     ) -> list[torch.Tensor]:
         """One exchange per slice over the world; slice y+1's exchange is in flight while slice y is reduced."""
-        codes, scales = self._quantize(send, level)
+        codes, scales = self._quantize(send, level, kind)
         world, own = self.topo.world, layout.slice_len(self.topo.rank)
         splits = Splits(level, tuple(layout.slice_len(r) for r in range(world)), (own,) * world)
         return one_level_schedule(
@@ -365,7 +376,7 @@ class OwnerReducer(TwoLevelReducer):
     def _two_level(self, send: torch.Tensor, layout: BucketLayout, dtype: torch.dtype) -> list[torch.Tensor]:
         """Intra exchange, requantize, inter exchange per slice, with slice y+1's intra exchange overlapping."""
         topo = self.topo
-        codes, scales = self._quantize(send, self.intra)
+        codes, scales = self._quantize(send, self.intra, "grad_intra")
         column, own = layout.column(topo.local), layout.slice_len(topo.rank)
         intra = Splits(
             self.intra,

@@ -426,6 +426,16 @@ class WeightStore:
         """This rank's own slot of each parameter: what its shard must hold after a refresh or resync."""
         return {p.key: self._columns(p)[self._own_slot] for p in params}
 
+    @property
+    def bits(self) -> int:
+        """Bits of the weight differences; set between steps, the same on every rank (the guard widens them)."""
+        return self._bits
+
+    @bits.setter
+    def bits(self, bits: int) -> None:
+        check_quant_args(bits, self._group_size)
+        self._bits = bits
+
     def memory_bytes(self) -> int:
         """Bytes this store keeps allocated on this rank: the replica storage it allocated, or the snapshots of the
         own slot of a caller's storage."""
@@ -563,14 +573,24 @@ class WeightStore:
         Padding is zero in both the run and the own slot, so its differences are exactly 0 and cost no range.
         """
         seed, offset = self._stream.take(bucket.numel)
+        values, reference = self._own_values(bucket, new), self._reference(bucket)
         codes, scales = codec.diff_quantize(
-            self._own_values(bucket, new),
-            self._reference(bucket),
+            values,
+            reference,
             bits=self._bits,
             group_size=self._group_size,
             stochastic=self._stochastic,
             seed=seed,
             offset=offset,
+        )
+        self._stats.errors.measure_run(
+            REFRESH_KIND,
+            codes,
+            scales,
+            bucket.numel,
+            self._bits,
+            self._group_size,
+            lambda start, stop: values[start:stop].float() - reference[start:stop].float(),
         )
         return [codes, scales]
 

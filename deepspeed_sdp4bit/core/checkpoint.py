@@ -166,8 +166,8 @@ def check_layout(saved: dict[str, Any], world: int, ranks_per_node: int, parts: 
 # ----- a runtime's state
 def runtime_state(runtime: AnyRuntime, collectives: bool) -> dict[str, Any]:
     """What a resume needs beyond DeepSpeed's checkpoint: the layout and block it was written with, the optimizer
-    steps, auto's decision and, with `collectives`, the rounding counters of every collective (and, with
-    `save_weights`, w~ of this rank's units), sealed with a digest."""
+    steps, auto's decision and, with `collectives`, the rounding counters of every collective, the guard's widths
+    (and, with `save_weights`, w~ of this rank's units), sealed with a digest."""
     saved: dict[str, Any] = {
         "version": STATE_VERSION,
         "stage": runtime.stage,
@@ -189,6 +189,8 @@ def runtime_state(runtime: AnyRuntime, collectives: bool) -> dict[str, Any]:
         saved["direct"] = runtime.direct.state_dict()
     if runtime.reducer is not None:
         saved["reducer"] = runtime.reducer.state_dict()
+    if runtime.guard is not None:
+        saved["guard"] = runtime.guard.state_dict()
     return sealed(saved)
 
 
@@ -204,6 +206,9 @@ def restore(runtime: AnyRuntime, saved: dict[str, Any]) -> None:
         runtime.direct.load_state_dict(saved["direct"])
     if runtime.reducer is not None:
         runtime.reducer.load_state_dict(saved["reducer"])
+    if runtime.guard is not None and "guard" in saved:
+        runtime.guard.load_state_dict(saved["guard"])
+        runtime.apply_widths()
 
 
 def saved_decision(saved: dict[str, Any]) -> auto.Decision | None:

@@ -24,11 +24,12 @@ from deepspeed.accelerator import get_accelerator
 from ..collectives import comm
 from ..collectives.accounting import CommStats
 from ..collectives.contract import GradientState, Shards, WeightCollective
+from ..collectives.errors import MEASURED_KINDS
 from ..collectives.weight_direct import DirectQuantGather
 from ..collectives.weight_store import WeightStore
 from ..log import logger
 from ..topology import Topology
-from . import auto, checkpoint
+from . import auto, checkpoint, quality
 from . import units as units_module
 from .plan import Plan
 from .telemetry import AllReduceBaseline, Telemetry
@@ -101,6 +102,9 @@ class Runtime(Generic[UnitsT, ReducerT]):
         self.telemetry = Telemetry(stats, engine, baseline)
         self.watch = WriteWatch(units, topology, stats)
         self._writes_agreed_at: int | None = None
+        self._sampled_at: int | None = None
+        stats.errors.window_groups = self.config.error_window_groups
+        self.guard = None if self.config.guard is None else quality.Guard(self.config.guard, self._widths())
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
         self._weights_written: Any = None
@@ -139,7 +143,7 @@ class Runtime(Generic[UnitsT, ReducerT]):
         direct = self.direct if quantizing else None
         return Active(
             gather=self.store if self.store is not None else direct,
-            reducer=self.reducer if quantizing else None,
+            reducer=self.reducer if quantizing and not self._full("grad_intra") else None,
             store=self.store,
         )
 
@@ -162,9 +166,13 @@ class Runtime(Generic[UnitsT, ReducerT]):
         same on every rank, skipped steps included) the ranks agree on them and resync them (collective: one small
         all-reduce); at the others this rank only notes its own finds, without communicating."""
         self.telemetry.micro_batch()
+        step = self.engine.global_steps
+        if step != self._sampled_at:
+            self._sampled_at = step
+            interval = self.config.error_sample_interval
+            self.comm_stats.errors.begin_step(bool(interval) and step % interval == 0 and self.quantizing())
         if self.measuring() or self.weights is None:
             return
-        step = self.engine.global_steps
         if step == self._writes_agreed_at:
             self.watch.note()
             return
@@ -236,7 +244,8 @@ class Runtime(Generic[UnitsT, ReducerT]):
         up (qWD: spreads their quantized change and hands back w~; qW: quantizes them at the next gather)."""
         if self.weights is None or self.measuring():
             return
-        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=self.quantizing()))
+        quantize = self.quantizing() and not self._full("weight_refresh")
+        units_module.write(self.units, self.weights.refresh(self.shards(), quantize=quantize))
         self._record(self.units.keys())
 
     # ----- lifecycle
@@ -254,7 +263,46 @@ class Runtime(Generic[UnitsT, ReducerT]):
         interval = self.config.verify_interval
         if interval and self.store is not None and not self.measuring() and self.optimizer_steps % interval == 0:
             self.verify()
+        self._errors_step()
         self.telemetry.step_done()
+
+    # ----- quantization error and the guard (core/quality.py)
+    def _widths(self) -> dict[str, quality.Width]:
+        """The bits of each measured kind this runtime quantizes, as the block sets them."""
+        widths: dict[str, quality.Width] = {}
+        if self.store is not None:
+            widths["weight_refresh"] = self.store.bits
+        if self.reducer is not None:
+            widths["grad_intra"], widths["grad_inter"] = self.reducer.bits()
+        return widths
+
+    def _full(self, kind: str) -> bool:
+        """Whether the guard widened `kind` to full precision."""
+        return self.guard is not None and kind in self.guard.widths and self.guard.widths[kind] is None
+
+    def _errors_step(self) -> None:
+        """At the end of a sampled step: combine the ranks' error figures (collective), keep them for the stats and
+        the monitor, and let the guard widen what stayed above its bound from the next step on."""
+        meter = self.comm_stats.errors
+        meter.end_step()
+        if not meter.sampling:
+            return
+        meter.sampling = False
+        device = get_accelerator().current_device_name()
+        figures = quality.agree(meter, device, self.comm_stats)
+        self.telemetry.errors_measured(figures)
+        if self.guard is not None and self.guard.observe(self.engine.global_steps, figures):
+            self.apply_widths()
+
+    def apply_widths(self) -> None:
+        """Send each kind with the guard's bits from the next step on (full precision is chosen where it is used:
+        `active()` and `refresh()`)."""
+        widths = cast(quality.Guard, self.guard).widths  # widened only by a guard
+        weight, intra, inter = (widths.get(kind) for kind in MEASURED_KINDS)
+        if self.store is not None and weight is not None:
+            self.store.bits = weight
+        if self.reducer is not None and intra is not None and inter is not None:
+            self.reducer.widen(intra, inter)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         """Apply an intact state of this layout and block: under auto the decision first (a resumed job keeps it),
@@ -348,6 +396,8 @@ class Runtime(Generic[UnitsT, ReducerT]):
         its decision ('auto': the parts on, the measured numbers and the predicted steps; {'measuring': True}
         before it)."""
         snapshot: dict[str, dict[str, Any]] = self.telemetry.snapshot()
+        if self.guard is not None:
+            snapshot["guard"] = self.guard.state_dict()
         if self.auto is not None:
             snapshot["auto"] = self.auto_state()
         return snapshot

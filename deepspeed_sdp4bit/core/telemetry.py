@@ -7,7 +7,9 @@ step (`engine.sdp4bit.last_step_bytes`), written to the monitor by rank 0 as `Tr
 with the step's compression ratio. It also counts the collectives SDP4Bit issued in the last optimizer step, per kind
 and per control collective, and the micro-batches (forwards of the engine's model) in it:
 `stats()["collectives"]` gives them per step and per micro-batch, so what SDP4Bit adds to every micro-batch in steady
-state is one look away.
+state is one look away. At a step whose quantization errors were measured (core/quality.py) the step's entries of the
+measured kinds also hold their figures (`rel_error`, `max_group_rel_error`, `nonfinite_groups`), written to the monitor
+with the bytes; `stats()["errors"]` keeps the last measured ones with their step.
 
 On ZeRO-1/2 SDP4Bit's gradient exchange replaces an all-reduce of each bucket, which moves twice the bytes of the
 reduce-scatter that would do its job (each rank keeps only its own runs). `AllReduceBaseline` counts what DeepSpeed
@@ -19,9 +21,13 @@ many.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from ..collectives.accounting import KINDS, CommStats
+
+if TYPE_CHECKING:
+    from .quality import KindFigures
 
 STEP_KEYS = ("logical_bytes", "wire_bytes")
 
@@ -63,6 +69,16 @@ class Telemetry:
         self._at_last_step = stats.snapshot()
         self._collectives_at_last_step = stats.collectives()
         self._micro_batches = 0
+        self.errors: dict[str, Any] = {}
+        self._measured: dict[str, KindFigures] = {}
+
+    def errors_measured(self, figures: dict[str, KindFigures]) -> None:
+        """This step's error figures over all ranks: they join its per-step entries and become `errors`."""
+        self._measured = figures
+        self.errors = {
+            "step": self.engine.global_steps,
+            **{kind: asdict(seen) for kind, seen in figures.items() if seen.groups or seen.nonfinite_groups},
+        }
 
     def micro_batch(self) -> None:
         """One forward of the engine's model began."""
@@ -75,6 +91,7 @@ class Telemetry:
         if self.baseline is not None:
             snapshot["grad_baseline"] = self.baseline.snapshot()
         snapshot["collectives"] = self.last_step_collectives
+        snapshot["errors"] = self.errors
         return snapshot
 
     def start(self) -> None:
@@ -98,6 +115,14 @@ class Telemetry:
             kind: {key: now[kind][key] - self._at_last_step[kind][key] for key in STEP_KEYS}
             for kind in (*KINDS, "total")
         }
+        for kind, seen in self._measured.items():
+            if seen.groups or seen.nonfinite_groups:
+                self.last_step_bytes[kind].update(
+                    rel_error=seen.rel_error,
+                    max_group_rel_error=seen.max_group_rel_error,
+                    nonfinite_groups=seen.nonfinite_groups,
+                )
+        self._measured = {}
         self._at_last_step = now
         self._count_collectives()
         monitor = getattr(self.engine, "monitor", None)
