@@ -40,6 +40,8 @@ SWEEP_SCHEMES = {
     "zero3": Scheme(**_CPU),
     "hpz": Scheme(**_CPU),
     "sdp4bit_node": Scheme(True, True, **_CPU),
+    "sdp4bit_no_errors": Scheme(True, True, **_CPU),
+    "sdp4bit_errors_2": Scheme(True, True, **_CPU),
     "sdp4bit_rank": Scheme(True, True, replica="rank", **_CPU),
     "qwd": Scheme(True, False, **_CPU),
     "tlq_hs": Scheme(False, True, **_CPU),

@@ -884,8 +884,8 @@ MUTANTS = [
     Mutant(
         "E03",
         ERRORS,
-        "            self._unread[kind].extend(errors.nonfinite)",
-        "            self._unread[kind].clear()",
+        "                self._unread[kind] = count if unread is None else unread + count",
+        "                self._unread[kind] = unread",
         "a finished step's non-finite groups are dropped",
     ),
     Mutant(

@@ -95,6 +95,8 @@ VARIANTS = {
         ),
         Variant("tlq_hs", "TLq-HS only", SDP4BIT, (AUTO, "sdp4bit.quantized_weights=false")),
         Variant("auto", "SDP4Bit auto", SDP4BIT, (AUTO, "sdp4bit.auto=true"), steady_from=AUTO_START_STEP),
+        Variant("sdp4bit_no_errors", "SDP4Bit, error not measured", SDP4BIT, (AUTO, "sdp4bit.error_sample_interval=0")),
+        Variant("sdp4bit_errors_2", "SDP4Bit, error every 2 steps", SDP4BIT, (AUTO, "sdp4bit.error_sample_interval=2")),
         Variant("zero2", "ZeRO-2", BASELINE, (ZERO2,), stage=2),
         Variant("zero2_sdp4bit", "ZeRO-2 + SDP4Bit", SDP4BIT, (AUTO, ZERO2), stage=2),
         Variant(
@@ -108,6 +110,7 @@ VARIANTS = {
     )
 }
 PLAIN = {3: "zero3", 2: "zero2"}
+ERROR_VARIANTS = ("sdp4bit_no_errors", "sdp4bit_errors_2")  # the error measurement's cost, run by name only
 AUTOS = ("auto", "zero2_auto")
 RATES = ("25", "50", "200", "1000", "unshaped")
 # Below this rate (Mbit/s) the link's time is most of every step and a point's runs agree within a few percent, so
@@ -564,7 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--report", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
-    args.variants = args.variants or [name for name, v in VARIANTS.items() if v.stage == args.stage]
+    args.variants = args.variants or [
+        name for name, v in VARIANTS.items() if v.stage == args.stage and name not in ERROR_VARIANTS
+    ]
     for rate in args.rates:
         if rate != "unshaped" and not positive(rate):
             parser.error(f"--rates {rate}: must be a positive number of Mbit/s or 'unshaped'")

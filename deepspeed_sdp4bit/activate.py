@@ -358,8 +358,22 @@ def _log_activation(
         logger.info(
             f"sdp4bit active on ZeRO stage {runtime.stage}: topology {topo.describe()}; codec {codec_status}; "
             f"weights {weights} ({stage['units']}, {served:.1%} of the model's elements, {stage['memory']}); "
-            f"gradients {grads}, from {comm_dtype} (communication_data_type); {start}"
+            f"gradients {grads}, from {comm_dtype} (communication_data_type); {start}; {_measuring(cfg)}"
         )
+
+
+def _measuring(cfg: SDP4BitConfig) -> str:
+    """How often the quantization error is measured, and the guard's bounds."""
+    if not cfg.error_sample_interval:
+        return "quantization error not measured (error_sample_interval 0)"
+    guard = cfg.guard
+    acts = (
+        "no guard"
+        if guard is None
+        else f"guard: relative error bounds weight_refresh {guard.weight_refresh}, grad_intra {guard.grad_intra}, "
+        f"grad_inter {guard.grad_inter}, patience {guard.patience}, non-finite {guard.nonfinite}"
+    )
+    return f"quantization error measured every {cfg.error_sample_interval} steps ({acts})"
 
 
 def _activate(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

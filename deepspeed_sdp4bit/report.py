@@ -1,11 +1,14 @@
 """What this environment gives SDP4Bit, in the spirit of DeepSpeed's `ds_report`; builds and loads nothing.
 
     python -m deepspeed_sdp4bit.report [--config ds_config.json]      (or the console script `sdp4bit_report`)
+    sdp4bit_report --monitor_csv <output_path>/<job_name>                 the quantization errors of a finished run
 
 Sections: versions (and whether this DeepSpeed is the supported one); each compiled codec op (compatible, prebuilt
 at install time, in the JIT cache and where, or what a first use will do); the codec backend tensors on each device
 type would use; the CUDA toolchain (TORCH_CUDA_ARCH_LIST, nvcc, CUDA_HOME); the node layout the launcher's
-environment implies. With --config, the file's "sdp4bit" block is validated and its ranks_per_node is used.
+environment implies. With --config, the file's "sdp4bit" block is validated and its ranks_per_node is used. With
+--monitor_csv, the quantization errors a run's DeepSpeed CSV monitor recorded, per kind, against the range the
+accuracy runs trained in (monitored.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Literal
 import hjson
 import torch
 
-from . import __version__, releases
+from . import __version__, monitored, releases
 from .adapter import describe_support
 from .codec import dispatch
 from .config import config_from_ds_config
@@ -227,7 +230,7 @@ def render(sections: list[tuple[str, Section]]) -> str:
     return "\n".join(out)
 
 
-def report(config: str | None = None) -> str:
+def report(config: str | None = None, monitor_csv: str | None = None) -> str:
     """The whole report as text."""
     op_lines, usable = ops()
     config_lines, ranks_per_node = block(config)
@@ -240,6 +243,8 @@ def report(config: str | None = None) -> str:
     ]
     if config is not None:
         sections.append(("ds_config", config_lines))
+    if monitor_csv is not None:
+        sections.append(("quantization error of a run (CSV monitor)", monitored.summarise(Path(monitor_csv))))
     return render(sections)
 
 
@@ -247,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     """Print the report; exit status 0."""
     parser = argparse.ArgumentParser(prog="sdp4bit_report", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help='a DeepSpeed config whose "sdp4bit" block to validate and use')
+    parser.add_argument(
+        "--monitor_csv", help="a DeepSpeed CSV monitor folder (<output_path>/<job_name>) whose SDP4Bit errors to check"
+    )
     args = parser.parse_args(argv)
-    print(report(args.config))
+    print(report(args.config, args.monitor_csv))
     return 0
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from deepspeed_sdp4bit.activate import _measuring
 from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.collectives.errors import (
     ErrorMeter,
@@ -191,3 +192,24 @@ def test_kind_figures_of_the_ranks_sums() -> None:
 def test_bad_telemetry_and_guard_keys_are_named(block: dict, message: str) -> None:
     with pytest.raises(SDP4BitConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_config(block)
+
+
+def test_the_activation_line_says_how_often_the_error_is_measured_and_the_guards_bounds() -> None:
+    assert _measuring(parse_config({"error_sample_interval": 0})) == (
+        "quantization error not measured (error_sample_interval 0)"
+    )
+    assert _measuring(parse_config({})) == "quantization error measured every 10 steps (no guard)"
+    assert _measuring(parse_config({"guard": {"patience": 2}, "error_sample_interval": 5})) == (
+        "quantization error measured every 5 steps (guard: relative error bounds weight_refresh 0.5, grad_intra "
+        "0.05, grad_inter 0.5, patience 2, non-finite True)"
+    )
+
+
+def test_a_meter_that_is_off_samples_and_counts_nothing() -> None:
+    """With error_sample_interval 0 the meter keeps nothing, not even non-finite counts (no tensors pile up)."""
+    meter = ErrorMeter(enabled=False)
+    meter.begin_step(sampled=True)
+    assert not meter.sampling
+    meter.count_nonfinite("grad_inter", torch.tensor([float("nan")]))
+    meter.end_step()
+    assert meter.take()["grad_inter"] == ([0.0, 0.0, 0.0, 0.0], 0)

@@ -19,7 +19,7 @@ import deepspeed
 import pytest
 import torch
 
-from deepspeed_sdp4bit import report
+from deepspeed_sdp4bit import monitored, report
 from deepspeed_sdp4bit.ops import CodecCPUBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,3 +175,34 @@ def test_an_invalid_launcher_variable_is_named(
     for variable, default in (("WORLD_SIZE", "8"), ("RANK", "5"), ("LOCAL_SIZE", "4")):
         monkeypatch.setenv(variable, value if variable == name else default)
     assert lines_of(report.report())["layout"] == f"ERROR: {error}"
+
+
+def _monitor_file(folder: Path, kind: str, figure: str, rows: list[tuple[int, float]]) -> None:
+    """A CSV monitor file as DeepSpeed's csv_monitor writes it: a step,<figure> header, then one row per event."""
+    text = f"step,{figure}\n" + "".join(f"{step},{value}\n" for step, value in rows)
+    (folder / f"Train_Samples_sdp4bit_{kind}_{figure}.csv").write_text(text)
+
+
+def test_a_monitor_folder_is_checked_against_the_accuracy_runs_range(clean_env: Path, tmp_path: Path) -> None:
+    """Per kind: samples, median, maximum, largest group, non-finite groups, and the samples above the range (a NaN
+    counts as above); kinds without files are left out, a folder without figures or no folder at all says so."""
+    folder = tmp_path / "monitor" / "job"
+    folder.mkdir(parents=True)
+    limit = monitored.ACCURACY_RANGE["grad_inter"]
+    _monitor_file(folder, "grad_inter", "rel_error", [(64, 0.1), (128, limit * 2), (192, 0.2), (256, float("nan"))])
+    _monitor_file(folder, "grad_inter", "max_group_rel_error", [(64, 0.3), (128, 0.5)])
+    _monitor_file(folder, "grad_inter", "nonfinite_groups", [(64, 0.0), (256, 3.0)])
+    _monitor_file(folder, "weight_refresh", "rel_error", [(64, 0.01)])
+    found = lines_of(report.report(monitor_csv=str(folder)))
+    assert found["grad_inter"] == (
+        f"4 samples (1 NaN), relative error median 0.2, max {limit * 2:.4g}, largest group 0.5, non-finite groups 3: "
+        f"ABOVE the accuracy runs' range ({limit}) at 2 of 4 samples, first at sample 128 ({limit * 2:.4g})"
+    )
+    assert found["weight_refresh"].endswith(
+        f"within the accuracy runs' range (<= {monitored.ACCURACY_RANGE['weight_refresh']})"
+    )
+    assert "grad_intra" not in found
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no SDP4Bit error figures" in lines_of(report.report(monitor_csv=str(empty)))[str(empty)]
+    assert "no such folder" in lines_of(report.report(monitor_csv=str(tmp_path / "nowhere")))[str(tmp_path / "nowhere")]

@@ -83,28 +83,32 @@ class Sample:
 class ErrorMeter:
     """Sampled errors of this rank's quantized exchanges per kind, and its non-finite groups (module docstring)."""
 
-    def __init__(self, window_groups: int = DEFAULT_WINDOW_GROUPS) -> None:
+    def __init__(self, window_groups: int = DEFAULT_WINDOW_GROUPS, enabled: bool = True) -> None:
         self.window_groups = window_groups
+        self.enabled = enabled
         self.sampling = False
         self.trace: list[Sample] | None = None
         self._turns = dict.fromkeys(MEASURED_KINDS, 0)
         self._step = {kind: KindErrors() for kind in MEASURED_KINDS}
-        self._unread: dict[str, list[torch.Tensor]] = {kind: [] for kind in MEASURED_KINDS}
+        self._unread: dict[str, torch.Tensor | None] = dict.fromkeys(MEASURED_KINDS)
 
     def begin_step(self, sampled: bool) -> None:
         """A step's first forward: drop what a skipped step measured, and sample this step's exchanges or not."""
         self._step = {kind: KindErrors() for kind in MEASURED_KINDS}
-        self.sampling = sampled
+        self.sampling = sampled and self.enabled
 
     def end_step(self) -> None:
-        """The step succeeded: its non-finite counts wait for the next sampled step's `take`."""
+        """The step succeeded: its non-finite counts wait, added up on the device, for the next sampled step."""
         for kind, errors in self._step.items():
-            self._unread[kind].extend(errors.nonfinite)
+            for count in errors.nonfinite:
+                unread = self._unread[kind]
+                self._unread[kind] = count if unread is None else unread + count
             errors.nonfinite = []
 
     def count_nonfinite(self, kind: str, scales: torch.Tensor) -> None:
-        """Count the groups of an exchange whose scale is not finite (NaN: the group held NaN or Inf)."""
-        if scales.numel():
+        """Count the groups of an exchange whose scale is not finite (NaN: the group held NaN or Inf); nothing when
+        the meter is off (the block measures no errors)."""
+        if self.enabled and scales.numel():
             self._step[kind].nonfinite.append((~torch.isfinite(scales)).sum())
 
     def window(self, kind: str, groups: int) -> tuple[int, int] | None:
@@ -151,9 +155,8 @@ class ErrorMeter:
                 if figures is not None
                 else [0.0, 0.0, 0.0]
             )
-            nonfinite = float(sum(int(n) for n in unread))
-            out[kind] = ([*summed, nonfinite], errors.groups)
-            unread.clear()
+            out[kind] = ([*summed, 0.0 if unread is None else float(unread)], errors.groups)
+            self._unread[kind] = None
         return out
 
 

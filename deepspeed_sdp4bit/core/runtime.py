@@ -104,6 +104,7 @@ class Runtime(Generic[UnitsT, ReducerT]):
         self._writes_agreed_at: int | None = None
         self._sampled_at: int | None = None
         stats.errors.window_groups = self.config.error_window_groups
+        stats.errors.enabled = bool(self.config.error_sample_interval)
         self.guard = None if self.config.guard is None else quality.Guard(self.config.guard, self._widths())
         self.optimizer_steps = 0
         self.checksum_mismatches = 0
