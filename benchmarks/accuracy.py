@@ -54,8 +54,9 @@ relative to its norm: the noise a step's gradient has anyway, against which the 
 in the ratio of their squares). Training itself uses the run's own reducer's result.
 
 Output in OUT: table.md (Table 1's form per stage: final validation loss mean ± sample standard deviation over seeds
-and the gap of each mean to that stage's plain run, then every seed, the paper's ordering checked, and the gradient
-errors),
+and the gap of each mean to that stage's plain run, then every seed, the paper's ordering checked, the quantization
+error SDP4Bit measured while each run trained (from its log.csv; with `--trainer_args "--ds_set sdp4bit.guard={}"`
+also the guard's widenings), and the gradient errors of the probe),
 curves.png (validation loss against step: the mean over seeds per variant with a band from the lowest to the
 highest seed; right panel zoomed on the last half without qW and ZeRO++-4bit) and summary.json; the table is also
 printed.
@@ -64,6 +65,7 @@ printed.
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import json
 import math
@@ -79,6 +81,8 @@ from typing import Any
 
 import torch
 
+from deepspeed_sdp4bit.collectives.errors import MEASURED_KINDS
+from deepspeed_sdp4bit.config import GUARD_BOUNDS
 from deepspeed_sdp4bit.provenance import write_result
 from sdp4bit_testing.dist_harness import run_distributed
 
@@ -407,6 +411,7 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
     trainer.run(0, bar)
     bar.close()
     grad_error = probe.errors() if probe is not None else None
+    guard = engine.sdp4bit.stats().get("guard") if hasattr(engine, "sdp4bit") else None
     trainer.close()
     engine.destroy()
     rows = trainer.rows
@@ -422,6 +427,7 @@ def _train_one(args: argparse.Namespace, run: Run, out: Path) -> dict[str, Any]:
         "train_loss_last50": statistics.fmean(r["loss"] for r in rows[-50:]),
         "final_val_loss": rows[-1]["val_loss"],
         "grad_error": grad_error,
+        "sdp4bit_guard": guard,
         "wall_s": time.perf_counter() - began,
     }
 
@@ -578,7 +584,42 @@ def _stage_table(
     return lines + (["", same_seed] if same_seed else [])
 
 
-def markdown(tables: dict[str, dict[str, dict[str, Any]]], results: dict[Run, dict[str, Any]]) -> str:
+def measured_errors(results: dict[Run, dict[str, Any]], out: Path) -> list[str]:
+    """The quantization error SDP4Bit measured while each run trained (its log.csv's `<kind>_rel_error`, every
+    error_sample_interval steps): mean and largest per kind, the samples above the guard's default bounds, and the
+    guard's widenings where the run had a guard."""
+    rows = []
+    for run, result in sorted(results.items(), key=lambda item: (item[0].variant, item[0].seed)):
+        log = out / run.folder / "log.csv"
+        if not log.is_file():
+            continue
+        with log.open(newline="") as handle:
+            steps = list(csv.DictReader(handle))
+        cells, above = [], 0
+        for kind in MEASURED_KINDS:
+            seen = [float(row[f"{kind}_rel_error"]) for row in steps if row.get(f"{kind}_rel_error")]
+            above += sum(not value <= GUARD_BOUNDS[kind] for value in seen)
+            cells.append(f"{statistics.fmean(seen):.4f} / {max(seen):.4f} ({len(seen)})" if seen else "—")
+        if all(cell == "—" for cell in cells):
+            continue
+        guard = result.get("sdp4bit_guard")
+        widened = "no guard" if guard is None else str(len(guard["widenings"]))
+        rows.append(f"| {run.variant} | {run.seed} | " + " | ".join(cells) + f" | {above} | {widened} |")
+    if not rows:
+        return []
+    bounds = ", ".join(f"{kind} {GUARD_BOUNDS[kind]}" for kind in MEASURED_KINDS)
+    return [
+        "",
+        "Quantization error measured while training (relative error, mean / largest over the measured steps (their "
+        f"number)); samples above the guard's default bounds ({bounds}); the guard's widenings:",
+        "",
+        "| variant | seed | " + " | ".join(MEASURED_KINDS) + " | above a bound | widenings |",
+        "|---|---:|" + "---:|" * (len(MEASURED_KINDS) + 2),
+        *rows,
+    ]
+
+
+def markdown(tables: dict[str, dict[str, dict[str, Any]]], results: dict[Run, dict[str, Any]], out: Path) -> str:
     """Each stage's Table 1 (`tables`: stage title -> its variants' stats) and the real-bucket gradient errors."""
     any_result = next(iter(results.values()))
     t = any_result["trainer"]
@@ -592,6 +633,7 @@ def markdown(tables: dict[str, dict[str, dict[str, Any]]], results: dict[Run, di
     for title, baseline, _ in TABLES:
         if tables.get(title):
             lines += ([""] if lines else []) + _stage_table(title, tables[title], results, model, baseline)
+    lines += measured_errors(results, out)
     errors = next((r["grad_error"] for r in results.values() if r.get("grad_error")), None)
     if errors:
         lines += [
@@ -663,7 +705,7 @@ def report(args: argparse.Namespace, runs: list[Run], out: Path) -> None:
         title: aggregate(results, [v for v in members if v in variants], baseline)
         for title, baseline, members in TABLES
     }
-    text = markdown(tables, results)
+    text = markdown(tables, results, out)
     (out / "table.md").write_text(text)
     plot(results, variants, out / "curves.png")
     found = checks(tables["ZeRO-3"]) + zero2_checks(tables["ZeRO-2"])

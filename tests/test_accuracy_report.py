@@ -72,7 +72,7 @@ def _report(runs: list[tuple[str, int, float]]) -> str:
         for v, s, loss in runs
     }
     tables = {title: accuracy.aggregate(found, members, baseline) for title, baseline, members in accuracy.TABLES}
-    return accuracy.markdown(tables, found)
+    return accuracy.markdown(tables, found, Path("no-such-folder"))
 
 
 def test_report_prints_the_same_seed_line_only_for_shared_seeds() -> None:
@@ -118,3 +118,23 @@ def test_a_result_of_other_settings_or_probe_steps_is_refused(tmp_path: Path) ->
         accuracy.load_result(tmp_path, probe, expected, [10])
     with pytest.raises(SystemExit, match="was made with other settings"):
         accuracy.load_result(tmp_path, other, {**expected, "steps": 300}, args.grad_error_steps)
+
+
+def test_the_errors_measured_while_training_are_tabled_from_each_runs_log(tmp_path: Path) -> None:
+    """Per run: mean / largest relative error per kind and the samples measured, the samples above the guard's default
+    bounds, and the widenings its guard made (runs without measured errors are left out)."""
+    folder = tmp_path / "SDP4Bit" / "seed0"
+    folder.mkdir(parents=True)
+    (folder / "log.csv").write_text(
+        "step,loss,weight_refresh_rel_error,grad_intra_rel_error,grad_inter_rel_error\n"
+        "0,5.0,0.1,0.01,0.2\n1,4.9,,,\n10,4.8,0.3,0.03,0.6\n"
+    )
+    (tmp_path / "TLq" / "seed0").mkdir(parents=True)
+    (tmp_path / "TLq" / "seed0" / "log.csv").write_text("step,loss\n0,5.0\n")
+    results = {
+        accuracy.Run("SDP4Bit", 0): {"sdp4bit_guard": {"widenings": [{"step": 10}]}},
+        accuracy.Run("TLq", 0): {},
+    }
+    lines = accuracy.measured_errors(results, tmp_path)
+    assert lines[-1] == "| SDP4Bit | 0 | 0.2000 / 0.3000 (2) | 0.0200 / 0.0300 (2) | 0.4000 / 0.6000 (2) | 1 | 1 |"
+    assert not any(line.startswith("| TLq |") for line in lines)
