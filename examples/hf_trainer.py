@@ -140,20 +140,25 @@ def build_model(args: ScriptArguments, vocab_size: int) -> torch.nn.Module:
 
 
 class SDP4BitTrainer(Trainer):
-    """The Trainer, with SDP4Bit's bytes since the previous entry (this rank, MB) added to every log entry."""
+    """The Trainer, with SDP4Bit's bytes since the previous entry (this rank, MB) and the last measured quantization
+    error per kind added to every log entry (so the Trainer's reporters, TensorBoard or W&B, get them too)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._logged = {"wire_bytes": 0.0, "logical_bytes": 0.0, "cross_node_bytes": 0.0}
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Trainer.log plus sdp4bit_wire_MB, sdp4bit_logical_MB and sdp4bit_cross_node_MB."""
+        """Trainer.log plus sdp4bit_wire_MB, sdp4bit_logical_MB, sdp4bit_cross_node_MB and sdp4bit_<kind>_rel_error."""
         runtime = getattr(self.model_wrapped, "sdp4bit", None)
         if runtime is not None:
-            total = runtime.stats()["total"]
+            stats = runtime.stats()
+            total = stats["total"]
             for key, before in self._logged.items():
                 logs[f"sdp4bit_{key.removesuffix('_bytes')}_MB"] = (total[key] - before) / 1e6
             self._logged = {key: total[key] for key in self._logged}
+            for kind, figures in stats["errors"].items():
+                if kind != "step":
+                    logs[f"sdp4bit_{kind}_rel_error"] = figures["rel_error"]
         super().log(logs, *args, **kwargs)
 
 

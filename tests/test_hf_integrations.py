@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepspeed_sdp4bit.collectives.errors import MEASURED_KINDS
 from sdp4bit_testing.dist_harness import free_port, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +134,8 @@ def test_hf_trainer_trains_saves_and_resumes_with_sdp4bit(tokens: Path, tmp_path
     state = json.loads((tmp_path / "first" / "trainer_state.json").read_text())
     logged = [entry for entry in state["log_history"] if "loss" in entry]
     assert len(logged) == 8 and all(entry["sdp4bit_wire_MB"] > 0 for entry in logged)
+    # measured at step 0 (every 10 steps): each entry carries the last measured relative error of every kind
+    assert all(0 < entry[f"sdp4bit_{kind}_rel_error"] < 0.5 for entry in logged for kind in MEASURED_KINDS)
     loss = saved_model_loss(tmp_path / "first", tokens, tmp_path)
     assert loss < math.log(512) - 0.3 and loss == pytest.approx(first["eval_loss"], abs=1e-3)
 
