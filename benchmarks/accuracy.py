@@ -584,6 +584,9 @@ def _stage_table(
     return lines + (["", same_seed] if same_seed else [])
 
 
+NOT_RECORDED = object()  # a result written before results kept the guard's state
+
+
 def measured_errors(results: dict[Run, dict[str, Any]], out: Path) -> list[str]:
     """The quantization error SDP4Bit measured while each run trained (its log.csv's `<kind>_rel_error`, every
     error_sample_interval steps): mean and largest per kind, the samples above the guard's default bounds, and the
@@ -602,8 +605,10 @@ def measured_errors(results: dict[Run, dict[str, Any]], out: Path) -> list[str]:
             cells.append(f"{statistics.fmean(seen):.4f} / {max(seen):.4f} ({len(seen)})" if seen else "—")
         if all(cell == "—" for cell in cells):
             continue
-        guard = result.get("sdp4bit_guard")
-        widened = "no guard" if guard is None else str(len(guard["widenings"]))
+        guard = result.get("sdp4bit_guard", NOT_RECORDED)
+        widened = (
+            "not recorded" if guard is NOT_RECORDED else "no guard" if guard is None else str(len(guard["widenings"]))
+        )
         rows.append(f"| {run.variant} | {run.seed} | " + " | ".join(cells) + f" | {above} | {widened} |")
     if not rows:
         return []

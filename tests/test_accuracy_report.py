@@ -135,6 +135,11 @@ def test_the_errors_measured_while_training_are_tabled_from_each_runs_log(tmp_pa
         accuracy.Run("SDP4Bit", 0): {"sdp4bit_guard": {"widenings": [{"step": 10}]}},
         accuracy.Run("TLq", 0): {},
     }
+    (tmp_path / "qWD" / "seed1").mkdir(parents=True)
+    (tmp_path / "qWD" / "seed1" / "log.csv").write_text("step,weight_refresh_rel_error\n0,0.7\n")
+    results[accuracy.Run("qWD", 1)] = {}
+    results[accuracy.Run("qWD", 2)] = {"sdp4bit_guard": None}
     lines = accuracy.measured_errors(results, tmp_path)
-    assert lines[-1] == "| SDP4Bit | 0 | 0.2000 / 0.3000 (2) | 0.0200 / 0.0300 (2) | 0.4000 / 0.6000 (2) | 1 | 1 |"
+    assert "| SDP4Bit | 0 | 0.2000 / 0.3000 (2) | 0.0200 / 0.0300 (2) | 0.4000 / 0.6000 (2) | 1 | 1 |" in lines
     assert not any(line.startswith("| TLq |") for line in lines)
+    assert "| qWD | 1 | 0.7000 / 0.7000 (1) | — | — | 1 | not recorded |" in lines
