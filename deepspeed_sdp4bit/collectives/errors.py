@@ -145,7 +145,7 @@ class ErrorMeter:
 
     def take(self) -> dict[str, tuple[list[float], int]]:
         """This rank's figures of the sampled step per kind: ([squared error, squared sent, largest group relative
-        error, non-finite groups since the last take], groups sampled); reads the device once."""
+        error, non-finite groups since the last take], groups sampled); reads four scalars per kind off the device."""
         out: dict[str, tuple[list[float], int]] = {}
         for kind in MEASURED_KINDS:
             errors, unread = self._step[kind], self._unread[kind]
