@@ -73,6 +73,8 @@ AUTO = "deepspeed_sdp4bit/core/auto.py"
 FAULTS = "deepspeed_sdp4bit/collectives/faults.py"
 ERRORS = "deepspeed_sdp4bit/collectives/errors.py"
 QUALITY = "deepspeed_sdp4bit/core/quality.py"
+REPLICATED = "deepspeed_sdp4bit/zero12/replicated.py"
+TOPOLOGY = "deepspeed_sdp4bit/topology.py"
 RUNTIME_TESTS = (
     "tests/test_zero3_training.py",
     "-k",
@@ -136,6 +138,8 @@ TARGETS = {
     "timing": Target("timing", TIMING, COST_TESTS),
     "auto": Target("auto", AUTO, ("tests/test_auto.py",)),
     "faults": Target("faults", FAULTS, ("tests/test_faults.py",)),
+    "tensor_parallel": Target("tensor_parallel", REPLICATED, ("tests/test_tensor_parallel.py",)),
+    "topology": Target("topology", TOPOLOGY, ("tests/test_topology.py",)),
 }
 
 MUTANTS = [
@@ -349,10 +353,9 @@ MUTANTS = [
     Mutant(
         "G06",
         GRAD,
-        "    if ranks != list(range(world)):",
-        "    if len(ranks) != world:",
-        "group check: any group of W ranks accepted",
-        "in a world of W ranks the only group of W ranks is the world, and torch lists a group's ranks sorted",
+        "    if ranks != expected:",
+        "    if len(ranks) != len(expected):",
+        "group check: any group of as many ranks accepted",
     ),
     Mutant("G07", LAYOUT, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
     Mutant(
@@ -508,8 +511,8 @@ MUTANTS = [
     Mutant(
         "W06",
         STORE,
-        "        if quantize:\n            self._exchange(",
-        "        if True:\n            self._exchange(",
+        "        if quantize:\n            pinned = self._pinned_values(params)",
+        "        if True:\n            pinned = self._pinned_values(params)",
         "refresh(quantize=False) still quantizes",
     ),
     Mutant(
@@ -930,6 +933,72 @@ MUTANTS = [
         "            if (self.config.nonfinite and seen.nonfinite_groups) or self.over[kind] >= self.config.patience:",
         "            if self.over[kind] >= self.config.patience:",
         "non-finite values wait for the patience",
+    ),
+    # the parameters left whole on every tensor-parallel rank (zero12/replicated.py and its lanes), and the layout
+    # of the partition group (topology.py)
+    Mutant(
+        "P01",
+        REPLICATED,
+        "            ranges.append(range(start, start + p.numel()))",
+        "            ranges.append(range(start, start + p.numel() - 1))",
+        "a replicated gradient's last element quantized",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P02",
+        REPLICATED,
+        "        torch.arange(max(r.start, start) - start, min(r.stop, start + numel) - start, dtype=torch.int64)",
+        "        torch.arange(max(r.start, start) - start, min(r.stop, start + numel) - start - 1, dtype=torch.int64)",
+        "a chunk's replicated run loses its last element",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P03",
+        OWNER,
+        "    for row in rows[1:]:",
+        "    for row in rows[1:].flip(0):",
+        "exact sums added in another order than group-rank order",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P04",
+        OWNER,
+        "    sums = total.to(values.dtype)",
+        "    sums = rows[0].clone()",
+        "the exact lane delivers one rank's values, not the sum",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P05",
+        STORE,
+        "            self._snapshots[segment][plan.own_columns] = own",
+        "            pass",
+        "the owner's snapshot keeps w~ at the pinned positions",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P06",
+        STORE,
+        "            self._storages[segment].view(-1)[plan.positions] = received[plan.gathered]",
+        "            self._storages[segment].view(-1)[plan.positions] = received[plan.gathered % plan.width]",
+        "every slot's pinned values taken from rank 0's",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P07",
+        TOPOLOGY,
+        "        inter += [list(group[local::per_node]) for local in range(per_node)]",
+        "        inter += [list(group[local::per_node]) for local in range(1)]",
+        "cross-node subgroups made for local index 0 only",
+        target="topology",
+    ),
+    Mutant(
+        "P08",
+        TOPOLOGY,
+        "        rank=members.index(rank),",
+        "        rank=rank % len(members),",
+        "the group rank taken from the world rank",
+        target="topology",
     ),
     # sdp4bit_cost/traffic.py
     Mutant(

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+from torch.distributed import ProcessGroup
 
 from . import adapter, codec, zero3, zero12
 from .config import SDP4BitConfig, SDP4BitConfigError, config_from_ds_config
@@ -42,7 +43,7 @@ from .core import engine_patches, shm
 from .core.checks import offload_device, raise_problems
 from .core.runtime import AnyRuntime
 from .log import logger
-from .topology import Topology, build_topology
+from .topology import Topology, build_topology, partition_topology
 
 _CREATED = itertools.count()
 STAGES = (1, 2, 3)
@@ -56,6 +57,9 @@ class _Integration(Protocol):
 
     def check_engine(self, engine: Any, cfg: SDP4BitConfig) -> None:
         """Raise SDP4BitConfigError for what the built engine shows."""
+
+    def partition_group(self, engine: Any) -> ProcessGroup | None:
+        """The group the stage's optimizer partitions and reduces over (None: every rank)."""
 
     def activate(self, engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> AnyRuntime:
         """Build the engine's runtime, patch its seams and sync the weights (collective)."""
@@ -194,6 +198,54 @@ def checked_block(ds_config: dict[str, Any]) -> SDP4BitConfig | None:
     return cfg
 
 
+def _tensor_parallel_size(mpu: Any, ds_config: dict[str, Any]) -> int:
+    """The tensor-parallel ranks the job asks for: AutoTP's `tensor_parallel.autotp_size`, or the mpu's model
+    parallelism as DeepSpeed's ZeRO optimizers read it (an mpu of Ulysses sequence parallelism, which has
+    `initialize_sequence_parallel`, has none)."""
+    section = ds_config.get("tensor_parallel")
+    autotp = int(section.get("autotp_size", 1) or 1) if isinstance(section, dict) else 1
+    if mpu is None or hasattr(mpu, "initialize_sequence_parallel"):
+        return autotp
+    return max(autotp, int(mpu.get_model_parallel_world_size()))
+
+
+def layout_problems(model: Any, mpu: Any, ds_config: dict[str, Any], stage: int, auto: bool = False) -> list[str]:
+    """The parallel layouts sdp4bit does not serve, named by what asks for them before DeepSpeed builds anything:
+    pipeline parallelism, tensor parallelism on ZeRO-3 or with `auto` (whose model gives each data-parallel group the
+    node's links to itself), expert (MoE) layers. Tensor parallelism on ZeRO-1/2 (AutoTP or an mpu) and Ulysses
+    sequence parallelism are served."""
+    from deepspeed.moe.utils import has_moe_layers
+    from deepspeed.pipe import PipelineModule
+
+    problems = []
+    if isinstance(model, PipelineModule):
+        problems.append(
+            "deepspeed.initialize(model=...) is a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine "
+            "reduces gradients and gathers weights per pipeline stage outside the ZeRO optimizer seams sdp4bit "
+            "serves; pipeline parallelism is not served. Train without PipelineModule or remove the sdp4bit block"
+        )
+    tensor_parallel = _tensor_parallel_size(mpu, ds_config)
+    if stage == 3 and tensor_parallel > 1:
+        problems.append(
+            f"tensor parallelism of {tensor_parallel} ranks (tensor_parallel.autotp_size or the mpu passed to "
+            "deepspeed.initialize) with zero_optimization.stage = 3 is not served; sdp4bit serves tensor "
+            "parallelism on ZeRO stages 1 and 2"
+        )
+    if auto and tensor_parallel > 1:
+        problems.append(
+            f"sdp4bit.auto = true with tensor parallelism of {tensor_parallel} ranks: auto's model gives each "
+            "data-parallel group the node's links to itself, while the tensor-parallel ranks' groups share them; "
+            "set quantized_weights and quantized_gradients yourself"
+        )
+    if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
+        problems.append(
+            "the model has expert (MoE) layers (deepspeed.moe.layer.MoE), which DeepSpeed reduces over expert "
+            "data-parallel groups beside the data-parallel one; sdp4bit runs its collectives over one group per "
+            "engine. Remove the sdp4bit block for MoE models"
+        )
+    return problems
+
+
 def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """deepspeed.initialize's arguments by name, defaults included."""
     bound = inspect.signature(original).bind(*args, **kwargs)
@@ -301,13 +353,15 @@ def activate_engine(
 ) -> AnyRuntime:
     """Install SDP4Bit into a built ZeRO engine and sync the replicas; returns the runtime (engine.sdp4bit).
 
-    `topology` is the layout checked before the engine was built and `codec_status` what loading the codec said
+    `topology` is the job's layout checked before the engine was built (SDP4Bit's collectives then run over the
+    ranks of the group the engine's optimizer partitions over) and `codec_status` what loading the codec said
     (each made here, the topology collectively, when not given)."""
     integration = _integration(engine.zero_optimization_stage())
     integration.check_engine(engine, cfg)
     _refuse_served_model(engine.module)
     codec_status = prepare_codec(engine.device) if codec_status is None else codec_status
     topology = build_topology(cfg.ranks_per_node) if topology is None else topology
+    topology = partition_topology(topology, integration.partition_group(engine))
     runtime = integration.activate(engine, cfg, topology, next(_CREATED))
     engine.sdp4bit = runtime
     _log_activation(runtime, codec_status, integration.describe(runtime), engine.communication_data_type)
@@ -388,7 +442,8 @@ def _activate(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         result = engine_patches.activating(original, args, kwargs)
         _log_inactive()
         return result
-    _check_supported(ds_config, cfg)
+    stage = _check_supported(ds_config, cfg)
+    raise_problems(layout_problems(arguments.get("model"), arguments.get("mpu"), ds_config, stage, cfg.auto))
     _set_device(arguments["args"])
     codec_status = prepare_codec(get_accelerator().current_device_name())
     topology = _topology(arguments, cfg)

@@ -91,6 +91,7 @@ ZERO12_ATTRIBUTES = (
     "reduce_bucket_size",
     "has_moe_layers",
     "sequence_parallel_size",
+    "ipg_buckets",
 )
 
 # DeepSpeed sets `all_gather_coalesced` on every ZeRO-3 parameter as a closure (partition_parameters.Init.
@@ -293,6 +294,13 @@ def bucket_entries(bucket: Sequence[tuple[Any, ...]]) -> list[BucketEntry]:
             (owners,) = owners
         entries.append(BucketEntry(int(owners), tensor, rest[0] if rest else None))
     return entries
+
+
+def bucket_params(optimizer: Any, communication_data_type: Any) -> list[Any]:
+    """The parameters whose gradients fill the ZeRO-1/2 bucket `allreduce_and_scatter` is reducing, in the order they
+    lie in it (`ipg_buckets[dtype].params`, (group, index in group, id) per parameter, from 0.17.6 on)."""
+    bucket = optimizer.ipg_buckets[communication_data_type]
+    return [optimizer.bit16_groups[group][index] for group, index, _ in bucket.params]
 
 
 def deliver(entry: BucketEntry, reduced: Any) -> None:

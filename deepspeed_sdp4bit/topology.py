@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, cast
 
@@ -44,10 +45,14 @@ class TopologyError(RuntimeError):
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place in a world of `nodes` x `ranks_per_node` ranks, with its process groups.
+    """This rank's place among the ranks SDP4Bit's collectives run over: `nodes` x `ranks_per_node` ranks, with its
+    process groups.
 
-    `intra` holds the ranks of this node, `inter` the ranks with this rank's local index on every node; `hosts` is
-    the hostname of every rank, in rank order.
+    Those ranks are the job's (the default group) or, with tensor, pipeline or sequence parallelism beside ZeRO, the
+    group ZeRO partitions over (`group`, `members` its world ranks in group-rank order, `partition_topology`): then
+    `world` and `rank` count ranks of that group, `ranks_per_node` its ranks on each node, and `node_size` the job's
+    ranks per node. `intra` holds this node's ranks of the group, `inter` the group's ranks with this rank's local
+    index on every node; `hosts` is the hostname of every rank of the group, in group-rank order.
     """
 
     world: int
@@ -57,6 +62,9 @@ class Topology:
     intra: ProcessGroup | None
     inter: ProcessGroup | None
     hosts: tuple[str, ...] = ()
+    group: ProcessGroup | None = None
+    members: tuple[int, ...] = ()
+    node_size: int = 0
 
     @property
     def nodes(self) -> int:
@@ -70,19 +78,36 @@ class Topology:
     def local(self) -> int:
         return self.rank % self.ranks_per_node
 
+    @property
+    def job_ranks_per_node(self) -> int:
+        """The job's ranks per node (the nodes' width, which places any world rank on its node)."""
+        return self.node_size or self.ranks_per_node
+
     def global_rank(self, node: int, local: int) -> int:
-        """The world rank of (node, local)."""
+        """The rank, in SDP4Bit's group, of (node, local)."""
         return node * self.ranks_per_node + local
+
+    def world_rank(self, rank: int) -> int:
+        """The job's rank of rank `rank` of SDP4Bit's group."""
+        return self.members[rank] if self.members else rank
 
     def describe(self) -> str:
         """The layout, where it came from and the host of each node, for the log."""
         nodes = []
         for node in range(self.nodes):
-            first, last = self.global_rank(node, 0), self.global_rank(node, self.ranks_per_node - 1)
-            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
-            nodes.append(f"node {node} = {self.hosts[first] if self.hosts else '?'} ({ranks})")
+            ranks = [self.world_rank(self.global_rank(node, local)) for local in range(self.ranks_per_node)]
+            first = self.global_rank(node, 0)
+            named = f"rank {ranks[0]}" if len(ranks) == 1 else _ranks(ranks)
+            nodes.append(f"node {node} = {self.hosts[first] if self.hosts else '?'} ({named})")
         shared = " (several nodes share a host: simulated nodes)" if len(set(self.hosts)) < self.nodes else ""
         return f"{self.nodes} nodes x {self.ranks_per_node} ranks (from {self.source}): {', '.join(nodes)}{shared}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """`ranks 4-7` for a run, `ranks 0, 2` otherwise."""
+    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _gather(value: object) -> list[Any]:
@@ -233,4 +258,64 @@ def build_topology(ranks_per_node: int | str = "auto") -> Topology:
         intra=intra,
         inter=inter,
         hosts=tuple(hosts),
+    )
+
+
+def group_layout(groups: Sequence[Sequence[int]], node_size: int) -> tuple[list[list[int]], list[list[int]], int]:
+    """The intra-node and the cross-node subgroups of every partition group, and the groups' ranks per node.
+
+    `groups` hold world ranks in group-rank order, are disjoint, cover the world and are of one size; the job's
+    nodes hold `node_size` ranks each. A group's ranks must go node by node, the same number on each of its nodes,
+    so that its rank g is (node g // D, local g % D) as the job's ranks are in the whole world."""
+    world = sum(len(group) for group in groups)
+    if sorted(rank for group in groups for rank in group) != list(range(world)):
+        raise TopologyError(f"the partition groups {[list(g) for g in groups]} do not split the world into parts")
+    if len({len(group) for group in groups}) != 1:
+        raise TopologyError(f"the partition groups differ in size: {[list(g) for g in groups]}")
+    intra: list[list[int]] = []
+    inter: list[list[int]] = []
+    widths = set()
+    for group in groups:
+        nodes = [rank // node_size for rank in group]
+        if nodes != sorted(nodes):
+            raise TopologyError(
+                f"the partition group {list(group)} is not numbered node by node (nodes {nodes} for "
+                f"{node_size} ranks per node)"
+            )
+        counts = {node: nodes.count(node) for node in nodes}
+        widths |= set(counts.values())
+        per_node = counts[nodes[0]]
+        intra += [list(group[start : start + per_node]) for start in range(0, len(group), per_node)]
+        inter += [list(group[local::per_node]) for local in range(per_node)]
+    if len(widths) != 1:
+        raise TopologyError(
+            f"the partition groups {[list(g) for g in groups]} hold different numbers of ranks on their nodes "
+            f"({sorted(widths)}, {node_size} ranks per node)"
+        )
+    return intra, inter, widths.pop()
+
+
+def partition_topology(job: Topology, group: ProcessGroup | None) -> Topology:
+    """The layout of the ranks ZeRO partitions over, `group` (the job's layout itself when it holds every rank).
+
+    Collective over the default group when the group is smaller (every rank's group travels in one object
+    all-gather, and every rank makes the subgroups of all groups, as a split needs)."""
+    members = faults.group_ranks(group)
+    if len(members) == job.world:
+        return job
+    groups = list(dict.fromkeys(tuple(ranks) for ranks in _gather(tuple(members))))
+    intra, inter, per_node = group_layout(groups, job.ranks_per_node)
+    rank = dist.get_rank()
+    return replace(
+        job,
+        world=len(members),
+        rank=members.index(rank),
+        ranks_per_node=per_node,
+        source=f"{job.source}; ZeRO's group of {len(members)} of the job's {job.world} ranks",
+        intra=_my_group(intra, rank),
+        inter=_my_group(inter, rank),
+        hosts=tuple(job.hosts[m] for m in members) if job.hosts else (),
+        group=group,
+        members=tuple(members),
+        node_size=job.ranks_per_node,
     )

@@ -26,6 +26,7 @@ from deepspeed_sdp4bit.codec import reference
 from deepspeed_sdp4bit.codec.spec import MASK64, codes_nbytes, num_groups
 from deepspeed_sdp4bit.collectives.rounding import derive_seed
 from deepspeed_sdp4bit.config import parse_config
+from deepspeed_sdp4bit.zero12 import replicated
 from sdp4bit_testing.owner_emulation import Settings, emulate_owner_reduce, merged, piece_lengths
 from sdp4bit_testing.zero3_recording import STAGES, RunExpectations, difference, raw_bits, refresh_schedule
 from sdp4bit_testing.zero12_harness import flats
@@ -42,12 +43,14 @@ def record(engine: Any, step: int) -> dict[str, Any]:
         "refresh": [],
         "step": step,
         "grad_numel": sum(p.numel() for group in optimizer.bit16_groups for p in group),
-        "partitions": [flat.numel() // torch.distributed.get_world_size() for flat in optimizer.bit16_groups_flat],
+        "partitions": [flat.numel() // engine.sdp4bit.topology.world for flat in optimizer.bit16_groups_flat],
+        "exact": [],
     }
     if engine.sdp4bit.reducer is not None:
         _wrap_reducer(engine, log, step)
     if engine.sdp4bit.store is not None:
         _wrap_store(engine, log["refresh"], step)
+        log["pinned"] = {segment: positions.cpu() for segment, positions in engine.sdp4bit.store.pinned().items()}
     return log
 
 
@@ -55,7 +58,7 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
     """Log each reduce call, and check after each bucket that DeepSpeed's slices hold what the reducer returned."""
     reducer, optimizer = engine.sdp4bit.reducer, engine.optimizer
     inner_reduce, inner_scatter = reducer.reduce, optimizer.allreduce_and_scatter
-    rank = torch.distributed.get_rank()
+    rank = engine.sdp4bit.topology.rank
     returned: list[torch.Tensor] = []
 
     def reduce(bucket: torch.Tensor, runs: Any, logical_element_size: int | None = None) -> torch.Tensor:
@@ -72,7 +75,7 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
         out = inner_reduce(bucket, runs, logical_element_size)
         if entry["step"] == step:
             entry["input"], entry["output"] = bucket.detach().clone(), out.detach().clone()
-        returned.append(out.detach().clone())
+        returned.append(out)  # what the seam delivers: also the exact sums it writes into it afterwards
         log["reduce"].append(entry)
         return out
 
@@ -80,9 +83,14 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
         """SDP4Bit's seam, after which this rank's slices must hold the reduced runs the reducer returned, and the
         fp32 partition slices DeepSpeed keeps beside some of them must have grown by exactly those values."""
         returned.clear()
-        owned = [e for e in adapter.bucket_entries(bucket) if e.owner == rank]
+        entries = adapter.bucket_entries(bucket)
+        owned = [e for e in entries if e.owner == rank]
         outputs_before = [None if e.output is None else e.output.clone() for e in owned]
+        exact = _exact_call(engine, entries, args[0]) if engine.global_steps == step else None
         inner_scatter(bucket, *args, **kwargs)
+        if exact is not None:
+            exact["owned"] = torch.cat([e.tensor.reshape(-1).clone() for e in owned]) if owned else None
+            log["exact"].append(exact)
         if returned:
             want = torch.cat(returned)
             log["deliveries"].append(
@@ -96,6 +104,47 @@ def _wrap_reducer(engine: Any, log: dict[str, Any], step: int) -> None:
 
     reducer.reduce = reduce
     optimizer.allreduce_and_scatter = allreduce_and_scatter
+
+
+def _exact_call(engine: Any, entries: list[adapter.BucketEntry], dtype: torch.dtype) -> dict[str, Any] | None:
+    """A bucket's entries joined (before the reduction), its runs, and where it holds gradients of parameters
+    replicated across tensor-parallel ranks (None without such parameters)."""
+    optimizer = engine.optimizer
+    params = replicated.replicated_params(optimizer)
+    if not params:
+        return None
+    ranges = replicated.bucket_ranges(adapter.bucket_params(optimizer, dtype), params)
+    joined = torch.cat([e.tensor.reshape(-1) for e in entries])
+    runs, start = [], 0
+    for e in entries:
+        runs.append((e.owner, start, e.tensor.numel()))
+        start += e.tensor.numel()
+    positions = replicated.chunk_positions(ranges, 0, joined.numel())
+    return {"input": joined.clone(), "runs": runs, "positions": positions}
+
+
+def check_exact(logs: list[dict[str, Any]]) -> tuple[list[str], int]:
+    """At the recorded step, every owner's delivered gradients of replicated parameters against the sum over the
+    group's ranks, in group-rank order and fp32, of their inputs there, rounded once. Returns (differences, number of
+    elements compared)."""
+    problems, compared = [], 0
+    for index, calls in enumerate(zip(*(log["exact"] for log in logs), strict=True)):
+        positions = calls[0]["positions"]
+        total = calls[0]["input"][positions].float()
+        for call in calls[1:]:
+            total = total + call["input"][positions].float()
+        want = total.to(calls[0]["input"].dtype)
+        for rank, call in enumerate(calls):
+            mine = [(start, numel) for owner, start, numel in call["runs"] if owner == rank]
+            delivered = call["owned"] if call["owned"] is not None else call["input"].new_zeros(0)
+            offset = 0
+            for start, numel in mine:
+                inside = (positions >= start) & (positions < start + numel)
+                got = delivered[positions[inside] - start + offset]
+                problems += difference(f"exact lane call {index} rank {rank}", got, want[inside])
+                compared += int(inside.sum())
+                offset += numel
+    return problems, compared
 
 
 def _delivered(owned: list[adapter.BucketEntry], outputs_before: list[torch.Tensor | None], want: torch.Tensor) -> bool:
@@ -319,6 +368,10 @@ def check_refreshes(logs: list[dict[str, Any]], e: Expected) -> tuple[list[str],
                     new, old, e, derive_seed(e.cfg.seed, owner, STAGES["refresh"]), entry["counter"] + counter_base
                 )
             )
+            pinned = logs[0].get("pinned", {}).get(group)
+            if pinned is not None:  # replicated across tensor-parallel ranks: the owner's new values, exactly
+                columns = pinned[(pinned >= part.start) & (pinned < part.stop)] - part.start
+                want[columns] = new[columns]
             for rank in range(world):
                 problems += difference(
                     f"rank {rank}'s copy of group {group} partition {owner} after the refresh at "

@@ -392,8 +392,8 @@ def test_bad_arguments_are_rejected(world_run):
     assert "group_intra = 100" in messages[3]
     assert "pipeline must be an integer >= 1, got 0" in messages[4]
     if world > 1:
-        assert "world group" in messages[5]
-        assert all("world group" in res["errors"][5] for res in ranks)
+        assert "partition group" in messages[5]
+        assert all("partition group" in res["errors"][5] for res in ranks)
 
 
 TAIL_WORLD = 4

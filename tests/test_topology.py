@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from deepspeed_sdp4bit.topology import TopologyError, build_topology
+from deepspeed_sdp4bit.topology import TopologyError, build_topology, group_layout, partition_topology
 from sdp4bit_testing.dist_harness import free_port, run_distributed
 from sdp4bit_testing.observer import spied
 from sdp4bit_testing.zero3_harness import LogCapture
@@ -93,7 +93,30 @@ def _scenarios() -> dict[str, dict]:
     finally:
         socket.gethostname = real_gethostname
         _set_env({})
+    out["partition"] = _partition()
     return out
+
+
+def _partition() -> dict:
+    """The layout of data-parallel groups [0, 2] and [1, 3] (tensor parallelism 2 inside nodes of 2) and of a group of
+    all ranks."""
+    job = build_topology(2)
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[dist.get_rank() % 2]
+    topo = partition_topology(job, mine)
+    return {
+        "world": topo.world,
+        "rank": topo.rank,
+        "rpn": topo.ranks_per_node,
+        "job_rpn": topo.job_ranks_per_node,
+        "node": topo.node,
+        "intra": dist.get_process_group_ranks(topo.intra),
+        "inter": dist.get_process_group_ranks(topo.inter),
+        "members": topo.members,
+        "same_group": topo.group is mine,
+        "describe": topo.describe(),
+        "whole_world_is_the_job": partition_topology(job, None) is job,
+    }
 
 
 def test_topology_detection_and_errors():
@@ -148,6 +171,57 @@ def test_topology_detection_and_errors():
         assert "different numbers of ranks" in res["hosts_unequal"]["error"]
         assert "puts ranks of different hosts ['a', 'b'] on node 1" in res["explicit_spans_hosts"]["error"]
         assert "(from LOCAL_WORLD_SIZE) puts ranks of different hosts" in res["lws_spans_hosts"]["error"]
+        members, host = [rank % 2, rank % 2 + 2], socket.gethostname()
+        assert res["partition"] == {
+            "world": 2,
+            "rank": rank // 2,
+            "rpn": 1,
+            "job_rpn": 2,
+            "node": rank // 2,
+            "intra": [rank],
+            "inter": members,
+            "members": tuple(members),
+            "same_group": True,
+            "describe": f"2 nodes x 1 ranks (from ranks_per_node setting; ZeRO's group of 2 of the job's 4 ranks): "
+            f"node 0 = {host} (rank {members[0]}), node 1 = {host} (rank {members[1]}) (several nodes share a host: "
+            "simulated nodes)",
+            "whole_world_is_the_job": True,
+        }, res["partition"]
+
+
+@pytest.mark.parametrize(
+    ("groups", "node_size", "intra", "inter", "per_node"),
+    [
+        ([[0, 2], [1, 3]], 2, [[0], [2], [1], [3]], [[0, 2], [1, 3]], 1),
+        ([[0, 2, 4, 6], [1, 3, 5, 7]], 4, [[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]], 2),
+        (
+            [[0, 1], [2, 3], [4, 5], [6, 7]],
+            4,
+            [[0, 1], [2, 3], [4, 5], [6, 7]],
+            [[0], [1], [2], [3], [4], [5], [6], [7]],
+            2,
+        ),
+        ([[0, 1, 2, 3]], 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]], 2),
+    ],
+)
+def test_partition_groups_are_laid_out_on_the_jobs_nodes(groups, node_size, intra, inter, per_node) -> None:
+    """Each partition group's ranks on one node form a node group, its ranks with one local index a cross-node group;
+    together they split the world, as one split of the default group needs."""
+    assert group_layout(groups, node_size) == (intra, inter, per_node)
+
+
+@pytest.mark.parametrize(
+    ("groups", "node_size", "message"),
+    [
+        ([[0, 1], [1, 2]], 2, "do not split the world"),
+        ([[0, 1, 2], [3]], 2, "differ in size"),
+        ([[2, 0], [1, 3]], 2, "[2, 0] is not numbered node by node"),
+        ([[0, 1, 2, 4], [3, 5, 6, 7]], 4, "different numbers of ranks on their nodes"),
+    ],
+)
+def test_partition_groups_that_cannot_be_laid_out_are_named(groups, node_size, message) -> None:
+    with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        group_layout(groups, node_size)
 
 
 TIMEOUT_PROBE = """

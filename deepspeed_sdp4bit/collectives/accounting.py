@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import ErrorMeter
 
-KINDS = ("weight_refresh", "weight_resync", "weight_gather", "grad_intra", "grad_inter")
+KINDS = ("weight_refresh", "weight_resync", "weight_gather", "grad_intra", "grad_inter", "grad_exact", "weight_exact")
 
 
 @dataclass

@@ -26,6 +26,8 @@ KIND_NAMES = {
     "weight_gather": "weight gather",
     "grad_intra": "gradient level 1 (intra-node)",
     "grad_inter": "gradient level 2 (inter-node)",
+    "grad_exact": "gradients of replicated parameters (full precision)",
+    "weight_exact": "weights of replicated parameters (full precision)",
 }
 
 

@@ -40,6 +40,7 @@ from sdp4bit_cost.layout import ChunkLayout, chunk_layout
 
 from .. import codec
 from ..codec.spec import FLOAT_DTYPES
+from ..topology import Topology
 from .errors import decode_range
 from .levels import Exchange as _Exchange
 from .levels import Level, TwoLevelReducer, one_level_schedule, two_level_schedule
@@ -80,19 +81,24 @@ def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _check_group(group: object, world: int) -> None:
-    """Only the world group (or None) is allowed: the topology's node groups are built over the world."""
+def _check_group(group: object, topo: Topology) -> None:
+    """Only the group `topo` was built on is allowed (None or the world group where it holds every rank): its node
+    groups are made of that group's ranks."""
+    expected = [topo.world_rank(rank) for rank in range(topo.world)]
     if group is None or group is dist.group.WORLD:
-        return
-    if not isinstance(group, dist.ProcessGroup):
+        if not topo.members:
+            return
+        ranks = list(range(dist.get_world_size()))
+    elif not isinstance(group, dist.ProcessGroup):
         raise ValueError(
-            f"reduce_scatter_coalesced: group must be the world group or None; this rank is not a "
+            f"reduce_scatter_coalesced: group must be the partition group of ranks {expected}; this rank is not a "
             f"member of the group passed ({group!r})"
         )
-    ranks = dist.get_process_group_ranks(group)
-    if ranks != list(range(world)):
+    else:
+        ranks = dist.get_process_group_ranks(group)
+    if ranks != expected:
         raise ValueError(
-            f"reduce_scatter_coalesced: group must be the world group (ranks 0..{world - 1}) or None; "
+            f"reduce_scatter_coalesced: group must be the partition group of ranks {expected} SDP4Bit was built on; "
             f"got a group of ranks {ranks}"
         )
 
@@ -104,7 +110,7 @@ class TLqReducer(TwoLevelReducer):
         self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
     ) -> list[torch.Tensor]:
         """Per tensor, this rank's DeepSpeed partition of the mean over all ranks, in the input dtype."""
-        _check_group(group, self.topo.world)
+        _check_group(group, self.topo)
         if not tensors:
             return []
         dtype = _check_tensors(tensors)

@@ -52,6 +52,7 @@ from .. import codec
 from ..codec.spec import FLOAT_DTYPES
 from ..topology import Topology
 from . import comm
+from .accounting import CommStats
 from .levels import Exchange, Level, Splits, TwoLevelReducer, codes_slice, one_level_schedule, two_level_schedule
 
 _SHOWN_RUNS = 8  # runs listed in a layout summary
@@ -273,7 +274,7 @@ class OwnerReducer(TwoLevelReducer):
         if fingerprint in self.agreed:
             return
         highest, negated_lowest = comm.max_over_ranks(
-            [fingerprint, -fingerprint], None, "sdp4bit_owner_layout", device, torch.int64, self.stats
+            [fingerprint, -fingerprint], self.topo.group, "sdp4bit_owner_layout", device, torch.int64, self.stats
         )
         if highest != -negated_lowest:
             raise RuntimeError(
@@ -403,3 +404,57 @@ class OwnerReducer(TwoLevelReducer):
             relay,
             lambda exchange, _: self._finish(exchange, self.inter, topo.nodes, dtype, own),
         )
+
+
+@dataclass(frozen=True)
+class ExactLane:
+    """Where a chunk's exactly sent elements go, planned once per layout on the host (no device read on the hot
+    path): `positions` (on the chunk's device) lists them owner by owner, in chunk order within each owner, `counts`
+    how many each owner receives, and `owned` where this rank's sums go in its owned runs concatenated in chunk
+    order (as `OwnerReducer.reduce` returns them)."""
+
+    positions: torch.Tensor
+    counts: tuple[int, ...]
+    owned: torch.Tensor
+
+
+def exact_lane(runs: Sequence[Run], positions: torch.Tensor, rank: int, world: int, device: torch.device) -> ExactLane:
+    """The lane of the elements at `positions` (sorted, on the host) of a chunk cut into `runs`."""
+    starts = torch.tensor([run.start for run in runs], dtype=torch.int64)
+    run_of = torch.searchsorted(starts, positions, right=True) - 1
+    owner = torch.tensor([run.owner for run in runs], dtype=torch.int64)[run_of]
+    order = torch.sort(owner, stable=True).indices
+    lengths = torch.tensor([run.numel if run.owner == rank else 0 for run in runs], dtype=torch.int64)
+    owned_start = torch.cumsum(lengths, 0) - lengths
+    mine = order[owner[order] == rank]
+    owned = owned_start[run_of[mine]] + positions[mine] - starts[run_of[mine]]
+    counts = tuple(torch.bincount(owner, minlength=world).tolist())
+    return ExactLane(positions[order].to(device), counts, owned.to(device))
+
+
+def exact_sums(topo: Topology, stats: CommStats, lane: ExactLane, values: torch.Tensor, owned: torch.Tensor) -> None:
+    """The exact lane beside `OwnerReducer.reduce`: `values` (this rank's elements at `lane.positions`, in that
+    order) summed over all ranks in fp32, one rank after another in group-rank order, then rounded once to their
+    dtype, and written into `owned`. One all-to-all in uneven splits: each owner receives only its runs' elements.
+    Ranks that pass the same values get the same sums bit for bit, on whichever group they run."""
+    mine = lane.counts[topo.rank]
+    if topo.world == 1:
+        received = values
+    else:
+        received = values.new_empty(topo.world * mine)
+        comm.all_to_all_single(
+            received,
+            values.contiguous(),
+            topo.group,
+            stats,
+            "grad_exact",
+            "values",
+            output_split_sizes=[mine] * topo.world,
+            input_split_sizes=list(lane.counts),
+        )
+    rows = received.view(topo.world, mine)
+    total = rows[0].float()
+    for row in rows[1:]:
+        total = total + row.float()
+    sums = total.to(values.dtype)
+    owned[lane.owned] = sums

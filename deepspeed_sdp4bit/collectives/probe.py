@@ -105,8 +105,16 @@ def send_seconds(topology: Topology, pairs: list[tuple[int, int]], nbytes: int, 
     """Median seconds (slowest rank) of every rank of each pair's sending node sending `nbytes` to the rank with its
     local index on the receiving node, all pairs at once (ranks of other nodes wait)."""
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    peers = [(topology.global_rank(dst, topology.local), True) for src, dst in pairs if src == topology.node]
-    peers += [(topology.global_rank(src, topology.local), False) for src, dst in pairs if dst == topology.node]
+    peers = [
+        (topology.world_rank(topology.global_rank(dst, topology.local)), True)
+        for src, dst in pairs
+        if src == topology.node
+    ]
+    peers += [
+        (topology.world_rank(topology.global_rank(src, topology.local)), False)
+        for src, dst in pairs
+        if dst == topology.node
+    ]
 
     def run() -> None:
         for peer, sending in peers:
@@ -144,7 +152,7 @@ def latencies(topology: Topology, device: torch.device) -> Latencies:
         return gather_seconds(group, size, 1, device, LATENCY_REPEATS)
 
     return Latencies(
-        tiny(None, topology.world) if topology.world > 1 else 0.0,
+        tiny(topology.group, topology.world) if topology.world > 1 else 0.0,
         tiny(topology.inter, nodes) if nodes > 1 else 0.0,
         tiny(topology.intra, per_node) if per_node > 1 else 0.0,
     )

@@ -71,6 +71,19 @@ class Received:
 SourceBlocks = list[Received]
 
 
+@dataclass(frozen=True)
+class _Pinned:
+    """A segment's pinned positions (`WeightStore.pin`), on the store's device: all of them (flat storage indices,
+    slot by slot), where each one's value lies in the all-gathered values ([slots, width], each slot's values first),
+    this rank's own ones and their columns in the own slot's snapshot."""
+
+    positions: torch.Tensor
+    gathered: torch.Tensor
+    own: torch.Tensor
+    own_columns: torch.Tensor
+    width: int
+
+
 def check_quant_args(bits: int, group_size: int, dtype: torch.dtype | None = None) -> None:
     """Validate the quantizer settings (and the weight dtype) with errors naming the argument."""
     try:
@@ -308,6 +321,7 @@ class WeightStore:
         self._totals = [0]
         self._storages: list[torch.Tensor] | None = None
         self._snapshots: list[torch.Tensor] | None = None  # w~ of the own slot, when the caller writes that slot
+        self._pinned: dict[int, _Pinned] = {}  # per segment: the positions sent exactly (`pin`)
 
     # -- registration ---------------------------------------------------------------------------------------
 
@@ -371,6 +385,63 @@ class WeightStore:
             )
         self._storages = list(storages)
         self._snapshots = [t[self._own_slot].clone() for t in storages]
+
+    def pin(self, segment: int, positions: torch.Tensor) -> None:
+        """Send the elements at `positions` (sorted flat indices into segment `segment`'s [slots, total] storage) in
+        full precision at every quantized refresh, after the differences: the parameters replicated across
+        tensor-parallel ranks, whose copies there must stay equal while the quantization groups around them differ.
+        Only for an attached storage, whose own slot holds the new weights when a refresh begins. The lane is
+        planned here once, on the host."""
+        if self._storages is None or self._snapshots is None:
+            raise RuntimeError("pin: only the positions of an attached storage (attach) can be pinned")
+        total = self._totals[segment]
+        positions = positions.to(device="cpu", dtype=torch.int64)
+        if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < self._slots * total):
+            raise ValueError(f"pin: positions must lie in [0, {self._slots * total}) for segment {segment}")
+        slots = positions // total
+        counts = torch.bincount(slots, minlength=self._slots)
+        width = int(counts.max()) if positions.numel() else 0
+        within = torch.arange(positions.numel()) - (torch.cumsum(counts, 0) - counts)[slots]
+        own = positions[slots == self._own_slot]
+        self._pinned[segment] = _Pinned(
+            positions.to(self._device),
+            (slots * width + within).to(self._device),
+            own.to(self._device),
+            (own - self._own_slot * total).to(self._device),
+            width,
+        )
+
+    def pinned(self) -> dict[int, torch.Tensor]:
+        """The pinned positions of each segment that has some (`pin`)."""
+        return {segment: plan.positions for segment, plan in self._pinned.items()}
+
+    def _pinned_values(self, params: list[_Param]) -> list[tuple[int, torch.Tensor]]:
+        """(segment, this rank's new values at its own pinned positions) per segment, taken from the own slot before
+        the refresh overwrites it with w~; a refresh of pinned storage must take every parameter."""
+        if not self._pinned:
+            return []
+        if len(params) != len(self._params):
+            raise RuntimeError(
+                f"refresh: {len(params)} of the {len(self._params)} parameters; a store with pinned positions "
+                "refreshes all of them at once"
+            )
+        assert self._storages is not None  # pinned: attached (`pin`)
+        return [(segment, self._storages[segment].view(-1)[plan.own].clone()) for segment, plan in self._pinned.items()]
+
+    def _send_pinned(self, taken: list[tuple[int, torch.Tensor]]) -> None:
+        """Every holder's copy and the own slot's snapshot take the owners' exact values at the pinned positions (one
+        all-gather per segment over the group, each rank's values padded to the largest count)."""
+        for segment, own in taken:
+            assert self._storages is not None and self._snapshots is not None  # pinned: attached (`pin`)
+            plan = self._pinned[segment]
+            if plan.width == 0:
+                continue
+            send = own.new_zeros(plan.width)
+            send[: own.numel()] = own
+            received = send.new_empty(self._slots * plan.width)
+            comm.all_gather_into_tensor(received, send, self._topo.group, self._stats, "weight_exact", "values")
+            self._storages[segment].view(-1)[plan.positions] = received[plan.gathered]
+            self._snapshots[segment][plan.own_columns] = own
 
     # -- sizes and views --------------------------------------------------------------------------------------
 
@@ -448,9 +519,11 @@ class WeightStore:
         returns w~ on this rank's shards of them, what the owner's ds_tensor must hold from now on."""
         params = self._checked(shards, "refresh")
         if quantize:
+            pinned = self._pinned_values(params)
             self._exchange(
                 params, REFRESH_KIND, ("codes", "scales"), lambda b: self._encode_deltas(b, shards), self._apply_deltas
             )
+            self._send_pinned(pinned)
         else:
             self._send_values(params, REFRESH_KIND, shards)
         return self._own_slots(params)
@@ -696,7 +769,7 @@ class WeightStore:
         topo = self._topo
         if not params:
             return ChecksumReport(ok=True)
-        holders = None if self._replica == "rank" else topo.inter
+        holders = topo.group if self._replica == "rank" else topo.inter
         assert self._storages is not None
         local = torch.cat(
             [

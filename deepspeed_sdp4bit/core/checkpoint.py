@@ -122,7 +122,9 @@ def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
     problem = "no sdp4bit state" if saved is None else why_unusable(saved)
     found = [0] * topology.world
     found[rank] = _INTACT if problem is None else (_MISSING if saved is None else _DAMAGED)
-    status = comm.max_over_ranks(found, None, "sdp4bit_checkpoint_state", get_accelerator().current_device_name())
+    status = comm.max_over_ranks(
+        found, topology.group, "sdp4bit_checkpoint_state", get_accelerator().current_device_name()
+    )
     if not any(status):
         return True
     damaged = [r for r, what in enumerate(status) if what == _DAMAGED]

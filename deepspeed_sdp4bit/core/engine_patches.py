@@ -218,7 +218,7 @@ class PatchSet:
         if self.per_rank_files:
             return state
         states: list[Any] = [None] * self.runtime.topology.world
-        dist.all_gather_object(states, state)
+        dist.all_gather_object(states, state, group=self.runtime.topology.group)
         return {"ranks": states}
 
     def _loaded_state(self, saved: Any) -> Any:

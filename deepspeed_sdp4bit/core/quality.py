@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from deepspeed.comm import ReduceOp
+from torch.distributed import ProcessGroup
 
 from ..collectives import comm
 from ..collectives.accounting import CommStats
@@ -51,8 +52,11 @@ class KindFigures:
         return KindFigures(relative, largest, int(groups), int(nonfinite))
 
 
-def agree(meter: ErrorMeter, device: torch.device | str, stats: CommStats) -> dict[str, KindFigures]:
-    """Every rank's figures of this sampled step combined (collective: one SUM and one MAX all-reduce)."""
+def agree(
+    meter: ErrorMeter, group: ProcessGroup | None, device: torch.device | str, stats: CommStats
+) -> dict[str, KindFigures]:
+    """Every rank's figures of this sampled step combined over `group`, SDP4Bit's ranks (collective: one SUM and one
+    MAX all-reduce)."""
     local = meter.take()
     sums = torch.tensor(
         [[figures[0], figures[1], groups, figures[3]] for figures, groups in (local[k] for k in MEASURED_KINDS)],
@@ -60,8 +64,8 @@ def agree(meter: ErrorMeter, device: torch.device | str, stats: CommStats) -> di
         device=device,
     )
     largest = torch.tensor([_orderable(local[k][0][2]) for k in MEASURED_KINDS], dtype=torch.float64, device=device)
-    comm.all_reduce(sums, None, ReduceOp.SUM, "sdp4bit_errors", stats)
-    comm.all_reduce(largest, None, ReduceOp.MAX, "sdp4bit_errors", stats)
+    comm.all_reduce(sums, group, ReduceOp.SUM, "sdp4bit_errors", stats)
+    comm.all_reduce(largest, group, ReduceOp.MAX, "sdp4bit_errors", stats)
     return {
         kind: KindFigures.of(row[0], row[1], top, row[2], row[3])
         for kind, row, top in zip(MEASURED_KINDS, sums.tolist(), largest.tolist(), strict=True)

@@ -215,7 +215,9 @@ class Runtime(Generic[UnitsT, ReducerT]):
         if self.store is not None and keys and not self.measuring():
             written = any(not self._holds_w(k) for k in keys)
             device = self.units.tensor(keys[0]).device
-            if comm.max_over_ranks([int(written)], None, "sdp4bit_weight_written", device, stats=self.comm_stats)[0]:
+            if comm.max_over_ranks(
+                [int(written)], self.topology.group, "sdp4bit_weight_written", device, stats=self.comm_stats
+            )[0]:
                 self.resync(keys)
         self._record(keys)
 
@@ -290,7 +292,7 @@ class Runtime(Generic[UnitsT, ReducerT]):
             return
         meter.sampling = False
         device = get_accelerator().current_device_name()
-        figures = quality.agree(meter, device, self.comm_stats)
+        figures = quality.agree(meter, self.topology.group, device, self.comm_stats)
         self.telemetry.errors_measured(figures)
         if self.guard is not None and self.guard.observe(self.engine.global_steps, figures):
             self.apply_widths()
@@ -365,7 +367,9 @@ class Runtime(Generic[UnitsT, ReducerT]):
         keys = self.units.keys()
         local = [int(not self._holds_w(k)) for k in keys]
         device = get_accelerator().current_device_name()
-        flags = comm.max_over_ranks(local, None, "sdp4bit_weight_checksum", device, stats=self.comm_stats)
+        flags = comm.max_over_ranks(
+            local, self.topology.group, "sdp4bit_weight_checksum", device, stats=self.comm_stats
+        )
         differing = [key for key, flag in zip(keys, flags, strict=True) if flag]
         if not differing:
             return True

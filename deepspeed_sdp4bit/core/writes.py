@@ -105,7 +105,7 @@ class WriteWatch:
         self._pending.clear()
         keys = sorted(found)
         flags = comm.max_over_ranks(
-            [found[key][0] for key in keys], None, "sdp4bit_weight_written", device, stats=self.stats
+            [found[key][0] for key in keys], self.topology.group, "sdp4bit_weight_written", device, stats=self.stats
         )
         agreed = dict(zip(keys, flags, strict=True))
         self._warn({key: how for key, (_, how) in found.items() if how}, agreed=True)

@@ -13,7 +13,9 @@ only code here touching its internals, through the versioned adapter `..adapter`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+
+from torch.distributed import ProcessGroup
 
 from .. import adapter
 from ..config import SDP4BitConfig
@@ -22,7 +24,13 @@ from . import patches
 from .checks import check_engine, zero_problems
 from .serving import Zero12Runtime, build_runtime
 
-__all__ = ["activate", "check_engine", "describe", "zero_problems"]
+__all__ = ["activate", "check_engine", "describe", "partition_group", "zero_problems"]
+
+
+def partition_group(engine: Any) -> ProcessGroup | None:
+    """The group ZeRO-1/2 partitions and reduces over: the data-parallel group, or the sequence-data-parallel one
+    with sequence parallelism (`dp_process_group`, which the checks found the same for every param group)."""
+    return cast(ProcessGroup | None, engine.optimizer.dp_process_group)
 
 
 def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero12Runtime:

@@ -8,7 +8,8 @@ refuses and raises them together); `check_engine` checks what only the built eng
 - ZeRO-1 with bf16 weights and `data_types.grad_accum_dtype` fp32 without optimizer offload, for which DeepSpeed
   builds `BF16_Optimizer` instead of its ZeRO-1/2 optimizer; any other optimizer class in its place;
 - the qW ablation (`weight_quantization: "direct"`), which is ZeRO-3's;
-- expert (MoE), sequence, tensor or pipeline parallel groups: SDP4Bit's collectives run over the whole world;
+- expert (MoE) parameters, reduced over groups of their own (also refused before the engine is built, with the
+  other layouts sdp4bit does not serve: `activate.layout_problems`);
 - Muon (`MuonWithAuxAdam`), whose split matrices go to several ranks at once.
 """
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.config import DtypeEnum
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from .. import adapter
+from ..collectives.faults import group_ranks
 from ..config import SDP4BitConfig
 from ..core.checks import dtype_problems, offload_device, raise_problems
 
@@ -90,24 +91,19 @@ def _optimizer_problems(engine: Any) -> list[str]:
 
 
 def _group_problems(engine: Any) -> list[str]:
-    """Every reduction and gather must run over all ranks, on plain data-parallel training."""
-    optimizer, world = engine.optimizer, dist.get_world_size()
+    """Every param group must be reduced over the one group SDP4Bit's collectives run on (ZeRO's data-parallel
+    group)."""
+    optimizer = engine.optimizer
     problems = []
     if optimizer.has_moe_layers:
         problems.append(
-            "the model has expert (MoE) parameters, reduced by DeepSpeed over expert data-parallel "
-            "groups; sdp4bit's collectives run over all ranks"
+            "the model has expert (MoE) parameters, which DeepSpeed reduces over expert data-parallel "
+            "groups beside the data-parallel one; sdp4bit runs its collectives over one group per engine. "
+            "Remove the sdp4bit block for MoE models"
         )
-    if optimizer.sequence_parallel_size != 1:
-        problems.append(
-            f"sequence parallelism ({optimizer.sequence_parallel_size} ranks): sdp4bit's collectives run over all ranks"
-        )
-    sizes = {dist.get_world_size(group) for group in [optimizer.dp_process_group, *optimizer.real_dp_process_group]}
-    if sizes != {world}:
-        problems.append(
-            f"ZeRO partitions over groups of {sorted(sizes)} ranks (tensor or pipeline parallelism); "
-            f"sdp4bit needs data parallelism over all {world} ranks"
-        )
+    ranks = {tuple(group_ranks(group)) for group in [optimizer.dp_process_group, *optimizer.real_dp_process_group]}
+    if len(ranks) != 1:
+        problems.append(f"ZeRO's param groups reduce over different groups {sorted(ranks)}")
     if type(optimizer.optimizer).__name__ == "MuonWithAuxAdam":
         problems.append(
             "the Muon optimizer (MuonWithAuxAdam) sends each split matrix's gradient to several ranks; "

@@ -21,8 +21,10 @@ from typing import Any
 
 import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
+from .. import adapter
 from ..adapter import ZERO12_WEIGHT_GATHER
 from ..core.engine_patches import PatchSet, is_patched, wrap
+from .replicated import replicated_params
 from .serving import BucketReduce, Zero12Runtime, Zero12Serving
 
 
@@ -48,7 +50,12 @@ class EnginePatches(PatchSet):
 
     def __init__(self, engine: Any, runtime: Zero12Runtime) -> None:
         super().__init__(engine, runtime)
-        self.serving = Zero12Serving(runtime)
+        optimizer = engine.optimizer
+        self.serving = Zero12Serving(
+            runtime,
+            replicated_params(optimizer),
+            lambda dtype: adapter.bucket_params(optimizer, dtype),
+        )
 
     def install_seams(self) -> None:
         """Route the optimizer's bucket reductions and weight all-gathers to the serving."""

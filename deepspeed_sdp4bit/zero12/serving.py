@@ -21,7 +21,7 @@ from sdp4bit_cost.layout import refresh_run
 
 from .. import adapter
 from ..collectives.accounting import CommStats
-from ..collectives.owner_reduce import OwnerReducer, Run
+from ..collectives.owner_reduce import ExactLane, OwnerReducer, Run, exact_lane, exact_sums
 from ..config import SDP4BitConfig
 from ..core import auto
 from ..core.build import gradient_settings, weight_store
@@ -29,12 +29,14 @@ from ..core.runtime import Runtime
 from ..core.telemetry import AllReduceBaseline
 from ..log import logger
 from ..topology import Topology
+from . import replicated
 from .plan import GroupFacts, make_plan
 from .units import Zero12Units, cut
 
 if TYPE_CHECKING:
     from ..core.seams import Zero12Seams
 
+LANES = 4096  # chunk layouts whose exact lane is kept planned (a training run passes a few per step)
 Zero12Runtime = Runtime[Zero12Units, OwnerReducer]  # a ZeRO-1/2 engine's runtime: runs of its partitions, TLq
 
 
@@ -42,7 +44,7 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     """The plan of a ZeRO-1/2 engine, its units and the collectives the block asks for (collective: auto's
     measurements)."""
     optimizer, world = engine.optimizer, topology.world
-    stats = CommStats(topology.ranks_per_node)
+    stats = CommStats(topology.job_ranks_per_node)
     groups = [
         GroupFacts(g, sum(p.numel() for p in params), flat.numel() // world)
         for g, (params, flat) in enumerate(zip(optimizer.bit16_groups, optimizer.bit16_groups_flat, strict=True))
@@ -62,7 +64,7 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
         world,
         names,
     )
-    weights = _store(config, topology, stats, units) if config.weight_differences else None
+    weights = _store(config, topology, stats, units, optimizer) if config.weight_differences else None
     reducer = OwnerReducer(topology, **gradient_settings(config), stats=stats) if config.quantized_gradients else None
     tuner = (
         _tuner(engine, config, topology, (weights is not None, reducer is not None))
@@ -85,9 +87,9 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     )
 
 
-def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero12Units) -> Any:
+def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero12Units, optimizer: Any) -> Any:
     """qWD on the flat buffers themselves: every rank's copy of every partition is its replica slot; one segment per
-    param group, one unit per bucket."""
+    param group, one unit per bucket; the parameters replicated across tensor-parallel ranks pinned (sent exactly)."""
     storages = units.storages(topology.world)
     store = weight_store(cfg, topology, stats, storages[0].dtype, storages[0].device, "rank")
     group = 0
@@ -98,6 +100,11 @@ def _store(cfg: SDP4BitConfig, topology: Topology, stats: CommStats, units: Zero
             group = unit.group
         store.add(key, topology.world * unit.numel)
     store.attach(storages)
+    pinned = {id(p) for p in replicated.replicated_params(optimizer)}
+    for segment, (params, flat) in enumerate(zip(optimizer.bit16_groups, optimizer.bit16_groups_flat, strict=True)):
+        views = [p.data for p in params if id(p) in pinned]
+        if views:
+            store.pin(segment, replicated.positions(views, flat))
     return store
 
 
@@ -152,8 +159,18 @@ class Zero12Serving:
     """ZeRO-1/2's seams for one runtime (`core.seams.Zero12Seams`): the quantized reduction of a gradient bucket, and
     the weights' refresh or resync in place of the post-step and post-reload all-gathers."""
 
-    def __init__(self, runtime: Zero12Runtime) -> None:
+    def __init__(
+        self,
+        runtime: Zero12Runtime,
+        replicated_params: Sequence[torch.nn.Parameter] = (),
+        bucket_params: Callable[[torch.dtype], Sequence[torch.nn.Parameter]] = lambda dtype: (),
+    ) -> None:
+        """`replicated_params`: the parameters whose gradients travel exactly (`replicated.py`); `bucket_params`: the
+        parameters of the bucket being reduced in `dtype`, in the order their gradients lie in it."""
         self.runtime = runtime
+        self._replicated = list(replicated_params)
+        self._bucket_params = bucket_params
+        self._lanes: dict[tuple[Any, ...], ExactLane] = {}
 
     def reduce(self, call: BucketReduce, deepspeed: Callable[[], None]) -> None:
         """One call of `allreduce_and_scatter`: TLq onto the runs' owners, in DeepSpeed's chunks of at most
@@ -163,21 +180,32 @@ class Zero12Serving:
         if reducer is None:
             deepspeed()
             return
+        exact = (
+            replicated.bucket_ranges(self._bucket_params(call.communication_data_type), self._replicated)
+            if self._replicated
+            else []
+        )
         chunk: list[adapter.BucketEntry] = []
-        numel = 0
+        numel = start = 0
         for entry in adapter.bucket_entries(call.bucket):
             chunk.append(entry)
             numel += entry.tensor.numel()
             if numel > call.numel_per_bucket:
-                self._reduce(reducer, chunk, call.communication_data_type)
-                chunk, numel = [], 0
+                self._reduce(reducer, chunk, call.communication_data_type, exact, start)
+                chunk, start, numel = [], start + numel, 0
         if chunk:
-            self._reduce(reducer, chunk, call.communication_data_type)
+            self._reduce(reducer, chunk, call.communication_data_type, exact, start)
 
     def _reduce(
-        self, reducer: OwnerReducer, entries: list[adapter.BucketEntry], communication_data_type: torch.dtype
+        self,
+        reducer: OwnerReducer,
+        entries: list[adapter.BucketEntry],
+        communication_data_type: torch.dtype,
+        exact_ranges: Sequence[range],
+        offset: int,
     ) -> None:
-        """Reduce one chunk: its entries joined, each one a run of its owner; deliver the owned runs."""
+        """Reduce one chunk (at `offset` in the bucket): its entries joined, each one a run of its owner, the elements
+        in `exact_ranges` (of the bucket) beside the quantized runs in full precision; deliver the owned runs."""
         flat = joined([e.tensor for e in entries])
         runs, start = [], 0
         for e in entries:
@@ -187,12 +215,32 @@ class Zero12Serving:
         baseline = self.runtime.telemetry.baseline
         if baseline is not None:
             baseline.add(flat.numel() * comm_size)
-        owned = reducer.reduce(flat, runs, logical_element_size=comm_size)
+        lane = self._lane(runs, exact_ranges, offset, flat) if exact_ranges else None
+        if lane is None or not lane.positions.numel():
+            owned = reducer.reduce(flat, runs, logical_element_size=comm_size)
+        else:
+            values = flat[lane.positions]
+            flat[lane.positions] = 0
+            owned = reducer.reduce(flat, runs, logical_element_size=comm_size)
+            exact_sums(self.runtime.topology, self.runtime.comm_stats, lane, values, owned)
         rank, position = self.runtime.topology.rank, 0
         for e in entries:
             if e.owner == rank:
                 adapter.deliver(e, owned.narrow(0, position, e.tensor.numel()).view_as(e.tensor))
                 position += e.tensor.numel()
+
+    def _lane(self, runs: list[Run], exact_ranges: Sequence[range], offset: int, flat: torch.Tensor) -> ExactLane:
+        """The exact lane of a chunk, planned on the host once per layout (a training run passes a few per step)."""
+        key = (tuple(runs), tuple(exact_ranges), offset, flat.numel(), flat.device)
+        lane = self._lanes.get(key)
+        if lane is None:
+            topology = self.runtime.topology
+            positions = replicated.chunk_positions(exact_ranges, offset, flat.numel())
+            lane = exact_lane(runs, positions, topology.rank, topology.world, flat.device)
+            if len(self._lanes) >= LANES:
+                del self._lanes[next(iter(self._lanes))]
+            self._lanes[key] = lane
+        return lane
 
     def after_step(self, deepspeed: Callable[[], object]) -> None:
         """In place of the post-step all-gather of a successful step: the weight store refreshes every rank's copy of

@@ -14,7 +14,9 @@ versioned adapter `..adapter`), and the entry points `activate.py` calls for a s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+
+from torch.distributed import ProcessGroup
 
 from .. import adapter
 from ..config import SDP4BitConfig
@@ -24,7 +26,13 @@ from . import patches, selftest
 from .checks import Zero3Engine, check_engine, zero_problems
 from .serving import Zero3Runtime, build_runtime
 
-__all__ = ["activate", "check_engine", "describe", "zero_problems"]
+__all__ = ["activate", "check_engine", "describe", "partition_group", "zero_problems"]
+
+
+def partition_group(engine: Zero3Engine) -> ProcessGroup | None:
+    """The group ZeRO-3 partitions parameters and reduces gradients over (the optimizer's `dp_process_group`; the
+    checks found every parameter's `ds_process_group` of its size)."""
+    return cast(ProcessGroup | None, engine.optimizer.dp_process_group)
 
 
 def activate(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero3Runtime:

@@ -81,8 +81,9 @@ def _engine_problems(engine: Zero3Engine) -> list[str]:
     groups = {dist.get_world_size(p.ds_process_group) for g in engine.optimizer.fp16_groups for p in g}
     if groups - {world}:
         problems.append(
-            f"ZeRO-3 partitions parameters over groups of {sorted(groups)} ranks; sdp4bit needs "
-            f"partitioning over all {world} ranks (no sequence/expert parallel partition groups)"
+            f"ZeRO-3 partitions parameters over groups of {sorted(groups)} of the {world} ranks (tensor or "
+            "expert parallelism); sdp4bit serves ZeRO-3 where it partitions over every rank (data and Ulysses "
+            "sequence parallelism), and tensor parallelism on ZeRO stages 1 and 2"
         )
     return problems
 
@@ -184,7 +185,7 @@ def check_replica_memory(need: int, cfg: SDP4BitConfig, topology: Topology, devi
     """Raise SDP4BitConfigError on every rank if the replicas (`need` bytes per rank) do not fit on some rank
     (collective: the smallest free memory of all ranks decides)."""
     free = torch.tensor([float(_free_bytes())], dtype=torch.float64, device=get_accelerator().current_device_name())
-    comm.all_reduce(free, None, ReduceOp.MIN, "sdp4bit_replica_memory")
+    comm.all_reduce(free, topology.group, ReduceOp.MIN, "sdp4bit_replica_memory")
     if need <= free.item():
         return
     if cfg.weight_replica == "rank":

@@ -144,7 +144,7 @@ def _check_reduction(engine: Zero3Engine, runtime: Zero3Runtime, key: int, param
 def _agreed(problems: list[str], runtime: Zero3Runtime) -> bool:
     """Whether every rank passed (one all-reduce, so that all ranks stop together)."""
     device = get_accelerator().current_device_name()
-    return not comm.max_over_ranks([int(bool(problems))], None, "sdp4bit_self_test", device)[0]
+    return not comm.max_over_ranks([int(bool(problems))], runtime.topology.group, "sdp4bit_self_test", device)[0]
 
 
 def run(engine: Zero3Engine, runtime: Zero3Runtime, serving: Zero3Serving) -> list[str]:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: int) -> Zero3Runtime:
     """The plan of a ZeRO-3 engine, its units and the collectives the block asks for (collective: the replicas'
     memory check, auto's measurements)."""
-    stats = CommStats(topology.ranks_per_node)
+    stats = CommStats(topology.job_ranks_per_node)
     plan = make_plan(cfg, topology, param_facts(engine), engine._config.zero_config.param_persistence_threshold)
     if topology.rank == 0:
         for note in plan.notes:
