@@ -1000,6 +1000,22 @@ MUTANTS = [
         "the group rank taken from the world rank",
         target="topology",
     ),
+    Mutant(
+        "P09",
+        TRAFFIC,
+        "        off_node = layout.world - layout.per_node",
+        "        off_node = layout.world - 1",
+        "the exact gradient lane's senders on the owner's node counted as crossing",
+        target="tensor_parallel",
+    ),
+    Mutant(
+        "P10",
+        TRAFFIC,
+        "            wire = max(counts) * weight_bytes",
+        "            wire = sum(counts) // len(counts) * weight_bytes",
+        "the exact weight lane not padded to the fullest partition",
+        target="tensor_parallel",
+    ),
     # sdp4bit_cost/traffic.py
     Mutant(
         "C01",

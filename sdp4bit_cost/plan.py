@@ -230,6 +230,24 @@ def recommend(scenario: Scenario, rows: Sequence[Row]) -> str:
     )
 
 
+def unserved(scenario: Scenario) -> str | None:
+    """The line saying that deepspeed_sdp4bit's runtime refuses the projected DeepSpeed layout (pipeline
+    parallelism; tensor parallelism on ZeRO-3), or None where it serves it (docs/parallelism.md)."""
+    if scenario.stage is None:
+        return None
+    job = scenario.job
+    if job.pp > 1:
+        what = f"pipeline parallelism (--pp {job.pp})"
+    elif scenario.stage == 3 and job.tp > 1:
+        what = f"tensor parallelism on ZeRO-3 (--tp {job.tp})"
+    else:
+        return None
+    return (
+        f"note: deepspeed_sdp4bit refuses {what} at initialize; the SDP4Bit rows project what the algorithm would "
+        "give, not something the package runs today (it serves tensor parallelism on ZeRO stages 1 and 2)"
+    )
+
+
 def _round_robin_hint(scenario: Scenario, rows: Sequence[Row]) -> str:
     """A clause for the recommendation where round_robin_gradients would make SDP4Bit faster than every row, or ''."""
     spread = round_robin_projection(scenario, rows)
@@ -889,6 +907,9 @@ def _print(args: argparse.Namespace, scenario: Scenario, rows: Sequence[Row]) ->
         return
     print(table(scenario, rows))
     print()
+    note = unserved(scenario)
+    if note is not None:
+        print(note)
     print(recommend(scenario, rows))
     print()
     if scenario.measured:

@@ -562,10 +562,13 @@ def zero12_step(
     comm_bytes: int | None = None,
     rank: int | None = None,
     groups: Sequence[int] | None = None,
+    replicated: Sequence[bool] | None = None,
 ) -> StepBytes:
     """The transfers of one DeepSpeed ZeRO-1 or ZeRO-2 micro-batch (`scheme.stage`), plus its optimizer step's, for
     parameter tensors of these element counts (all trainable, in the model's order), in one param group or in the
-    groups `groups` names (`groups[i]`: tensor i's).
+    groups `groups` names (`groups[i]`: tensor i's). With tensor parallelism `layout` is one data-parallel group's,
+    the tensors a tensor-parallel rank's, and `replicated[i]` says whether tensor i is left whole on every
+    tensor-parallel rank: SDP4Bit then also sends those exactly (`exact_lanes`).
 
     Every rank holds the whole 16-bit model; rank r owns partition r of each group's padded flat buffer (the
     parameters in the model's order, or in round_robin_gradients' order with `scheme.round_robin`). Gradients: each
@@ -610,7 +613,41 @@ def zero12_step(
                 "param_gather", "step", wire, ring_cross(wire, layout), intra=_ring_intra(wire, layout), calls=calls
             )
         )
+    if replicated is not None and any(replicated):
+        exact_lanes(out, tensors, replicated, scheme, layout, (dtype_bytes, comm_bytes), groups)
     return out
+
+
+def exact_lanes(
+    out: StepBytes,
+    tensors: Sequence[int],
+    replicated: Sequence[bool],
+    scheme: Scheme,
+    layout: RankGrid,
+    element_bytes: tuple[int, int],
+    groups: Sequence[int] | None = None,
+) -> None:
+    """The full-precision lanes of the tensors left whole on every tensor-parallel rank (`replicated`), beside
+    SDP4Bit's quantized ZeRO-1/2 exchanges: each gradient reduction sends every such element once, to its owner, in
+    the gradients' `element_bytes[1]` (an all-to-all: each owner's elements come from the ranks of other nodes too);
+    each refresh all-gathers each owner's such elements of each param group in the weights' `element_bytes[0]`,
+    padded to the most any partition holds."""
+    weight_bytes, grad_bytes = element_bytes
+    if scheme.quantized_gradients:
+        wire = sum(n for n, whole in zip(tensors, replicated, strict=True) if whole) * grad_bytes
+        off_node = layout.world - layout.per_node
+        out.add(Transfer("grad_exact", "backward" if scheme.stage == 2 else "boundary", wire, wire * off_node))
+    if scheme.quantized_weights:
+        offsets, partitions = group_layouts(tensors, layout.world, scheme.round_robin, groups)
+        group_of = list(groups) if groups is not None else [0] * len(tensors)
+        for group, own in enumerate(partitions):
+            counts = [0] * layout.world
+            for i, whole in enumerate(replicated):
+                if whole and group_of[i] == group:
+                    _add_overlaps(counts, offsets[i], tensors[i], own)
+            wire = max(counts) * weight_bytes
+            if wire:
+                out.add(Transfer("weight_exact", "step", wire, ring_cross(wire, layout), _ring_intra(wire, layout)))
 
 
 def _write_check(out: StepBytes, units: int, layout: RankGrid) -> None:

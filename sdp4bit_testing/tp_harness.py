@@ -102,6 +102,13 @@ def replicated_digests(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
+def tensors(model: torch.nn.Module) -> list[tuple[int, bool]]:
+    """Each trainable parameter of this rank's part of the model, in the model's order: (elements, left whole)."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    return [(p.numel(), not is_model_parallel_parameter(p)) for p in model.parameters() if p.requires_grad]
+
+
 def train(engine: Any, steps: int, tp: int, after_step: Any = None) -> list[float]:
     """`steps` optimizer steps; returns the losses; `after_step(step)` runs after each."""
     losses = []

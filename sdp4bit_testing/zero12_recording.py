@@ -424,3 +424,25 @@ def _refresh_wire_bytes(log: dict[str, Any], e: Expected, config: dict[str, Any]
         )
         total += (one if e.nodes > 1 else 0) + (e.nodes * one if e.world > e.nodes else 0)
     return total
+
+
+def cost_scheme(config: dict[str, Any], world: int) -> Any:
+    """sdp4bit_cost's Scheme of a recorded ZeRO-1/2 config on `world` ranks: its block's settings, its reduce bucket and
+    stage, both parts on."""
+    from sdp4bit_cost.traffic import Scheme
+
+    block = expected(config, world, 0).cfg
+    return Scheme(
+        quantized_weights=True,
+        quantized_gradients=True,
+        weight_bits=block.weight_quantization_bits,
+        weight_group=block.wq_group_size,
+        bits_intra=block.gradient_quantization_bits_intra,
+        group_intra=block.gq_group_size_intra,
+        bits_inter=block.gradient_quantization_bits_inter,
+        group_inter=block.gq_group_size_inter,
+        pipeline=block.gradient_alltoall_pipeline,
+        reduce_bucket=config["zero_optimization"]["reduce_bucket_size"],
+        stage=config["zero_optimization"]["stage"],
+        refresh_bucket=block.refresh_bucket_size,
+    )

@@ -445,3 +445,26 @@ def test_the_weights_dtype_comes_from_the_flag_or_the_config(
         path.write_text(json.dumps(config))
         argv += ["--config", str(path)]
     assert plan.build(plan.parser().parse_args(argv)).job.dtype_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--tp", "4"], "tensor parallelism on ZeRO-3 (--tp 4)"),
+        (["--pp", "2", "--stage", "1"], "pipeline parallelism (--pp 2)"),
+        (["--tp", "4", "--stage", "2"], None),
+        (["--tp", "4", "--system", "megatron"], None),
+    ],
+)
+def test_a_layout_the_runtime_refuses_is_named_beside_the_projection(
+    capsys: pytest.CaptureFixture, flags: list[str], named: str | None
+) -> None:
+    """The planner projects any layout, but says where deepspeed_sdp4bit itself refuses it (pipeline parallelism,
+    tensor parallelism on ZeRO-3), so a projection is not read as a promise; the recommendation stays the line
+    before the range of the inputs."""
+    code, out, _ = _run(capsys, "--model", "13b", *CLUSTER, "--inter-node-gbps", "100", *flags)
+    notes = [line for line in out.splitlines() if line.startswith("note: deepspeed_sdp4bit refuses")]
+    assert code == 0 and len(notes) == (named is not None), notes
+    if named is not None:
+        assert named in notes[0]
+    assert _advice(out).startswith(("use ", "communication hides")), _advice(out)

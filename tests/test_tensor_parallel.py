@@ -47,6 +47,7 @@ def _trained(stage: int, block: dict[str, Any] = BLOCK, logged: bool = False) ->
         lambda: T.replicated_digests(engine.module),
     )
     result["stats"] = engine.sdp4bit.stats()
+    result["tensors"] = T.tensors(engine.module)
     if logged:
         result["logged"] = {name: dict(sizes) for name, sizes in comms_logger.comms_dict.items()}
     engine.destroy()
@@ -157,6 +158,42 @@ def test_eight_ranks_count_what_the_comms_logger_sees() -> None:
             assert totals.get(kind, 0) == stats[kind]["wire_bytes"] > 0, (rank, kind, totals, stats[kind])
         assert stats["grad_intra"]["cross_node_bytes"] == 0, (rank, stats["grad_intra"])
         assert stats["grad_inter"]["cross_node_bytes"] > 0 and stats["grad_exact"]["cross_node_bytes"] > 0
+
+
+KINDS = ("grad_inter", "weight_refresh", "grad_exact", "weight_exact")
+
+
+def _model_step(result: dict[str, Any], stage: int, dp_rank: int, per_node: int = 1) -> Any:
+    """sdp4bit_cost's optimizer step of one data-parallel group (2 nodes of `per_node` of its ranks), for `dp_rank`,
+    with the tensor-parallel rank's tensors and which of them are left whole."""
+    from sdp4bit_cost.traffic import RankGrid, zero12_step
+
+    numels, whole = zip(*result["tensors"], strict=True)
+    config = {**_group_config(per_node), "zero_optimization": {"stage": stage, "reduce_bucket_size": T.REDUCE_BUCKET}}
+    scheme = recording.cost_scheme(config, 2 * per_node)
+    grid = RankGrid(2, per_node)
+    return zero12_step(numels, scheme, grid, 4, rank=dp_rank, replicated=whole).per_optimizer_step(1)
+
+
+@pytest.mark.parametrize(("world", "stage"), [(4, 1), (4, 2), (8, 2)])
+def test_the_cost_model_counts_the_runtimes_bytes(world: int, stage: int) -> None:
+    """sdp4bit_cost's ZeRO-1/2 count of a data-parallel group equals what its ranks counted, per kind (the quantized
+    ones and the two exact lanes, every step quantized): each rank's wire bytes, and the cross-node bytes of the
+    group's ranks together; on one and on two of the group's ranks per node."""
+    if world == 4:
+        results, groups, per_node = [r["trained"][stage] for r in _results()], DP_GROUPS, 1
+    else:
+        results, groups, per_node = _eight(), EIGHT_DP_GROUPS, 2
+    kinds = KINDS if per_node == 1 else (*KINDS, "grad_intra")
+    for members in groups:
+        for dp_rank, rank in enumerate(members):
+            step = _model_step(results[rank], stage, dp_rank, per_node)
+            model = {kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS for kind in kinds}
+            assert model == {kind: results[rank]["stats"][kind]["wire_bytes"] for kind in kinds}, (rank, model)
+        counted = {kind: sum(results[r]["stats"][kind]["cross_node_bytes"] for r in members) for kind in kinds}
+        step = _model_step(results[members[0]], stage, 0, per_node)
+        model = {kind: round(sum(t.cross for t in step.transfers if t.kind == kind)) * STEPS for kind in kinds}
+        assert model == counted, (members, model, counted)
 
 
 def test_the_layout_is_the_data_parallel_groups() -> None:

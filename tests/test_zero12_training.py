@@ -232,26 +232,12 @@ def test_the_cost_model_counts_the_runtimes_bytes(name: str) -> None:
     rank's runtime counted, per kind: the buckets follow the hooks' order, which for this model is the reverse of
     its parameters' order, and the refresh sends one run per rank and bucket. So do its counts of the collectives on
     the inter- and intra-node groups (each costs a latency in the timing)."""
-    from sdp4bit_cost.traffic import RankGrid, Scheme, zero12_step
+    from sdp4bit_cost.traffic import RankGrid, zero12_step
 
-    stage, accum = CASES[2][name].stage, CASES[2][name].accum
+    accum = CASES[2][name].accum
     for rank, result in enumerate(r[name] for r in _results(2)):
-        block, config = recording.expected(result["config"], 4, STEPS).cfg, result["config"]
         tensors = [p.numel() for p in H.tiny_gpt2(0).parameters()]
-        scheme = Scheme(
-            quantized_weights=True,
-            quantized_gradients=True,
-            weight_bits=block.weight_quantization_bits,
-            weight_group=block.wq_group_size,
-            bits_intra=block.gradient_quantization_bits_intra,
-            group_intra=block.gq_group_size_intra,
-            bits_inter=block.gradient_quantization_bits_inter,
-            group_inter=block.gq_group_size_inter,
-            pipeline=block.gradient_alltoall_pipeline,
-            reduce_bucket=config["zero_optimization"]["reduce_bucket_size"],
-            stage=stage,
-            refresh_bucket=block.refresh_bucket_size,
-        )
+        scheme = recording.cost_scheme(result["config"], 4)
         step = zero12_step(tensors, scheme, RankGrid(2, 2), 4, rank=rank).per_optimizer_step(accum)
         model = {
             kind: round(sum(t.wire for t in step.transfers if t.kind == kind)) * STEPS
