@@ -356,6 +356,8 @@ MUTANTS = [
         "    if ranks != expected:",
         "    if len(ranks) != len(expected):",
         "group check: any group of as many ranks accepted",
+        "ZeRO-3, the only user of this reducer, partitions over every rank wherever sdp4bit serves it, and there the "
+        "only group of W ranks is the world (torch lists a group's ranks sorted)",
     ),
     Mutant("G07", LAYOUT, "    unit = group * slices", "    unit = group", "padding unit ignores the pipeline"),
     Mutant(

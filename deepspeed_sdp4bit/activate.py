@@ -408,7 +408,7 @@ def _log_activation(
         else f"quantization from step {cfg.start_step}"
     )
     served = runtime.coverage.share if runtime.store or runtime.direct else 0.0
-    if topo.rank == 0:
+    if topo.logs:
         logger.info(
             f"sdp4bit active on ZeRO stage {runtime.stage}: topology {topo.describe()}; codec {codec_status}; "
             f"weights {weights} ({stage['units']}, {served:.1%} of the model's elements, {stage['memory']}); "

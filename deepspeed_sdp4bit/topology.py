@@ -83,6 +83,12 @@ class Topology:
         """The job's ranks per node (the nodes' width, which places any world rank on its node)."""
         return self.node_size or self.ranks_per_node
 
+    @property
+    def logs(self) -> bool:
+        """Whether this rank is the job's rank 0, which writes the log lines every rank could (with tensor
+        parallelism, each data-parallel group has a rank 0 of its own)."""
+        return self.world_rank(self.rank) == 0
+
     def global_rank(self, node: int, local: int) -> int:
         """The rank, in SDP4Bit's group, of (node, local)."""
         return node * self.ranks_per_node + local

@@ -11,6 +11,7 @@ of each tensor-parallel group after every step.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -36,7 +37,8 @@ def _trained(stage: int, block: dict[str, Any] = BLOCK, logged: bool = False) ->
     config = T.ds_config(stage, TP, block)
     if logged:
         config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
-    engine = H.make_engine(config, model=T.tiny_llama(0))
+    with H.LogCapture(logging.INFO) as messages:
+        engine = H.make_engine(config, model=T.tiny_llama(0))
     comms_logger.comms_dict = {}
     engine.sdp4bit.reset_stats()
     log = recording.record(engine, RECORDED)
@@ -48,6 +50,7 @@ def _trained(stage: int, block: dict[str, Any] = BLOCK, logged: bool = False) ->
     )
     result["stats"] = engine.sdp4bit.stats()
     result["tensors"] = T.tensors(engine.module)
+    result["messages"] = messages
     if logged:
         result["logged"] = {name: dict(sizes) for name, sizes in comms_logger.comms_dict.items()}
     engine.destroy()
@@ -194,6 +197,16 @@ def test_the_cost_model_counts_the_runtimes_bytes(world: int, stage: int) -> Non
         step = _model_step(results[members[0]], stage, 0, per_node)
         model = {kind: round(sum(t.cross for t in step.transfers if t.kind == kind)) * STEPS for kind in kinds}
         assert model == counted, (members, model, counted)
+
+
+def test_rank_0_says_which_parameters_travel_in_full_precision() -> None:
+    """The line naming the parameters left whole (count, elements and their share of the rank's), once, on rank 0."""
+    lines = [
+        [m for m in r["trained"][2]["messages"] if "left whole on every tensor-parallel rank" in m] for r in _results()
+    ]
+    whole = [numel for numel, left in _results()[0]["trained"][2]["tensors"] if left]
+    assert [len(found) for found in lines] == [1, 0, 0, 0], lines
+    assert f"{len(whole)} parameters" in lines[0][0] and f"{sum(whole):,} elements" in lines[0][0], lines[0]
 
 
 def test_the_layout_is_the_data_parallel_groups() -> None:

@@ -300,5 +300,5 @@ def _rate(bytes_s: float) -> str:
 
 def log_decision(tuner: AutoTuner) -> None:
     """The decision's one line, on rank 0."""
-    if tuner.topology.rank == 0:
+    if tuner.topology.logs:
         logger.info(tuner.describe())

@@ -127,9 +127,11 @@ def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
     )
     if not any(status):
         return True
-    damaged = [r for r, what in enumerate(status) if what == _DAMAGED]
+    damaged = [topology.world_rank(r) for r, what in enumerate(status) if what == _DAMAGED]
     if status[rank] == _DAMAGED:
-        logger.warning(f"sdp4bit: {source}: the sdp4bit state saved by rank {rank} is unusable: {problem}")
+        logger.warning(
+            f"sdp4bit: {source}: the sdp4bit state saved by rank {topology.world_rank(rank)} is unusable: {problem}"
+        )
     if rank == 0 and damaged:
         logger.warning(
             f"sdp4bit: the saved sdp4bit state is unusable on ranks {damaged}; it is ignored on every "
@@ -139,8 +141,8 @@ def intact_on_every_rank(saved: Any, topology: Topology, source: str) -> bool:
     elif rank == 0:
         logger.warning(
             f"sdp4bit: the checkpoint has no sdp4bit state on ranks "
-            f"{[r for r, what in enumerate(status) if what]} (written without sdp4bit?); starting the "
-            "replicas from the loaded weights"
+            f"{[topology.world_rank(r) for r, what in enumerate(status) if what]} (written without sdp4bit?); "
+            "starting the replicas from the loaded weights"
         )
     return False
 

@@ -52,9 +52,10 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     trainable = {id(p) for params in optimizer.bit16_groups for p in params}
     frozen = sum(p.numel() for p in engine.module.parameters() if id(p) not in trainable)
     plan = make_plan(cfg, topology, groups, frozen)
-    if topology.rank == 0:
+    if topology.logs:
         for note in plan.notes:
             logger.warning(note)
+        _log_replicated(optimizer, engine.module)
     config = plan.effective
     names = {id(p): name for name, p in engine.module.named_parameters()}
     units = Zero12Units(
@@ -84,6 +85,25 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
         save_weights=False,
         created=created,
         baseline=AllReduceBaseline(world) if reducer is not None else None,
+    )
+
+
+def _log_replicated(optimizer: Any, module: torch.nn.Module) -> None:
+    """One line on what travels in full precision with tensor parallelism: the parameters left whole on every
+    tensor-parallel rank, and their share of this rank's elements (all of them when the split parameters lack
+    DeepSpeed's model-parallel attribute)."""
+    whole = replicated.replicated_params(optimizer)
+    if not whole:
+        return
+    total = sum(p.numel() for group in optimizer.bit16_groups for p in group)
+    elements = sum(p.numel() for p in whole)
+    names = {id(p): name for name, p in module.named_parameters()}
+    shown = ", ".join(names.get(id(p), "?") for p in whole[:3]) + (", ..." if len(whole) > 3 else "")
+    logger.info(
+        f"sdp4bit: tensor parallelism of {optimizer.model_parallel_world_size} ranks: {len(whole)} parameters "
+        f"({shown}; {elements:,} elements, {elements / total:.1%} of this rank's) are left whole on every "
+        "tensor-parallel rank; their gradients and weight updates travel in full precision beside the quantized "
+        "runs, so they stay identical there"
     )
 
 

@@ -55,7 +55,7 @@ def _self_test(engine: Zero3Engine, runtime: Zero3Runtime, engine_patches: patch
     except adapter.SDP4BitCompatError:
         engine_patches.release()
         raise
-    if runtime.topology.rank == 0:
+    if runtime.topology.logs:
         logger.warning(
             f"sdp4bit: deepspeed {adapter.installed_version()} is newer than the tested range "
             f"{adapter.SUPPORTED} (tested: {', '.join(adapter.TESTED)}); it passed the self-test "

@@ -39,7 +39,7 @@ def build_runtime(engine: Any, cfg: SDP4BitConfig, topology: Topology, created: 
     memory check, auto's measurements)."""
     stats = CommStats(topology.job_ranks_per_node)
     plan = make_plan(cfg, topology, param_facts(engine), engine._config.zero_config.param_persistence_threshold)
-    if topology.rank == 0:
+    if topology.logs:
         for note in plan.notes:
             logger.warning(note)
     by_id = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
