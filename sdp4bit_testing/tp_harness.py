@@ -55,18 +55,21 @@ def recorded_run(engine: Any, log: dict[str, Any], train: Any, digests: Any) -> 
     }
 
 
-def ds_config(stage: int, tp: int, sdp4bit: dict | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """ZeRO-1/2 with AutoTP of `tp` ranks."""
+def ds_config(
+    stage: int, tp: int | None, sdp4bit: dict | None = None, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """ZeRO-1/2 with AutoTP of `tp` ranks (None: no AutoTP section, the layout coming from an mpu)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 10_000,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": REDUCE_BUCKET},
-        "tensor_parallel": {"autotp_size": tp},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+    if tp is not None:
+        config["tensor_parallel"] = {"autotp_size": tp}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     if sdp4bit is not None:
@@ -110,11 +113,18 @@ def tensors(model: torch.nn.Module) -> list[tuple[int, bool]]:
 
 
 def train(engine: Any, steps: int, tp: int, after_step: Any = None) -> list[float]:
-    """`steps` optimizer steps; returns the losses; `after_step(step)` runs after each."""
+    """`steps` optimizer steps on this data-parallel rank's batch; returns the losses; `after_step(step)` runs after
+    each."""
+    ids = batch(dp_rank(tp))
+    return run_steps(engine, steps, lambda: engine(input_ids=ids, labels=ids).loss, after_step)
+
+
+def run_steps(engine: Any, steps: int, loss_of: Any, after_step: Any = None) -> list[float]:
+    """`steps` optimizer steps on the loss `loss_of()` computes; returns the losses; `after_step(step)` runs after
+    each."""
     losses = []
     for step in range(steps):
-        ids = batch(dp_rank(tp))
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = loss_of()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

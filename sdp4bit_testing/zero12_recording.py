@@ -446,3 +446,18 @@ def cost_scheme(config: dict[str, Any], world: int) -> Any:
         stage=config["zero_optimization"]["stage"],
         refresh_bucket=block.refresh_bucket_size,
     )
+
+
+def check_group(runs: list[dict[str, Any]], config: dict[str, Any], steps: int) -> list[str]:
+    """Every difference found in one data-parallel group's recorded runs (in group-rank order, each with its "log" and
+    whether its replicas "verified"), checked as a run of its own: the reductions and refreshes (`check`), the exact
+    lane (`check_exact`), that each compared something, and the replicas."""
+    logs = [run["log"] for run in runs]
+    problems, compared = check(logs, config, steps)
+    exact, elements = check_exact(logs)
+    problems += exact
+    if not compared["reduce_calls"] or compared["refreshes"] != len(runs) or not elements:
+        problems.append(f"too little compared: {compared}, {elements} exact-lane elements")
+    return problems + [
+        f"group rank {rank}: the replicas do not verify" for rank, run in enumerate(runs) if not run["verified"]
+    ]
