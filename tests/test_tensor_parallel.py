@@ -12,6 +12,7 @@ of each tensor-parallel group after every step.
 from __future__ import annotations
 
 import logging
+import tempfile
 from typing import Any
 
 import pytest
@@ -64,13 +65,39 @@ def _unstarted(stage: int) -> dict[str, list[float]]:
     return {"plain": plain, "unstarted": late}
 
 
-def _job() -> dict[str, Any]:
-    return {"trained": {stage: _trained(stage) for stage in (1, 2)}, "unstarted": {2: _unstarted(2)}}
+def _resumed(stage: int, folder: str) -> dict[str, Any]:
+    """Two steps, a checkpoint, three more; then a new engine on another initialisation loads the checkpoint and
+    trains the same three steps: their losses and the whole parameters after them."""
+    engine = T.engine(stage, TP, BLOCK)
+    T.train(engine, 2, TP)
+    engine.save_checkpoint(folder, tag="two")
+    continued = T.train(engine, 3, TP)
+    digests = T.replicated_digests(engine.module)
+    engine.destroy()
+    resumed = T.engine(stage, TP, BLOCK, seed=1)
+    resumed.load_checkpoint(folder, tag="two")
+    result = {
+        "continued": continued,
+        "resumed": T.train(resumed, 3, TP),
+        "same_whole_parameters": digests == T.replicated_digests(resumed.module),
+        "verified": resumed.sdp4bit.verify(),
+    }
+    resumed.destroy()
+    return result
+
+
+def _job(folder: str) -> dict[str, Any]:
+    return {
+        "trained": {stage: _trained(stage) for stage in (1, 2)},
+        "unstarted": {2: _unstarted(2)},
+        "resumed": {stage: _resumed(stage, f"{folder}/zero{stage}") for stage in (1, 2)},
+    }
 
 
 @run_once
 def _results() -> list[dict[str, Any]]:
-    return run_distributed(WORLD, _job, timeout=900.0)
+    with tempfile.TemporaryDirectory() as folder:
+        return run_distributed(WORLD, _job, folder, timeout=900.0)
 
 
 EIGHT_BLOCK = {**H.PAPER, "ranks_per_node": 4}
@@ -208,6 +235,16 @@ def test_an_unstarted_block_trains_bit_for_bit_like_plain_autotp() -> None:
     for rank, result in enumerate(_results()):
         runs = result["unstarted"][2]
         assert runs["unstarted"] == runs["plain"], (rank, runs)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_resumed_run_continues_bit_for_bit(stage: int) -> None:
+    """A checkpoint of AutoTP training carries each data-parallel group's sdp4bit state (in its tensor-parallel
+    rank's files): an engine built on other weights that loads it trains on with the same losses, bit for bit, and
+    the same whole parameters; its replicas verify."""
+    for rank, result in enumerate(r["resumed"][stage] for r in _results()):
+        assert result["resumed"] == result["continued"], (rank, result)
+        assert result["same_whole_parameters"] and result["verified"], (rank, result)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
